@@ -1,0 +1,45 @@
+"""keepalive: long notebook trainings that survive disconnects, restarts and session limits.
+
+Importing this package stays light: no torch, TensorFlow or fastai is imported until an adapter
+(``keepalive.callbacks.torch`` / ``.keras`` / ``.fastai``) is.
+
+>>> import keepalive
+>>> store = keepalive.CheckpointStore("memory://doctest/run")
+"""
+from __future__ import annotations
+
+import logging
+
+from ._version import __version__
+from .errors import (
+    CheckpointCorruptError,
+    KeepaliveError,
+    LeaseLostError,
+    NoCheckpointError,
+    RunLockedError,
+    StateMismatchError,
+    StorageError,
+    UnsupportedStateError,
+)
+from .store import CheckpointInfo, CheckpointStore
+
+logging.getLogger("keepalive").addHandler(logging.NullHandler())
+
+__all__ = [
+    "__version__", "CheckpointStore", "CheckpointInfo", "KeepaliveError", "CheckpointCorruptError",
+    "NoCheckpointError", "RunLockedError", "LeaseLostError", "StateMismatchError", "StorageError",
+    "UnsupportedStateError", "load_ipython_extension", "unload_ipython_extension",
+]
+
+
+def load_ipython_extension(ipython) -> None:  # pragma: no cover - exercised in a real kernel
+    """``%load_ext keepalive``."""
+    from .magics import load_ipython_extension as _load
+
+    _load(ipython)
+
+
+def unload_ipython_extension(ipython) -> None:  # pragma: no cover
+    from .magics import unload_ipython_extension as _unload
+
+    _unload(ipython)

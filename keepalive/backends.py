@@ -1,0 +1,239 @@
+"""The few storage operations the store needs, for a local path and for any fsspec URL.
+
+Like fsspec itself this is a small interface with several backends. Only operations every backend
+implements reliably are used: create a folder, write a whole file as a stream, read a file (or a
+byte range), list a folder, delete a tree. No rename, symlink or hard link: Google Drive's FUSE mount
+and object stores break on them (gcp-storage-emulator answers rename with 501; gcsfs then retries for
+~33 s before copy + delete).
+"""
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from dataclasses import dataclass
+from typing import BinaryIO, Iterator, List, Optional
+
+
+@dataclass
+class Entry:
+    name: str
+    is_dir: bool
+    size: Optional[int] = None
+
+
+class Backend:
+    """A storage location; paths are backend-native strings joined with ``/``."""
+
+    #: whether :meth:`open_write` files can be fsync'ed (local disks and FUSE mounts like Drive)
+    local: bool = False
+
+    def join(self, *parts: str) -> str:
+        return "/".join(p.strip("/") if i else p.rstrip("/") for i, p in enumerate(parts) if p)
+
+    def url(self, path: str) -> str:
+        raise NotImplementedError
+
+    def makedirs(self, path: str) -> None:
+        raise NotImplementedError
+
+    def open_write(self, path: str) -> BinaryIO:
+        raise NotImplementedError
+
+    def sync(self, fileobj: BinaryIO) -> None:
+        """Make the bytes written to ``fileobj`` durable where the backend can (fsync)."""
+
+    def sync_dir(self, path: str) -> None:
+        """Make a folder's entries durable where the backend can."""
+
+    def open_read(self, path: str) -> BinaryIO:
+        raise NotImplementedError
+
+    def read_bytes(self, path: str) -> bytes:
+        with self.open_read(path) as f:
+            return f.read()
+
+    def write_bytes(self, path: str, data: bytes) -> None:
+        with self.open_write(path) as f:
+            f.write(data)
+            self.sync(f)
+
+    def listdir(self, path: str) -> List[Entry]:
+        """Entries of a folder; a missing folder raises ``FileNotFoundError``."""
+        raise NotImplementedError
+
+    def exists(self, path: str) -> bool:
+        raise NotImplementedError
+
+    def remove_tree(self, path: str) -> None:
+        raise NotImplementedError
+
+    def remove_file(self, path: str) -> None:
+        raise NotImplementedError
+
+    def mmap(self, path: str):
+        """A read-only memory map of a local file, or ``None`` where the backend has none."""
+        return None
+
+
+class LocalBackend(Backend):
+    local = True
+
+    def url(self, path: str) -> str:
+        return path
+
+    def makedirs(self, path: str) -> None:
+        os.makedirs(path, exist_ok=True)
+
+    def open_write(self, path: str) -> BinaryIO:
+        # buffering=0: the store hands over large chunks; a Python-level buffer would only copy them.
+        return open(path, "wb", buffering=0)
+
+    def sync(self, fileobj: BinaryIO) -> None:
+        fileobj.flush()
+        os.fsync(fileobj.fileno())
+
+    def sync_dir(self, path: str) -> None:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            return
+        try:
+            os.fsync(fd)
+        except OSError:  # some FUSE mounts (Drive) refuse fsync on folders; the files are synced
+            pass
+        finally:
+            os.close(fd)
+
+    def open_read(self, path: str) -> BinaryIO:
+        return open(path, "rb")
+
+    def listdir(self, path: str) -> List[Entry]:
+        out = []
+        with os.scandir(path) as it:
+            for e in it:
+                try:
+                    is_dir = e.is_dir()
+                    size = None if is_dir else e.stat().st_size
+                except FileNotFoundError:
+                    continue
+                out.append(Entry(e.name, is_dir, size))
+        return out
+
+    def exists(self, path: str) -> bool:
+        return os.path.exists(path)
+
+    def remove_tree(self, path: str) -> None:
+        shutil.rmtree(path, ignore_errors=False) if os.path.isdir(path) else self.remove_file(path)
+
+    def remove_file(self, path: str) -> None:
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            pass
+
+    def mmap(self, path: str):
+        import mmap
+
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size == 0:
+                return None
+            # ACCESS_COPY: private and writable, so tensors can be viewed on it without a copy and
+            # without ever writing back to the checkpoint.
+            return mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+
+
+class FsspecBackend(Backend):
+    def __init__(self, fs, protocol: str):
+        self.fs = fs
+        self.protocol = protocol
+
+    def url(self, path: str) -> str:
+        return path if "://" in path else f"{self.protocol}://{path}"
+
+    def makedirs(self, path: str) -> None:
+        try:
+            self.fs.makedirs(path, exist_ok=True)
+        except FileExistsError:
+            pass
+
+    def open_write(self, path: str) -> BinaryIO:
+        return self.fs.open(path, "wb")
+
+    def open_read(self, path: str) -> BinaryIO:
+        return self.fs.open(path, "rb")
+
+    def read_bytes(self, path: str) -> bytes:
+        return self.fs.cat_file(path)
+
+    def write_bytes(self, path: str, data: bytes) -> None:
+        self.fs.pipe_file(path, data)
+
+    def _fresh(self, path: str) -> None:
+        # s3fs / gcsfs cache listings; the store must see what other processes committed.
+        try:
+            self.fs.invalidate_cache(path)
+        except Exception:  # pragma: no cover - backends without a cache
+            pass
+
+    def listdir(self, path: str) -> List[Entry]:
+        self._fresh(path)
+        try:
+            items = self.fs.ls(path, detail=True)
+        except FileNotFoundError:
+            raise
+        if not items and not self.fs.exists(path):
+            raise FileNotFoundError(errno.ENOENT, "no such folder", self.url(path))
+        out = []
+        base = path.rstrip("/")
+        for item in items:
+            name = item["name"].rstrip("/")
+            if name == base or name == base.split("://")[-1]:
+                continue
+            out.append(Entry(name.rsplit("/", 1)[-1], item.get("type") == "directory", item.get("size")))
+        return out
+
+    def exists(self, path: str) -> bool:
+        self._fresh(path)
+        return self.fs.exists(path)
+
+    def remove_tree(self, path: str) -> None:
+        self._fresh(path)
+        try:
+            self.fs.rm(path, recursive=True)
+        except FileNotFoundError:
+            pass
+        self._fresh(path)
+
+    def remove_file(self, path: str) -> None:
+        try:
+            self.fs.rm_file(path)
+        except FileNotFoundError:
+            pass
+
+
+def backend_for(url: str, storage_options: Optional[dict] = None) -> "tuple[Backend, str]":
+    """The backend for ``url`` and the backend-native path of it."""
+    url = os.fspath(url)
+    if "://" not in url or url.startswith("file://"):
+        path = url[len("file://"):] if url.startswith("file://") else url
+        return LocalBackend(), os.path.abspath(os.path.expanduser(path))
+    import fsspec.core
+
+    fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    protocol = url.split("://", 1)[0]
+    if protocol == "memory" and not path.startswith("/"):
+        path = "/" + path
+    return FsspecBackend(fs, protocol), path.rstrip("/")
+
+
+def read_chunks(f: BinaryIO, chunk: int = 16 << 20) -> Iterator[bytes]:
+    while True:
+        block = f.read(chunk)
+        if not block:
+            return
+        yield block
+
+
+__all__ = ["Backend", "LocalBackend", "FsspecBackend", "Entry", "backend_for", "read_chunks"]

@@ -1,0 +1,299 @@
+"""The framework-neutral training state and its safe on-disk form.
+
+A training state is a tree of dicts, lists and tuples whose leaves are numbers, strings, bytes,
+``None``, torch tensors or numpy arrays (what ``state_dict()`` methods and RNG getters return). It is
+stored as two files:
+
+* ``tensors.safetensors`` - every tensor and array, in the safetensors format (readable by the
+  ``safetensors`` library too), laid out largest item size first so every tensor is aligned;
+* ``state.json`` - everything else, with each tensor replaced by a reference to its key.
+
+Loading parses JSON and raw bytes only; it never unpickles and so never runs code from a checkpoint.
+Values that would need pickling raise :class:`~keepalive.errors.UnsupportedStateError` at save time,
+naming where in the state they sit.
+
+:class:`HostSnapshot` copies the tensors of a state into one reusable host buffer laid out exactly as
+the safetensors data section, so a background thread can write it while training goes on, and the
+next snapshot reuses the memory (host memory stays at about one extra copy of the state).
+"""
+from __future__ import annotations
+
+import base64
+import json
+import struct
+import sys
+from dataclasses import dataclass
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+import numpy as np
+
+from .errors import CheckpointCorruptError, UnsupportedStateError
+
+STATE_FILE = "state.json"
+TENSOR_FILE = "tensors.safetensors"
+
+_MARK = "__ka_"
+# safetensors dtype code <-> numpy dtype (bf16 / fp8 exist only for torch: no numpy twin)
+_NP_CODES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32,
+    "I16": np.int16, "I8": np.int8, "U64": np.uint64, "U32": np.uint32, "U16": np.uint16,
+    "U8": np.uint8, "BOOL": np.bool_, "C64": np.complex64,
+}
+_NP_TO_CODE = {np.dtype(v): k for k, v in _NP_CODES.items()}
+_TORCH_CODES = {
+    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
+    "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
+    "uint16": "U16", "uint32": "U32", "uint64": "U64", "complex64": "C64",
+    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
+}
+_CODE_TO_TORCH = {v: k for k, v in _TORCH_CODES.items()}
+
+
+def _is_torch_tensor(x: Any) -> bool:
+    torch = sys.modules.get("torch")  # never import torch here: only recognise its tensors
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def _is_torch_dtype(x: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.dtype)
+
+
+@dataclass
+class TensorRef:
+    key: str
+    value: Any          # the live tensor / array (not copied yet)
+    kind: str           # "torch" | "numpy"
+    code: str           # safetensors dtype code
+    shape: Tuple[int, ...]
+    nbytes: int
+    itemsize: int
+    offset: int = 0
+
+
+# ------------------------------------------------------------------------------------- encoding
+def encode(tree: Any) -> Tuple[Any, List[TensorRef]]:
+    """Split a state tree into a JSON-able tree and the list of its tensors."""
+    tensors: List[TensorRef] = []
+    used: Dict[str, int] = {}
+
+    def key_for(path: List[str]) -> str:
+        base = ".".join(path) or "tensor"
+        n = used.get(base, 0)
+        used[base] = n + 1
+        return base if n == 0 else f"{base}#{n}"
+
+    def enc(x: Any, path: List[str]) -> Any:
+        if x is None or isinstance(x, (bool, str)):
+            return x
+        if isinstance(x, int):
+            return int(x)
+        if isinstance(x, float):
+            return float(x)
+        if _is_torch_tensor(x):
+            return {_MARK + "tensor__": _add_torch(x, key_for(path))}
+        if isinstance(x, np.ndarray):
+            return {_MARK + "tensor__": _add_numpy(x, key_for(path))}
+        if isinstance(x, np.generic):
+            return {_MARK + "npscalar__": _add_numpy(np.asarray(x), key_for(path))}
+        if isinstance(x, (bytes, bytearray)):
+            return {_MARK + "bytes__": base64.b64encode(bytes(x)).decode()}
+        if isinstance(x, tuple):
+            return {_MARK + "tuple__": [enc(v, path + [str(i)]) for i, v in enumerate(x)]}
+        if isinstance(x, list):
+            return [enc(v, path + [str(i)]) for i, v in enumerate(x)]
+        if isinstance(x, (set, frozenset)):
+            return {_MARK + "set__": [enc(v, path + [str(i)]) for i, v in enumerate(sorted(x, key=repr))]}
+        if isinstance(x, Mapping):
+            if all(isinstance(k, str) and not k.startswith(_MARK) for k in x):
+                return {k: enc(v, path + [k]) for k, v in x.items()}
+            return {_MARK + "dict__": [[enc(k, path + ["key"]), enc(v, path + [str(k)])]
+                                       for k, v in x.items()]}
+        if _is_torch_dtype(x):
+            return {_MARK + "torch_dtype__": str(x).replace("torch.", "")}
+        where = "state" + "".join(f"[{p!r}]" for p in path)
+        raise UnsupportedStateError(
+            f"cannot store a {type(x).__module__}.{type(x).__qualname__} at {where}: checkpoints hold "
+            "only tensors, arrays, numbers, strings, bytes, lists and dicts, because loading must never "
+            "run code (no pickle). Convert it, or leave it out of the state.")
+
+    def _add_torch(t, key: str) -> str:
+        name = str(t.dtype).replace("torch.", "")
+        if name not in _TORCH_CODES:
+            raise UnsupportedStateError(f"tensor {key} has dtype {t.dtype}, which safetensors cannot hold")
+        if t.is_sparse or getattr(t, "is_quantized", False):
+            raise UnsupportedStateError(f"tensor {key} is sparse or quantized; store a dense copy")
+        tensors.append(TensorRef(key, t, "torch", _TORCH_CODES[name], tuple(t.shape),
+                                 t.numel() * t.element_size(), t.element_size()))
+        return key
+
+    def _add_numpy(a: np.ndarray, key: str) -> str:
+        if a.dtype not in _NP_TO_CODE:
+            raise UnsupportedStateError(f"array {key} has dtype {a.dtype}, which cannot be stored safely")
+        tensors.append(TensorRef(key, a, "numpy", _NP_TO_CODE[a.dtype], tuple(a.shape), a.nbytes,
+                                 a.dtype.itemsize))
+        return key
+
+    return enc(tree, []), tensors
+
+
+def layout(tensors: List[TensorRef]) -> Tuple[bytes, int]:
+    """Assign offsets (largest item size first: every tensor ends up aligned) and build the
+    safetensors header. Returns (header bytes incl. its 8-byte length prefix, data size)."""
+    tensors.sort(key=lambda t: -t.itemsize)  # stable: keeps state order within one item size
+    offset = 0
+    header: Dict[str, Any] = {}
+    kinds = {}
+    for t in tensors:
+        t.offset = offset
+        header[t.key] = {"dtype": t.code, "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
+        kinds[t.key] = t.kind
+        offset += t.nbytes
+    header["__metadata__"] = {"keepalive.kinds": json.dumps(kinds, separators=(",", ":"))}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(len(raw) + 8) % 64)  # data section starts 64-byte aligned
+    return struct.pack("<Q", len(raw)) + raw, offset
+
+
+class HostSnapshot:
+    """A reusable host-memory buffer holding a copy of a state's tensors.
+
+    ``take(tree)`` copies every tensor into the buffer (the only part that blocks training) and
+    returns the files to commit. The buffer is reused by the next ``take`` when the state has the
+    same size or less; so at most one extra copy of the state lives in host memory.
+    """
+
+    def __init__(self) -> None:
+        self._buffer: Optional[np.ndarray] = None
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self._buffer is None else self._buffer.nbytes
+
+    def take(self, tree: Any) -> Dict[str, Any]:
+        json_tree, tensors = encode(tree)
+        header, size = layout(tensors)
+        if self._buffer is None or self._buffer.nbytes < size:
+            self._buffer = None  # free the old buffer before allocating the bigger one
+            self._buffer = np.empty(max(size, 1), dtype=np.uint8)
+        buf = self._buffer
+        for t in tensors:
+            slot = buf[t.offset:t.offset + t.nbytes]
+            if t.kind == "torch":
+                _copy_torch_into(t.value, slot)
+            elif t.nbytes:
+                np.copyto(slot.view(t.value.dtype).reshape(t.shape), t.value, casting="no")
+        state_json = json.dumps(json_tree, separators=(",", ":"), allow_nan=True).encode()
+        return {STATE_FILE: state_json, TENSOR_FILE: [header, memoryview(buf)[:size]]}
+
+
+def _copy_torch_into(t, slot: np.ndarray) -> None:
+    import torch
+
+    if t.numel() == 0:
+        return
+    dst = torch.from_numpy(slot).view(t.dtype).view(t.shape)
+    with torch.no_grad():
+        dst.copy_(t.detach())
+
+
+def to_files(tree: Any) -> Dict[str, Any]:
+    """The files of a state without keeping a reusable buffer (one-off saves and tests)."""
+    return HostSnapshot().take(tree)
+
+
+# ------------------------------------------------------------------------------------- decoding
+def read_safetensors(buf, where: str = "?") -> Dict[str, Tuple[str, Tuple[int, ...], memoryview, str]]:
+    """Parse a safetensors buffer without copying: key -> (dtype code, shape, bytes view, kind)."""
+    view = memoryview(buf).cast("B")
+    if len(view) < 8:
+        raise CheckpointCorruptError(where, f"{TENSOR_FILE} is shorter than its header")
+    (n,) = struct.unpack("<Q", view[:8])
+    if n > len(view) - 8 or n > 100 << 20:
+        raise CheckpointCorruptError(where, f"{TENSOR_FILE} has an impossible header length {n}")
+    try:
+        header = json.loads(bytes(view[8:8 + n]))
+    except ValueError:
+        raise CheckpointCorruptError(where, f"{TENSOR_FILE} header is not valid JSON") from None
+    meta = header.pop("__metadata__", {}) or {}
+    kinds = json.loads(meta.get("keepalive.kinds", "{}"))
+    data = view[8 + n:]
+    out = {}
+    for key, spec in header.items():
+        start, end = spec["data_offsets"]
+        if not (0 <= start <= end <= len(data)):
+            raise CheckpointCorruptError(where, f"tensor {key} lies outside {TENSOR_FILE}")
+        out[key] = (spec["dtype"], tuple(spec["shape"]), data[start:end], kinds.get(key, "torch"))
+    return out
+
+
+def _materialise(code: str, shape, raw: memoryview, kind: str, copy: bool):
+    if kind == "numpy" or "torch" not in sys.modules and code in _NP_CODES:
+        arr = np.frombuffer(raw, dtype=_NP_CODES[code]).reshape(shape)
+        return arr.copy() if copy else arr
+    import torch
+
+    dtype = getattr(torch, _CODE_TO_TORCH[code])
+    if len(raw) == 0:
+        return torch.empty(shape, dtype=dtype)
+    t = torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(shape)
+    return t.clone() if copy else t
+
+
+def decode(json_tree: Any, tensors: Mapping[str, Any]) -> Any:
+    """Rebuild a state tree from its JSON form and its tensors."""
+
+    def dec(x: Any) -> Any:
+        if isinstance(x, list):
+            return [dec(v) for v in x]
+        if not isinstance(x, dict):
+            return x
+        if len(x) == 1:
+            (k, v), = x.items()
+            if k.startswith(_MARK):
+                tag = k[len(_MARK):-2]
+                if tag == "tensor":
+                    return tensors[v]
+                if tag == "npscalar":
+                    return np.asarray(tensors[v])[()]
+                if tag == "bytes":
+                    return base64.b64decode(v)
+                if tag == "tuple":
+                    return tuple(dec(i) for i in v)
+                if tag == "set":
+                    return {dec(i) for i in v}
+                if tag == "dict":
+                    return {_hashable(dec(kk)): dec(vv) for kk, vv in v}
+                if tag == "torch_dtype":
+                    import torch
+
+                    return getattr(torch, v)
+        return {k: dec(v) for k, v in x.items()}
+
+    return dec(json_tree)
+
+
+def _hashable(k: Any) -> Any:
+    return tuple(k) if isinstance(k, list) else k
+
+
+def from_files(files: Mapping[str, Any], where: str = "?", copy: bool = False) -> Any:
+    """Rebuild a state from the verified files of a checkpoint.
+
+    With ``copy=False`` tensors are views on the (memory-mapped) file buffer, valid as long as it is;
+    ``load_state_dict`` copies them into the live objects anyway, so no second copy is made.
+    """
+    try:
+        json_tree = json.loads(bytes(files[STATE_FILE]))
+    except KeyError:
+        raise CheckpointCorruptError(where, f"no {STATE_FILE}") from None
+    except ValueError:
+        raise CheckpointCorruptError(where, f"{STATE_FILE} is not valid JSON") from None
+    tensors = {}
+    if TENSOR_FILE in files:
+        for key, (code, shape, raw, kind) in read_safetensors(files[TENSOR_FILE], where).items():
+            tensors[key] = _materialise(code, shape, raw, kind, copy)
+    try:
+        return decode(json_tree, tensors)
+    except KeyError as exc:
+        raise CheckpointCorruptError(where, f"{STATE_FILE} refers to a missing tensor {exc}") from None
