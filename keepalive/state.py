@@ -86,6 +86,8 @@ def encode(tree: Any) -> Tuple[Any, List[TensorRef]]:
     def enc(x: Any, path: List[str]) -> Any:
         if x is None or isinstance(x, (bool, str)):
             return x
+        if isinstance(x, np.generic) and x.dtype in _NP_TO_CODE:  # before float: np.float64 is one
+            return {_MARK + "npscalar__": _add_numpy(np.asarray(x), key_for(path))}
         if isinstance(x, int):
             return int(x)
         if isinstance(x, float):
@@ -94,8 +96,6 @@ def encode(tree: Any) -> Tuple[Any, List[TensorRef]]:
             return {_MARK + "tensor__": _add_torch(x, key_for(path))}
         if isinstance(x, np.ndarray):
             return {_MARK + "tensor__": _add_numpy(x, key_for(path))}
-        if isinstance(x, np.generic):
-            return {_MARK + "npscalar__": _add_numpy(np.asarray(x), key_for(path))}
         if isinstance(x, (bytes, bytearray)):
             return {_MARK + "bytes__": base64.b64encode(bytes(x)).decode()}
         if isinstance(x, tuple):
@@ -267,7 +267,10 @@ def decode(json_tree: Any, tensors: Mapping[str, Any]) -> Any:
                 if tag == "torch_dtype":
                     import torch
 
-                    return getattr(torch, v)
+                    dtype = getattr(torch, v, None) if isinstance(v, str) else None
+                    if not isinstance(dtype, torch.dtype):  # never hand out other torch attributes
+                        raise ValueError(f"{v!r} is not a torch dtype")
+                    return dtype
         return {k: dec(v) for k, v in x.items()}
 
     return dec(json_tree)
@@ -291,9 +294,15 @@ def from_files(files: Mapping[str, Any], where: str = "?", copy: bool = False) -
         raise CheckpointCorruptError(where, f"{STATE_FILE} is not valid JSON") from None
     tensors = {}
     if TENSOR_FILE in files:
-        for key, (code, shape, raw, kind) in read_safetensors(files[TENSOR_FILE], where).items():
-            tensors[key] = _materialise(code, shape, raw, kind, copy)
+        try:
+            for key, (code, shape, raw, kind) in read_safetensors(files[TENSOR_FILE], where).items():
+                tensors[key] = _materialise(code, shape, raw, kind, copy)
+        except (KeyError, ValueError, TypeError, AttributeError, RuntimeError) as exc:  # a lying header
+            raise CheckpointCorruptError(where, f"{TENSOR_FILE} has an invalid tensor entry: "
+                                                f"{type(exc).__name__}: {exc}") from None
     try:
         return decode(json_tree, tensors)
     except KeyError as exc:
         raise CheckpointCorruptError(where, f"{STATE_FILE} refers to a missing tensor {exc}") from None
+    except (ValueError, TypeError) as exc:
+        raise CheckpointCorruptError(where, f"{STATE_FILE} is malformed: {exc}") from None

@@ -185,12 +185,21 @@ class CheckpointInfo:
         }
 
 
-def _process_start_ticks(pid: int) -> Optional[int]:
+def _proc_stat(pid: int) -> Optional[List[str]]:
+    """Fields of ``/proc/PID/stat`` after the command name (field 3, the state, comes first)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read().decode(errors="replace")
-        return int(stat.rsplit(")", 1)[1].split()[19])
-    except (OSError, ValueError, IndexError):
+        return stat.rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def _process_start_ticks(pid: int) -> Optional[int]:
+    fields = _proc_stat(pid)
+    try:
+        return int(fields[19]) if fields else None
+    except (ValueError, IndexError):
         return None
 
 
@@ -201,6 +210,9 @@ def _pid_alive(pid: int, start_ticks: Optional[int]) -> bool:
         return False
     except PermissionError:
         return True
+    fields = _proc_stat(pid)
+    if fields and fields[0] in ("Z", "X"):
+        return False  # killed, not yet reaped by its parent (a zombie): it will never write again
     if start_ticks is not None:
         now = _process_start_ticks(pid)
         if now is not None and now != start_ticks:
@@ -228,6 +240,9 @@ class Lease:
         self.pid = os.getpid()
         self.pid_start = _process_start_ticks(self.pid)
         self.held = False
+        #: the writer's current counters, written with each heartbeat so that a later session can
+        #: tell how much work a crash lost ("steps redone")
+        self.progress: Optional[Dict[str, Any]] = None
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
@@ -261,7 +276,7 @@ class Lease:
     def _write(self, released: bool = False) -> None:
         body = {"owner": self.owner, "host": self.host, "pid": self.pid, "pid_start": self.pid_start,
                 "heartbeat": time.time(), "ttl": self.ttl, "keepalive": __version__,
-                "released": released}
+                "released": released, "progress": self.progress}
         data = json.dumps(body).encode()
         self.store.retry.call(lambda: self.store.backend.write_bytes(self.path, data), "write lease")
 
@@ -476,7 +491,8 @@ class CheckpointStore:
         except FileNotFoundError:
             return []
         except NotADirectoryError as exc:
-            raise StorageError(errno.ENOTDIR, f"{self.url} is a file, not a run folder") from exc
+            raise StorageError(errno.ENOTDIR, f"{self.url} is not a run folder: it, or a folder "
+                                                 "above it, is a file") from exc
         out = []
         for e in entries:
             if not (e.is_dir and e.name.startswith(CKPT_PREFIX)):
@@ -713,7 +729,8 @@ def open_location(url: Union[str, os.PathLike], storage_options: Optional[dict] 
     backend, path = backend_for(text, storage_options)
     base = path.rsplit("/", 1)[-1]
     if base.startswith(CKPT_PREFIX):
-        parent = text.rsplit("/", 1)[0]
+        # the parent from the backend path: a bare relative "ckpt-..." has no "/" in ``text``
+        parent = backend.url(path.rsplit("/", 1)[0])
         store = CheckpointStore(parent, storage_options=storage_options, keep=None)
         return "checkpoint", store, store._load_info(base)
     if not backend.exists(path):

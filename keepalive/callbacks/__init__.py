@@ -1,0 +1,1 @@
+"""Thin framework adapters: each maps its frameworks objects to keepalives neutral state."""

@@ -1,0 +1,176 @@
+"""When to save: every epoch, every N steps, every T minutes, and before the session's deadline.
+
+The trigger is asked at every step boundary and every epoch end. Besides the schedule the user chose
+(``every=``), it predicts from measured step, epoch and save times when the *next chance to save*
+comes (the next step boundary when the loop can resume mid-epoch, else the next epoch end); if a save
+there would end after the session's deadline minus a safety margin, it answers "save now" (and
+"stop" with ``on_deadline="save_and_stop"``). So the last checkpoint is written while the runtime is
+still alive, no optimizer step is lost, and no time is wasted stopping earlier than needed.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional, Union
+
+from .units import format_duration, parse_duration
+
+log = logging.getLogger("keepalive.trigger")
+
+ON_DEADLINE = ("save_and_stop", "save", "ignore")
+
+
+@dataclass
+class Decision:
+    save: bool = False
+    stop: bool = False
+    reason: str = ""
+
+    def __bool__(self) -> bool:
+        return self.save or self.stop
+
+
+class Schedule:
+    """The parsed ``every=``: ``"epoch"``, an int (optimizer steps) or a duration (``"10min"``)."""
+
+    def __init__(self, every: Union[str, int, float, None] = "epoch"):
+        self.epoch = False
+        self.steps: Optional[int] = None
+        self.seconds: Optional[float] = None
+        if every is None or every == "epoch":
+            self.epoch = True
+        elif isinstance(every, bool):
+            raise ValueError("every= takes 'epoch', an int (steps) or a duration like '10min'")
+        elif isinstance(every, int):
+            if every < 1:
+                raise ValueError("every= steps must be >= 1")
+            self.steps = every
+        elif isinstance(every, str) and every.strip().lower().endswith("steps"):
+            self.steps = int(every.strip().lower()[:-5].strip())
+        else:
+            self.seconds = parse_duration(every)
+            if self.seconds <= 0:
+                raise ValueError("every= duration must be positive")
+        self.text = str(every)
+
+
+def _ewma(old: Optional[float], new: float, alpha: float = 0.3) -> float:
+    return new if old is None else (1 - alpha) * old + alpha * new
+
+
+class SaveTrigger:
+    """Decides at each boundary whether to save now and whether to stop before the deadline.
+
+    ``remaining_fn`` returns the session's remaining seconds (``None`` without a budget); it defaults
+    to :func:`keepalive.session.remaining_seconds`.
+    """
+
+    def __init__(self, every: Union[str, int, float, None] = "epoch", *,
+                 on_deadline: str = "save_and_stop", margin: Union[str, float, None] = None,
+                 remaining_fn: Optional[Callable[[], Optional[float]]] = None,
+                 clock: Callable[[], float] = time.monotonic):
+        if on_deadline not in ON_DEADLINE:
+            raise ValueError(f"on_deadline must be one of {ON_DEADLINE}, not {on_deadline!r}")
+        self.schedule = Schedule(every)
+        self.on_deadline = on_deadline
+        self.min_margin = parse_duration(margin) if margin is not None else 30.0
+        self._remaining_fn = remaining_fn
+        self.clock = clock
+        self.step_seconds: Optional[float] = None
+        self.epoch_seconds: Optional[float] = None
+        self.save_seconds: Optional[float] = None
+        self.steps_per_epoch: Optional[int] = None
+        self._last_boundary: Optional[float] = None
+        self._epoch_start: Optional[float] = None
+        self._last_save_time = clock()
+        self._steps_since_save = 0
+        self._steps_in_epoch = 0
+        self.deadline_hit = False
+        #: whether saves are possible at step boundaries (mid-epoch resume available)
+        self.mid_epoch = False
+
+    # ----------------------------------------------------------------------------- measurements
+    def remaining(self) -> Optional[float]:
+        if self._remaining_fn is not None:
+            return self._remaining_fn()
+        try:
+            from . import session
+        except ImportError:  # pragma: no cover
+            return None
+        return session.remaining_seconds()
+
+    def start_epoch(self) -> None:
+        now = self.clock()
+        self._epoch_start = now
+        self._last_boundary = now
+        self._steps_in_epoch = 0
+
+    def record_save(self, seconds: float) -> None:
+        """The measured wall time of one save until it is durable (used for the margin)."""
+        self.save_seconds = max(seconds, _ewma(self.save_seconds, seconds))
+
+    def saved(self) -> None:
+        self._last_save_time = self.clock()
+        self._steps_since_save = 0
+
+    @property
+    def margin(self) -> float:
+        """Seconds kept free before the deadline: the configured floor or twice a measured save."""
+        return max(self.min_margin, 2.0 * (self.save_seconds or 0.0))
+
+    # -------------------------------------------------------------------------------- decisions
+    def after_step(self) -> Decision:
+        now = self.clock()
+        if self._last_boundary is not None:
+            self.step_seconds = _ewma(self.step_seconds, now - self._last_boundary)
+        self._last_boundary = now
+        self._steps_since_save += 1
+        self._steps_in_epoch += 1
+        s = self.schedule
+        if s.steps is not None and self._steps_since_save >= s.steps:
+            return self._with_deadline(Decision(save=True, reason=f"every {s.steps} steps"), now)
+        if s.seconds is not None and now - self._last_save_time >= s.seconds:
+            return self._with_deadline(Decision(save=True, reason=f"every {s.text}"), now)
+        return self._with_deadline(Decision(), now)
+
+    def after_epoch(self) -> Decision:
+        now = self.clock()
+        if self._epoch_start is not None:
+            self.epoch_seconds = _ewma(self.epoch_seconds, now - self._epoch_start)
+        if self._steps_in_epoch:
+            self.steps_per_epoch = self._steps_in_epoch
+        self._epoch_start = now
+        self._last_boundary = now
+        self._steps_in_epoch = 0
+        if self.schedule.epoch:
+            return self._with_deadline(Decision(save=True, reason="end of epoch"), now, at_epoch_end=True)
+        return self._with_deadline(Decision(), now, at_epoch_end=True)
+
+    def _horizon(self, at_epoch_end: bool) -> Optional[float]:
+        """Seconds until the next boundary at which a save is possible, or None if none is here."""
+        if self.mid_epoch:
+            return self.step_seconds or 0.0
+        if not at_epoch_end:
+            return None  # only epoch ends can be saved: decide there
+        return self.epoch_seconds or 0.0
+
+    def _with_deadline(self, decision: Decision, now: float, at_epoch_end: bool = False) -> Decision:
+        if self.on_deadline == "ignore" or self.deadline_hit:
+            return decision
+        horizon = self._horizon(at_epoch_end)
+        if horizon is None:
+            return decision
+        remaining = self.remaining()
+        if remaining is None:
+            return decision
+        needed = horizon + (self.save_seconds or 0.0) + self.margin
+        if remaining > needed:
+            return decision
+        self.deadline_hit = True
+        stop = self.on_deadline == "save_and_stop"
+        reason = (f"the session ends in {format_duration(remaining)}; the next chance to save is "
+                  f"{format_duration(horizon)} away, a save takes {format_duration(self.save_seconds or 0)} "
+                  f"and {format_duration(self.margin)} are kept as margin")
+        log.warning("deadline: %s -> saving now%s", reason, " and stopping" if stop else "")
+        return Decision(save=True, stop=stop, reason=f"deadline: {reason}")

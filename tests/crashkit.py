@@ -1,0 +1,107 @@
+"""Run a training subprocess, SIGKILL it at random moments, restart it until it finishes.
+
+Shared by the crash tests of every adapter. The child prints `STEP n` after each optimizer step and
+`COMMITTED n` after each checkpoint commit; the parent kills it after a randomly chosen step (plus a
+random sub-step delay, so kills land inside steps and inside background writes too).
+"""
+from __future__ import annotations
+
+import os
+import queue
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+RESUME_RE = re.compile(r"resuming run .* epoch (\d+), step (\d+)")
+
+
+@dataclass
+class Trial:
+    killed_after_step: Optional[int]
+    resumed_step: Optional[int]
+    last_committed: Optional[int]
+    torn_folders_after_kill: int = 0
+
+
+@dataclass
+class CrashReport:
+    trials: List[Trial] = field(default_factory=list)
+    final_output: str = ""
+
+    @property
+    def kills(self) -> int:
+        return sum(1 for t in self.trials if t.killed_after_step is not None)
+
+
+def _reader(stream, q):
+    for line in iter(stream.readline, ""):
+        q.put(line)
+    q.put(None)
+
+
+def run_to_completion(cmd: List[str], *, total_steps: int, kills: int, rng: random.Random,
+                      run_dir: Optional[str] = None, env: Optional[dict] = None,
+                      max_substep_delay: float = 0.03, timeout: float = 120.0) -> CrashReport:
+    report = CrashReport()
+    env = dict(os.environ if env is None else env, PYTHONUNBUFFERED="1")
+    resumed_prev: Optional[int] = None
+    for attempt in range(kills + 1):
+        kill_at = None
+        if attempt < kills:
+            low = (resumed_prev or 0) + 1
+            kill_at = rng.randint(min(low, total_steps), total_steps)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        q: "queue.Queue[Optional[str]]" = queue.Queue()
+        threading.Thread(target=_reader, args=(proc.stdout, q), daemon=True).start()
+        lines: List[str] = []
+        last_step = resumed = committed = None
+        deadline = time.monotonic() + timeout
+        killed = False
+        try:
+            while True:
+                try:
+                    line = q.get(timeout=max(0.01, deadline - time.monotonic()))
+                except queue.Empty:
+                    raise AssertionError(f"child timed out; output:\n{''.join(lines[-40:])}")
+                if line is None:
+                    break
+                lines.append(line)
+                m = RESUME_RE.search(line)
+                if m:
+                    resumed = int(m.group(2))
+                if line.startswith("COMMITTED "):
+                    committed = int(line.split()[1])
+                if line.startswith("STEP "):
+                    last_step = int(line.split()[1])
+                    if kill_at is not None and last_step >= kill_at:
+                        time.sleep(rng.uniform(0, max_substep_delay))
+                        proc.send_signal(signal.SIGKILL)
+                        killed = True
+                        break
+            proc.wait(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        torn = 0
+        if killed and run_dir and os.path.isdir(run_dir):
+            torn = sum(1 for d in os.listdir(run_dir) if d.startswith("ckpt-")
+                       and not os.path.exists(os.path.join(run_dir, d, "MANIFEST.json")))
+        report.trials.append(Trial(last_step if killed else None, resumed, committed, torn))
+        if resumed is not None and report.trials[:-1]:
+            prev = report.trials[-2]
+            # The newest valid checkpoint is never older than the last commit that returned.
+            if prev.last_committed is not None:
+                assert resumed >= prev.last_committed, (resumed, prev)
+        resumed_prev = resumed
+        if not killed:
+            report.final_output = "".join(lines)
+            assert proc.returncode == 0, f"child failed ({proc.returncode}):\n{''.join(lines[-60:])}"
+            return report
+    raise AssertionError("unreachable")

@@ -1,0 +1,72 @@
+"""A real training run for crash tests: dropout, shuffled DataLoader with random augmentation,
+SGD with momentum, an LR scheduler. Prints `STEP n` after each optimizer step and `COMMITTED n`
+after each checkpoint commit, and writes the final weights with safetensors."""
+import argparse
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from torch.utils.data import DataLoader, Dataset
+
+from keepalive.callbacks.torch import DriveCheckpoint
+
+p = argparse.ArgumentParser()
+p.add_argument("run")
+p.add_argument("--out", required=True)
+p.add_argument("--workers", type=int, default=0)
+p.add_argument("--every", default="5")
+p.add_argument("--epochs", type=int, default=3)
+p.add_argument("--hidden", type=int, default=1024)
+p.add_argument("--samples", type=int, default=300)
+p.add_argument("--sleep", type=float, default=0.0)
+p.add_argument("--drop-last", action="store_true")
+p.add_argument("--no-shuffle", action="store_true")
+args = p.parse_args()
+torch.set_num_threads(1)
+torch.manual_seed(1234)
+
+
+class NoisyData(Dataset):
+    """Fixed inputs plus random noise drawn per fetch (augmentation), in workers or in the main process."""
+
+    def __init__(self, n):
+        g = torch.Generator().manual_seed(7)
+        self.x = torch.randn(n, 32, generator=g)
+        self.y = torch.randint(0, 4, (n,), generator=g)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i] + 0.05 * torch.randn(32), self.y[i]
+
+
+model = torch.nn.Sequential(
+    torch.nn.Linear(32, args.hidden), torch.nn.ReLU(), torch.nn.Dropout(0.2),
+    torch.nn.Linear(args.hidden, args.hidden), torch.nn.ReLU(), torch.nn.Dropout(0.2),
+    torch.nn.Linear(args.hidden, 4))
+opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.8)
+loader = DataLoader(NoisyData(args.samples), batch_size=16, shuffle=not args.no_shuffle,
+                    num_workers=args.workers, drop_last=args.drop_last)
+every = int(args.every) if args.every.isdigit() else args.every
+ckpt = DriveCheckpoint(args.run, model=model, optimizer=opt, scheduler=sched, every=every)
+ckpt.core.writer.on_commit.append(lambda r: print(f"COMMITTED {r.info.step}", flush=True))
+for epoch in ckpt.epochs(args.epochs):
+    model.train()
+    for x, y in ckpt.batches(loader):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        print(f"STEP {ckpt.step + 1}", flush=True)
+        if args.sleep:
+            time.sleep(args.sleep)
+    sched.step()
+if ckpt.finished:
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, args.out)
+    print("DONE", flush=True)
+else:
+    print("STOPPED", flush=True)
+    sys.exit(3)
