@@ -30,6 +30,7 @@ import weakref
 from typing import Any, Callable, Dict, Mapping, Optional, Union
 
 from . import rng
+from . import session as _session
 from .resume import load_newest
 from .store import CheckpointInfo, CheckpointStore
 from .trigger import Decision, SaveTrigger
@@ -195,6 +196,7 @@ class Checkpointer:
         stays the newest).
         """
         self.store.lease.progress = dict(self.counters)
+        _session.note_activity()  # a running training is not idle
         decision = self.trigger.after_step()
         if not can_save:
             if self._pending_signal is not None:

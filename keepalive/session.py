@@ -250,7 +250,7 @@ def _ipython_shell_kind() -> Optional[str]:
 
 
 # ---------------------------------------------------------------------------------- overrides
-def _parse_limit(value: Any, what: str) -> Optional[float]:
+def _parse_limit(value: Any) -> Optional[float]:
     """A budget / idle figure: a duration; ``0``, ``none``, ``off`` = no limit (None)."""
     if value is None:
         return None
@@ -479,9 +479,9 @@ def _detect(env: Mapping[str, str], overrides: Mapping[str, Any]) -> SessionInfo
         return current, source
 
     budget, budget_source = pick("budget", "KEEPALIVE_BUDGET", budget, budget_source,
-                                 lambda v: _parse_limit(v, "budget"))
+                                 _parse_limit)
     idle, idle_source = pick("idle", "KEEPALIVE_IDLE", idle, idle_source,
-                             lambda v: _parse_limit(v, "idle"))
+                             _parse_limit)
 
     # --- clock
     start, clock_source = pick("start", "KEEPALIVE_SESSION_START", None, "", parse_start)
@@ -545,15 +545,19 @@ def configure(*, budget: Any = _UNSET, idle: Any = _UNSET, start: Any = _UNSET,
 
     ``budget`` / ``idle``: a duration (``"3h"``, ``"45min"``, seconds) or ``None`` / ``0`` /
     ``"none"`` for no limit. ``start``: unix seconds, ISO-8601 text or a ``datetime``.
-    ``platform``: one of :data:`PLATFORMS`; ``profile``: a :data:`PROFILES` name. An argument left
-    out keeps its earlier setting; ``reset=True`` first clears every earlier setting. Returns the
-    refreshed :class:`SessionInfo`.
+    ``platform``: one of :data:`PLATFORMS`; ``profile``: a :data:`PROFILES` name; ``None`` for these
+    three drops the setting again. An argument left out keeps its earlier setting; ``reset=True``
+    first clears every earlier setting. Returns the refreshed :class:`SessionInfo`.
     """
     if reset:
         _OVERRIDES.clear()
     for key, value in (("budget", budget), ("idle", idle), ("start", start), ("platform", platform),
                        ("profile", profile)):
-        if value is not _UNSET:
+        if value is _UNSET:
+            continue
+        if value is None and key in ("start", "platform", "profile"):
+            _OVERRIDES.pop(key, None)      # back to the environment / detection
+        else:
             _OVERRIDES[key] = value
     return detect(refresh=True)
 
