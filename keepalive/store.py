@@ -294,7 +294,8 @@ class Lease:
                         current.get("host"), current.get("pid"))
         self._write()
         self.held = True
-        if self._thread is None:
+        self.store._seq = None  # someone else may have committed meanwhile: count on from the run
+        if self._thread is None or not self._thread.is_alive():
             self._stop.clear()
             self._thread = threading.Thread(target=self._heartbeat, name="keepalive-lease", daemon=True)
             self._thread.start()
@@ -374,6 +375,7 @@ class CheckpointStore:
         self.fsync = fsync
         self.lease = Lease(self, ttl=lease_ttl)
         self._writing: Optional[str] = None
+        self._seq: Optional[int] = None
 
     # ----------------------------------------------------------------------------------- writing
     def open_for_writing(self, takeover: bool = False) -> None:
@@ -468,8 +470,11 @@ class CheckpointStore:
         return entries, total
 
     def _manifest(self, name, entries, *, step, epoch, metadata) -> Dict[str, Any]:
-        newest = self.newest_committed()
-        seq = (newest.seq or 0) + 1 if newest else 1
+        if self._seq is None:  # once per writer: later commits count on (we hold the lease)
+            newest = self.newest_committed()
+            self._seq = (newest.seq or 0) if newest else 0
+        self._seq += 1
+        seq = self._seq
         now = time.time()
         manifest = {
             "format": FORMAT, "format_version": FORMAT_VERSION, "name": name, "run": self.run,
