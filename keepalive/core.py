@@ -29,8 +29,10 @@ import time
 import weakref
 from typing import Any, Callable, Dict, Mapping, Optional, Union
 
+from . import progress as _progress
 from . import rng
 from . import session as _session
+from . import spool as _spool
 from .resume import load_newest
 from .store import CheckpointInfo, CheckpointStore
 from .trigger import Decision, SaveTrigger
@@ -69,6 +71,47 @@ def say(message: str) -> None:
     print(f"keepalive: {message}", flush=True)
 
 
+class CheckpointerViews:
+    """Read-only views on ``self.core`` (a :class:`Checkpointer`) that every adapter offers."""
+
+    core: "Checkpointer"
+
+    @property
+    def epoch(self) -> int:
+        """Epochs completed (the next epoch to run)."""
+        return self.core.counters["epoch"]
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps completed."""
+        return self.core.counters["step"]
+
+    @property
+    def counters(self) -> Dict[str, int]:
+        """``epoch``, ``step``, ``batch`` (within the epoch) and ``samples``."""
+        return self.core.counters
+
+    @property
+    def extras(self) -> Dict[str, Any]:
+        """Your own JSON-able values, saved and restored with the state (e.g. the best metric)."""
+        return self.core.extras
+
+    @property
+    def finished(self) -> bool:
+        """True once training ran to its end (and that end is checkpointed)."""
+        return self.core.finished
+
+    @property
+    def stopped(self) -> bool:
+        """True when training ended early to save before the session's deadline."""
+        return self.core.stopped
+
+    @property
+    def url(self) -> str:
+        """The run folder (local path or URL)."""
+        return self.core.url
+
+
 class Checkpointer:
     """Where, when and how a training run is checkpointed and resumed (see module docstring)."""
 
@@ -78,14 +121,24 @@ class Checkpointer:
                  deadline_margin: Union[str, float, None] = None, takeover: bool = False,
                  background: bool = True, storage_options: Optional[dict] = None,
                  framework: str = "generic", quiet: bool = False,
-                 remaining_fn: Optional[Callable[[], Optional[float]]] = None):
+                 remaining_fn: Optional[Callable[[], Optional[float]]] = None,
+                 spool: Union[str, bool, None] = "auto", flush_timeout: Optional[float] = None,
+                 drive_flush: Optional[bool] = None):
         self.url = resolve_run_url(path, run)
         self.store = CheckpointStore(self.url, keep=keep, keep_every=keep_every,
                                      storage_options=storage_options)
         self.trigger = SaveTrigger(every, on_deadline=on_deadline, margin=deadline_margin,
                                    remaining_fn=remaining_fn)
-        self.writer = AsyncWriter(self.store, background=background)
+        #: what the writer commits through: the store itself, or a local spool whose checkpoints a
+        #: background thread uploads (remote URLs, Drive, failing destinations: keepalive/spool.py)
+        self.sink = _spool.SpooledStore(self.store, spool, storage_options=storage_options,
+                                        flush_timeout=flush_timeout, drive_flush=drive_flush,
+                                        quiet=quiet, remaining_fn=self.trigger.remaining,
+                                        on_durable=self.trigger.record_save)
+        self.writer = AsyncWriter(self.sink, background=background)
         self.writer.on_commit.append(self._committed)
+        if not quiet:
+            self.writer.progress_factory = _progress.upload_progress(self.url)
         self.framework = framework
         self.takeover = takeover
         self.quiet = quiet
@@ -99,8 +152,13 @@ class Checkpointer:
         self._opened = False
         self._last_saved_step: Optional[int] = None
         self._pending_signal: Optional[int] = None
+        self._deferred_save = False
+        self._deferred_stop: Optional[str] = None
         self._old_handlers: Dict[int, Any] = {}
         self._in_loop = False
+        #: the number of epochs, when the adapter knows it (for the ETA next to the session time)
+        self.total_epochs: Optional[int] = None
+        self.training_progress = None if quiet else _progress.TrainingProgress(self)
         self._capture_context()
         _ACTIVE.add(self)
 
@@ -123,13 +181,33 @@ class Checkpointer:
             self.metadata["context"] = {"kind": "script", "path": os.path.abspath(script),
                                         "argv": list(sys.argv)}
 
+    def _refresh_context(self) -> None:
+        """A save from a training loop: when the loop runs in another notebook cell than the one
+        that created this checkpointer (``ckpt = DriveCheckpoint(...)`` in one cell, the loop in the
+        next), record the loop's cell as the training cell (the creating one becomes a setup cell)."""
+        ctx_mod = sys.modules.get("keepalive.magics.context")
+        if ctx_mod is None:
+            return
+        try:
+            key = ctx_mod.current_cell_key()
+            if key is not None and key != (self.metadata.get("context") or {}).get("cell_key"):
+                ctx = ctx_mod.capture_context()
+                if ctx:
+                    self.metadata["context"] = ctx
+        except Exception as exc:  # noqa: BLE001 - context is informative, never fatal
+            log.debug("could not refresh the notebook context: %s", exc)
+
     # --------------------------------------------------------------------------------- resume
-    def load(self) -> Optional[Dict[str, Any]]:
+    def load(self, describe: Optional[Callable[[Dict[str, Any]], str]] = None) -> Optional[Dict[str, Any]]:
         """The newest valid checkpoint's state tree (falling back past corrupt ones), or None.
 
-        Sets the counters and extras from it and says in one line what is resumed.
+        Sets the counters and extras from it and says in one line what is resumed; ``describe``
+        (optional) returns adapter-specific words for that line from the tree (e.g. what is restored).
         """
-        found = load_newest(self.store)
+        found = load_newest(*self.sink.resume_stores())  # the spool and the destination
+        # Take the writer lease now, at the start of training: a second session on the same run
+        # learns it at once instead of after its first epoch.
+        self._open()
         if found is None:
             return None
         info, tree, previous = found
@@ -146,8 +224,15 @@ class Checkpointer:
             if previous and previous.get("step") is not None and previous["step"] > self.counters["step"]:
                 redone = f"; about {previous['step'] - self.counters['step']} step(s) will be redone"
             finished = " (this run had finished)" if (info.manifest or {}).get("metadata", {}).get("finished") else ""
+            detail = ""
+            if describe is not None:
+                try:
+                    detail = describe(tree) or ""
+                except Exception as exc:  # noqa: BLE001 - words only: never stop a resume for them
+                    log.debug("describe() failed: %s", exc)
             say(f"resuming run '{self.store.run}' from {info.name}: epoch {self.counters['epoch']}, "
-                f"step {self.counters['step']}, saved {format_duration(age)} ago{redone}{finished}")
+                f"step {self.counters['step']}, saved {format_duration(age)} ago{redone}{finished}"
+                f"{'; ' + detail if detail else ''}")
         return tree
 
     def restore_rng(self, tree: Mapping[str, Any]) -> None:
@@ -157,7 +242,13 @@ class Checkpointer:
     # ----------------------------------------------------------------------------------- save
     def _open(self) -> None:
         if not self._opened:
-            self.store.open_for_writing(takeover=self.takeover)
+            # A notebook cell run again builds a new checkpointer for the same run while the old
+            # one (same process, its loop over) still holds the writer lease: hand it over.
+            for other in list(_ACTIVE):
+                if (other is not self and other._opened and not other._in_loop
+                        and other.store.url == self.store.url):
+                    other.close()
+            self.sink.open_for_writing(takeover=self.takeover)
             self._opened = True
 
     def _committed(self, result) -> None:
@@ -174,6 +265,8 @@ class Checkpointer:
              finished: bool = False) -> None:
         """Checkpoint now: the state is copied to host memory, the write goes on in the background."""
         self._open()
+        if reason != "by hand":
+            self._refresh_context()
         tree = self.build_tree(capture)
         meta = dict(self.metadata, reason=reason, finished=finished, counters=dict(self.counters))
         self.store.lease.progress = dict(self.counters)
@@ -184,21 +277,29 @@ class Checkpointer:
         self.trigger.saved()
 
     def flush(self, timeout: Optional[float] = None) -> None:
-        """Wait for the in-flight write (bounded by ``timeout`` seconds when given)."""
+        """Wait for the in-flight write (bounded by ``timeout`` seconds when given), then for the
+        spooled checkpoints' uploads (bounded by ``timeout`` or ``flush_timeout``)."""
         self.writer.wait(timeout)
+        self.sink.flush(timeout, end_of_run=self.finished or self.stopped)
 
     # ----------------------------------------------------------------------------- boundaries
-    def step_boundary(self, capture: Capture, *, can_save: bool = True) -> Decision:
+    def step_boundary(self, capture: Capture, *, can_save: bool = True, steps: int = 1) -> Decision:
         """Call after every optimizer step, with the counters already advanced.
 
         ``can_save=False`` where the adapter cannot resume inside an epoch: then no checkpoint is
         written here (a pending interrupt takes effect without saving; the last epoch-end checkpoint
-        stays the newest).
+        stays the newest). ``steps``: optimizer steps since the previous boundary, where one
+        boundary covers several (Keras ``steps_per_execution``); ``every=N`` counts steps.
         """
         self.store.lease.progress = dict(self.counters)
         _session.note_activity()  # a running training is not idle
-        decision = self.trigger.after_step()
+        decision = self.trigger.after_step(steps)
         if not can_save:
+            # Nothing can be saved here: what came due (a scheduled save, a deadline stop) is done
+            # at the next epoch end instead of being lost.
+            self._deferred_save = self._deferred_save or decision.save
+            if decision.stop:
+                self._deferred_stop = decision.reason
             if self._pending_signal is not None:
                 pending, self._pending_signal = self._pending_signal, None
                 self.uninstall_signal_handlers()
@@ -215,11 +316,41 @@ class Checkpointer:
     def epoch_boundary(self, capture: Capture, *, last: bool = False) -> Decision:
         """Call after every epoch, with the counters already pointing at the next epoch."""
         decision = self.trigger.after_epoch()
+        if self.training_progress is not None:
+            self.training_progress.epoch_end(last)
+        if self._deferred_save:  # a step/time save came due where none was possible: save here
+            self._deferred_save = False
+            decision.save = True
+            decision.reason = decision.reason or "save due during an epoch that cannot be resumed mid-way"
+        if self._deferred_stop and not last:
+            decision.save, decision.stop, decision.reason = True, True, self._deferred_stop
+            self._deferred_stop = None
         if last:
             self.finished = True
             self._save_if_new(capture, "end of training", sync=True, finished=True)
             return Decision()
         return self._act(decision, capture, at_epoch_end=True)
+
+    def end_of_stage(self, capture: Capture, *, reason: str, epoch_end: bool = True,
+                     finished: bool = False) -> Decision:
+        """A boundary after which training may go on in another stage (fastai's ``fine_tune`` runs two
+        fits, each ending in the framework's own end-of-fit code): save now and wait until the write
+        is durable, even when this step was saved before (code that ran since may have changed the
+        state). With ``epoch_end`` the boundary also counts as the stage's last epoch end for the
+        trigger (timing, deadline: the next stage may not fit in the session) and the progress bar.
+        Then acts on a deadline stop and on a pending interrupt as any boundary does. Unlike
+        ``epoch_boundary(last=True)`` the run is marked finished only when ``finished`` is given.
+        """
+        decision = Decision()
+        if epoch_end:
+            decision = self.trigger.after_epoch()
+            if self.training_progress is not None:
+                self.training_progress.epoch_end(True)
+        self._deferred_save = False
+        self.save(capture, sync=True, reason=reason, finished=finished)
+        if finished:
+            self.finished = True
+        return self._act(Decision(stop=decision.stop, reason=decision.reason), capture, at_epoch_end=True)
 
     def _act(self, decision: Decision, capture: Capture, at_epoch_end: bool) -> Decision:
         pending = self._pending_signal
@@ -283,7 +414,9 @@ class Checkpointer:
             self.flush()
         finally:
             self.uninstall_signal_handlers()
-            self.store.close()
+            if self.training_progress is not None:
+                self.training_progress.close()
+            self.sink.close()
             self._opened = False
 
 
@@ -311,4 +444,4 @@ def install_sigterm_flush() -> None:
                 pass
 
 
-__all__ = ["Checkpointer", "default_dir", "resolve_run_url", "say", "install_sigterm_flush"]
+__all__ = ["Checkpointer", "CheckpointerViews", "default_dir", "resolve_run_url", "say", "install_sigterm_flush"]

@@ -1145,10 +1145,20 @@ def status_report(checkpoint_dir: Optional[str] = None) -> Dict[str, Any]:
         "hardware": hw,
         "checkpoint_dir": checkpoint_dir,
         "runs": runs,
-        "pending_uploads": None,
+        "pending_uploads": _pending_uploads(),
         "warnings": warnings,
         "keepalive_version": __version__,
     }
+
+
+def _pending_uploads() -> Optional[Dict[str, Any]]:
+    """Checkpoints waiting in the local spool for upload (keepalive/spool.py), None when none do."""
+    try:
+        from .spool import pending_summary
+
+        return pending_summary()
+    except Exception as exc:  # noqa: BLE001 - a status report never fails for it
+        return {"error": str(exc)}
 
 
 def _bar(fraction: float, width: int = 30) -> str:
@@ -1232,7 +1242,9 @@ def format_status(report: Mapping[str, Any]) -> str:
             lines.append(f"            {run['run']}: no committed checkpoint")
     pending = r.get("pending_uploads")
     if pending is not None:
-        lines.append(f"  uploads   {pending} pending")
+        from .spool import format_pending
+
+        lines.append(f"  uploads   {format_pending(pending)}")
     for w in r.get("warnings") or []:
         lines.append(f"  WARNING   {w}")
     return "\n".join(lines)

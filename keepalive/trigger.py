@@ -120,13 +120,15 @@ class SaveTrigger:
         return max(self.min_margin, 2.0 * (self.save_seconds or 0.0))
 
     # -------------------------------------------------------------------------------- decisions
-    def after_step(self) -> Decision:
+    def after_step(self, steps: int = 1) -> Decision:
+        """After a step boundary; ``steps`` optimizer steps ran since the last one (e.g. Keras'
+        ``steps_per_execution``). ``step_seconds`` stays the time between boundaries."""
         now = self.clock()
         if self._last_boundary is not None:
             self.step_seconds = _ewma(self.step_seconds, now - self._last_boundary)
         self._last_boundary = now
-        self._steps_since_save += 1
-        self._steps_in_epoch += 1
+        self._steps_since_save += steps
+        self._steps_in_epoch += steps
         s = self.schedule
         if s.steps is not None and self._steps_since_save >= s.steps:
             return self._with_deadline(Decision(save=True, reason=f"every {s.steps} steps"), now)

@@ -34,6 +34,9 @@ class AsyncWriter:
         #: called with each WriteResult after a commit (e.g. the trigger's save-time measurement)
         self.on_commit: List[Callable[[WriteResult], None]] = []
         self.progress: Optional[Callable[[int], None]] = None
+        #: ``factory(files, step)`` -> None or a per-write progress object with ``update(n_bytes)``
+        #: and ``close()`` (the tqdm upload bar of :mod:`keepalive.progress`)
+        self.progress_factory: Optional[Callable[[Mapping[str, Any], int], Any]] = None
 
     @property
     def in_flight(self) -> bool:
@@ -56,14 +59,23 @@ class AsyncWriter:
         return None
 
     def _run(self, job) -> None:
+        bar = None
         try:
+            progress = self.progress
+            if self.progress_factory is not None:
+                bar = self.progress_factory(job["files"], job["step"])
+                if bar is not None:
+                    progress = bar.update if self.progress is None else _both(self.progress, bar.update)
             result = self.store.commit(job["files"], step=job["step"], epoch=job["epoch"],
-                                       metadata=job["metadata"], progress=self.progress)
+                                       metadata=job["metadata"], progress=progress)
             self._result = result
             for cb in self.on_commit:
                 cb(result)
         except BaseException as exc:  # noqa: BLE001 - reported by wait()
             self._error = exc
+        finally:
+            if bar is not None:
+                bar.close()
 
     def wait(self, timeout: Optional[float] = None) -> Optional[WriteResult]:
         """Block until the in-flight write (if any) is committed; returns its result.
@@ -87,3 +99,10 @@ class AsyncWriter:
                 raise error
             log.error("checkpoint write to %s failed: %s: %s", self.store.url, type(error).__name__, error)
         return result
+
+
+def _both(a: Callable[[int], None], b: Callable[[int], None]) -> Callable[[int], None]:
+    def progress(n: int) -> None:
+        a(n)
+        b(n)
+    return progress

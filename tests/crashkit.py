@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 RESUME_RE = re.compile(r"resuming run .* epoch (\d+), step (\d+)")
+STEP_RE = re.compile(r"^STEP (\d+)\b")
+COMMITTED_RE = re.compile(r"^COMMITTED (\d+)\s*$")
 
 
 @dataclass
@@ -75,10 +77,14 @@ def run_to_completion(cmd: List[str], *, total_steps: int, kills: int, rng: rand
                 m = RESUME_RE.search(line)
                 if m:
                     resumed = int(m.group(2))
-                if line.startswith("COMMITTED "):
-                    committed = int(line.split()[1])
-                if line.startswith("STEP "):
-                    last_step = int(line.split()[1])
+                # Lines from the writer thread and the main thread may interleave in a child that
+                # prints without care: only whole, well-formed lines count.
+                m = COMMITTED_RE.match(line)
+                if m:
+                    committed = int(m.group(1))
+                m = STEP_RE.match(line)
+                if m:
+                    last_step = int(m.group(1))
                     if kill_at is not None and last_step >= kill_at:
                         time.sleep(rng.uniform(0, max_substep_delay))
                         proc.send_signal(signal.SIGKILL)

@@ -26,21 +26,9 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, RandomSampler
 from torch.utils.data import Sampler, SequentialSampler, get_worker_info
 
+from ..dataorder import mix
+
 log = logging.getLogger("keepalive.torch")
-
-_MASK63 = (1 << 63) - 1
-
-
-def mix(*parts: int) -> int:
-    """A deterministic 63-bit seed from integers (splitmix64 finaliser over the parts)."""
-    x = 0x9E3779B97F4A7C15
-    for p in parts:
-        x = (x ^ (int(p) & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
-        x ^= x >> 31
-        x = x * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
-        x ^= x >> 29
-    return x & _MASK63
-
 
 class SeededBatch(list):
     """A list of dataset indices that carries the seed for fetching it (survives pickling)."""

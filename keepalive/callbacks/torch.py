@@ -41,7 +41,7 @@ from typing import Any, Dict, Iterable, Iterator, Optional, Union
 
 import torch
 
-from ..core import Checkpointer, say
+from ..core import Checkpointer, CheckpointerViews, say
 from ..errors import StateMismatchError
 from ._torch_data import ResumableLoader
 
@@ -50,7 +50,7 @@ log = logging.getLogger("keepalive.torch")
 __all__ = ["DriveCheckpoint"]
 
 
-class DriveCheckpoint:
+class DriveCheckpoint(CheckpointerViews):
     """Checkpoint a plain PyTorch loop to a local folder, a mounted Drive or any fsspec URL.
 
     Args:
@@ -104,32 +104,6 @@ class DriveCheckpoint:
                             "put plain values in ckpt.extras instead")
         self.objects[name] = obj
 
-    # ------------------------------------------------------------------------------ properties
-    @property
-    def epoch(self) -> int:
-        return self.core.counters["epoch"]
-
-    @property
-    def step(self) -> int:
-        return self.core.counters["step"]
-
-    @property
-    def extras(self) -> Dict[str, Any]:
-        return self.core.extras
-
-    @property
-    def finished(self) -> bool:
-        return self.core.finished
-
-    @property
-    def stopped(self) -> bool:
-        """True when the loop ended early to save before the session's deadline."""
-        return self.core.stopped
-
-    @property
-    def url(self) -> str:
-        return self.core.url
-
     # ---------------------------------------------------------------------------------- resume
     def resume(self) -> bool:
         """Restore the newest valid checkpoint into the registered objects (once); True if one was.
@@ -169,6 +143,7 @@ class DriveCheckpoint:
         """``for epoch in ckpt.epochs(n)``: yields the epochs still to run, saving as configured."""
         self.resume()
         core = self.core
+        core.total_epochs = n
         if core.counters["epoch"] >= n:
             say(f"run '{core.store.run}' already completed {core.counters['epoch']} epoch(s); nothing to do")
             core.finished = True

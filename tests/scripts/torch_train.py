@@ -23,6 +23,8 @@ p.add_argument("--samples", type=int, default=300)
 p.add_argument("--sleep", type=float, default=0.0)
 p.add_argument("--drop-last", action="store_true")
 p.add_argument("--no-shuffle", action="store_true")
+p.add_argument("--margin", default=None, help="deadline safety margin (e.g. 1s)")
+p.add_argument("--budget", default=None, help="session budget counted from the start of training")
 args = p.parse_args()
 torch.set_num_threads(1)
 torch.manual_seed(1234)
@@ -51,16 +53,29 @@ opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.8)
 loader = DataLoader(NoisyData(args.samples), batch_size=16, shuffle=not args.no_shuffle,
                     num_workers=args.workers, drop_last=args.drop_last)
+if args.budget:
+    from keepalive import session
+
+    session.configure(budget=args.budget, start=time.time())
 every = int(args.every) if args.every.isdigit() else args.every
-ckpt = DriveCheckpoint(args.run, model=model, optimizer=opt, scheduler=sched, every=every)
-ckpt.core.writer.on_commit.append(lambda r: print(f"COMMITTED {r.info.step}", flush=True))
+ckpt = DriveCheckpoint(args.run, model=model, optimizer=opt, scheduler=sched, every=every,
+                       deadline_margin=args.margin)
+
+
+def emit(line):
+    """One whole line per write, so the writer thread's COMMITTED lines never split a STEP line."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+ckpt.core.writer.on_commit.append(lambda r: emit(f"COMMITTED {r.info.step}"))
 for epoch in ckpt.epochs(args.epochs):
     model.train()
     for x, y in ckpt.batches(loader):
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
         opt.step()
-        print(f"STEP {ckpt.step + 1}", flush=True)
+        emit(f"STEP {ckpt.step + 1}")
         if args.sleep:
             time.sleep(args.sleep)
     sched.step()
@@ -68,5 +83,7 @@ if ckpt.finished:
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, args.out)
     print("DONE", flush=True)
 else:
-    print("STOPPED", flush=True)
+    from keepalive import session
+
+    print(f"STOPPED remaining {session.remaining_seconds():.3f}", flush=True)
     sys.exit(3)

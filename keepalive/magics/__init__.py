@@ -1,0 +1,717 @@
+"""The IPython extension: ``%load_ext keepalive``.
+
+Magics (each takes ``--help``):
+
+* ``%keepalive status [--dir D] [--text | --widget] [--json] [--interval S] [--once]`` - the session
+  panel (a live widget in a notebook, text elsewhere). ``%keepalive`` alone is ``status``.
+* ``%keepalive dir [PATH] [--reset]`` - show, or set for this kernel, where checkpoints go when a
+  ``DriveCheckpoint`` gets no path (``$KEEPALIVE_DIR``).
+* ``%keepalive ls [PATH] [--json] [--verify]`` - the runs under PATH (default: the checkpoint dir),
+  which are unfinished, and their checkpoints (as ``keepalive ls``).
+* ``%resume_training [PATH|RUN] [--replay] [--show] [--dir D] [--takeover] [--no-verify]`` - continue
+  the newest unfinished run (or the one named) by re-executing the notebook cell that trained it.
+
+Loading registers the magics, hooks the cell events that record which cell creates a
+``DriveCheckpoint`` (:mod:`keepalive.magics.context`), starts idle tracking
+(:class:`keepalive.session.IdleTracker`) and says when an unfinished run waits under the default
+checkpoint dir. Loading twice is harmless; ``%unload_ext keepalive`` undoes all of it.
+
+Nothing here imports torch, TensorFlow or ipywidgets at load time.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_magic, magics_class
+
+from .. import session
+from .._version import __version__
+from ..units import format_duration
+from . import context
+
+MAGIC_NAMES = ("keepalive", "resume_training")
+# setup-cell lines a replay leaves out: they only load keepalive or show something
+_DISPLAY_ONLY = re.compile(r"^%(re)?load_ext\s+keepalive\s*$"
+                           r"|^%keepalive(\s+(status|ls|-h|--help)(\s.*)?|\s+dir)?\s*$")
+
+
+# ------------------------------------------------------------------------------------ runs
+@dataclass
+class RunState:
+    """One run under a checkpoint dir, as far as its manifests tell (no data is read).
+
+    Checkpoints still waiting in the local spool (committed on this machine, not yet uploaded to a
+    Drive / bucket destination: :mod:`keepalive.spool`) count as the run's too, as they do when a
+    ``DriveCheckpoint`` resumes.
+    """
+
+    url: str
+    run: str
+    store: Any
+    newest: Any = None          # CheckpointInfo of the newest readable checkpoint
+    count: int = 0
+    broken: int = 0
+    error: Optional[str] = None
+    spool: Any = None           # the run's local spool store, when it has one
+    #: (CheckpointInfo, the store holding it), newest first
+    sources: List[Tuple[Any, Any]] = field(default_factory=list)
+
+    @property
+    def metadata(self) -> Dict[str, Any]:
+        return ((self.newest.manifest or {}).get("metadata") or {}) if self.newest else {}
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.metadata.get("finished"))
+
+    @property
+    def unfinished(self) -> bool:
+        return self.newest is not None and not self.finished
+
+    @property
+    def created(self) -> float:
+        return (self.newest.created or 0.0) if self.newest else 0.0
+
+    def in_spool(self, info: Any) -> bool:
+        return any(i is info and st is self.spool for i, st in self.sources) and self.spool is not None
+
+    def where(self, info: Any = None) -> str:
+        n = info or self.newest
+        if n is None:
+            return "no committed checkpoint"
+        age = format_duration(max(0.0, time.time() - (n.created or time.time())))
+        spooled = "; in the local spool, not uploaded yet" if self.in_spool(n) else ""
+        return f"epoch {n.epoch}, step {n.step} ({n.name}, saved {age} ago{spooled})"
+
+
+def _spool_of(store: Any) -> Any:
+    """The local spool of a destination run when one exists on this machine (else None)."""
+    try:
+        from ..spool import Spool
+
+        spool = Spool.for_destination(store)
+        return spool if os.path.isdir(spool.path) else None
+    except Exception:  # noqa: BLE001 - no spool module / unreadable: destination only
+        return None
+
+
+def _run_state(store: Any) -> RunState:
+    state = RunState(url=store.url, run=store.run, store=store)
+    sources: List[Tuple[Any, Any]] = []
+    try:
+        listed = store.list()
+        good = [c for c in listed if c.error is None]
+        state.broken = len(listed) - len(good)
+        sources += [(c, store) for c in good]
+    except Exception as exc:  # noqa: BLE001 - one unreadable run must not hide the others
+        state.error = str(exc)
+    spool = _spool_of(store)
+    if spool is not None:
+        try:
+            uploaded = {c.name for c, _ in sources}
+            sources += [(c, spool) for c in spool.list() if c.error is None and c.name not in uploaded]
+            state.spool = spool
+        except Exception:  # noqa: BLE001
+            pass
+    sources.sort(key=lambda cs: cs[0].sort_key(), reverse=True)
+    state.sources, state.count = sources, len(sources)
+    state.newest = sources[0][0] if sources else None
+    return state
+
+
+def _under(url: str, root: str) -> bool:
+    from ..backends import backend_for
+
+    try:
+        backend, path = backend_for(root)
+        base = backend.url(path).rstrip("/")
+    except Exception:  # noqa: BLE001
+        base = root.rstrip("/")
+    return url == base or url.startswith(base + "/")
+
+
+def scan_runs(root: str) -> List[RunState]:
+    """Every run at or below ``root`` (and runs for it that so far exist only in this machine's
+    spool), the one with the newest checkpoint first; [] when there are none."""
+    from ..store import CheckpointStore, find_runs
+
+    out = [_run_state(CheckpointStore(url, keep=None)) for url in find_runs(root)]
+    known = {r.url for r in out}
+    try:
+        from ..spool import list_spools
+
+        for _folder, record in list_spools():
+            dest = record.get("destination")
+            if isinstance(dest, str) and dest not in known and _under(dest, root):
+                state = _run_state(CheckpointStore(dest, keep=None))
+                if state.newest is not None:
+                    out.append(state)
+                    known.add(state.url)
+    except Exception:  # noqa: BLE001 - spool listing is a bonus
+        pass
+    out.sort(key=lambda r: r.created, reverse=True)
+    return out
+
+
+def _first_line(source: str, width: int = 70) -> str:
+    lines = [ln for ln in (source or "").strip().splitlines() if ln.strip()]
+    if not lines:
+        return ""
+    text = lines[0].strip()
+    if len(text) > width:
+        return text[:width - 3] + "..."
+    return text + (" ..." if len(lines) > 1 else "")
+
+
+def _excerpt(source: str, names: set, limit: int = 10) -> List[str]:
+    """A setup cell as shown in a message: whole when short, else its first line and the lines
+    that define ``names``."""
+    src_lines = source.rstrip().splitlines()
+    if len(src_lines) <= limit:
+        return [f"      {ln}" for ln in src_lines]
+    wanted = [n for n in context.defining_lines(source, names) if 1 <= n <= len(src_lines)][:limit]
+    out, last = [], 0
+    for n in [1] + [n for n in wanted if n != 1]:
+        if n > last + 1:
+            out.append("      ...")
+        out.append(f"      {src_lines[n - 1]}")
+        last = n
+    if last < len(src_lines):
+        out.append("      ...")
+    return out
+
+
+def _cell_label(cell: Dict[str, Any]) -> str:
+    n = cell.get("execution_count")
+    return f"[{n}]" if n is not None else "[?]"
+
+
+def _lease_note(state: RunState) -> str:
+    """How far the last writer got past its newest checkpoint (from its lease's heartbeat)."""
+    try:
+        lease = state.store.lease.read() or {}
+        progress = lease.get("progress") or {}
+        step = progress.get("step")
+        if state.newest is not None and isinstance(step, int) and state.newest.step is not None \
+                and step > state.newest.step:
+            return f"; it had reached step {step}, so about {step - state.newest.step} step(s) will be redone"
+    except Exception:  # noqa: BLE001
+        pass
+    return ""
+
+
+def _live_writer(state: RunState) -> Optional[Dict[str, Any]]:
+    """The lease of another live session writing the run now (None when there is none)."""
+    lease_obj = state.store.lease
+    try:
+        current = lease_obj.read()
+    except Exception:  # noqa: BLE001
+        return None
+    if not current or not lease_obj.is_live(current):
+        return None
+    if current.get("pid") == os.getpid() and current.get("host") == lease_obj.host:
+        return None
+    return current
+
+
+def unfinished_notice(root: Optional[str] = None) -> Optional[str]:
+    """The ``%load_ext`` lines about unfinished runs under ``root`` (None when there are none)."""
+    root = root or session.default_checkpoint_dir()
+    runs = [r for r in scan_runs(root) if r.unfinished]
+    if not runs:
+        return None
+    r = runs[0]
+    writer = _live_writer(r)
+    if writer is not None:
+        return (f"keepalive: run '{r.run}' in {r.url} is being trained right now by another session "
+                f"(host {writer.get('host')}, pid {writer.get('pid')}); its newest checkpoint: {r.where()}.")
+    lines = [f"keepalive: unfinished run '{r.run}' in {r.url} stopped at {r.where()}{_lease_note(r)}."]
+    cell = (r.metadata.get("context") or {}).get("cell") or {}
+    if cell.get("source"):
+        lines.append(f"           Its training cell {_cell_label(cell)}: {_first_line(cell['source'])}")
+        lines.append("           To continue: run your setup cells, then  %resume_training"
+                     + ("" if len(runs) == 1 else f" {r.run}")
+                     + "   (or  %resume_training --replay  to re-run the recorded setup cells first)")
+    else:
+        lines.append("           To continue: run the cell that trains it again (it resumes by itself).")
+    if len(runs) > 1:
+        others = ", ".join(f"'{x.run}'" for x in runs[1:4]) + (" ..." if len(runs) > 4 else "")
+        lines.append(f"           {len(runs) - 1} more unfinished run(s): {others} (%keepalive ls)")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------- parsing
+class _Exit(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse for a magic: errors raise UsageError, --help prints and ends the magic."""
+
+    def error(self, message: str):
+        raise UsageError(f"{self.prog}: {message}\n{self.format_usage().strip()}")
+
+    def exit(self, status: int = 0, message: Optional[str] = None):
+        if message:
+            print(message, end="")
+        raise _Exit()
+
+
+def _split(line: str) -> List[str]:
+    try:
+        return shlex.split(line)
+    except ValueError as exc:
+        raise UsageError(f"cannot parse {line!r}: {exc}") from None
+
+
+def keepalive_parser() -> _Parser:
+    p = _Parser(prog="%keepalive", description="keepalive in a notebook: the session panel, where "
+                "checkpoints go, and what is stored. `%keepalive` alone shows the status panel.",
+                epilog="Also: %resume_training --help.")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    s = sub.add_parser("status", help="session time left, idle margin, GPU / RAM / disk / shm, newest checkpoints",
+                       description="The session panel: session time left (bar), idle margin, GPU, RAM, "
+                                   "disk, /dev/shm and the newest checkpoints. Live (refreshed) as a widget "
+                                   "in a notebook, plain text elsewhere.")
+    s.add_argument("--dir", default=None, help="checkpoint dir to report on (default: the checkpoint dir)")
+    mode = s.add_mutually_exclusive_group()
+    mode.add_argument("--text", action="store_const", const="text", dest="mode", help="plain text")
+    mode.add_argument("--widget", action="store_const", const="widget", dest="mode", help="force the widget")
+    mode.add_argument("--json", action="store_const", const="json", dest="mode", help="the JSON report")
+    s.add_argument("--interval", type=float, default=5.0, help="seconds between refreshes of the time bars (5)")
+    s.add_argument("--full-every", type=float, default=60.0,
+                   help="seconds between refreshes of hardware and checkpoints (60)")
+    s.add_argument("--once", action="store_true", help="do not refresh the widget")
+    d = sub.add_parser("dir", help="show or set where checkpoints go without a path",
+                       description="Without PATH: where a DriveCheckpoint without a path writes, and why. "
+                                   "With PATH (local folder or fsspec URL): use it for this kernel "
+                                   "(sets $KEEPALIVE_DIR).")
+    d.add_argument("path", nargs="?", help="the new checkpoint dir")
+    d.add_argument("--reset", action="store_true", help="forget a dir set before (unset $KEEPALIVE_DIR)")
+    ls = sub.add_parser("ls", help="runs (finished or not) and their checkpoints under PATH",
+                        description="The runs under PATH (default: the checkpoint dir): which are unfinished "
+                                    "and how to resume them, then every checkpoint (as `keepalive ls`).")
+    ls.add_argument("path", nargs="?", help="a run folder, a folder of runs or a checkpoint folder")
+    ls.add_argument("--json", action="store_true", help="one JSON object per checkpoint")
+    ls.add_argument("--verify", action="store_true", help="re-read every file to check it")
+    return p
+
+
+def resume_parser() -> _Parser:
+    p = _Parser(prog="%resume_training",
+                description="Continue an unfinished training: pick the newest unfinished run under the "
+                            "checkpoint dir (or the one named), check that the names its recorded training "
+                            "cell uses exist in this kernel, then re-execute that cell; its DriveCheckpoint "
+                            "resumes from the newest valid checkpoint (falling back past damaged ones).",
+                epilog="Typical use after a reset: run your setup cells (imports, data, model), then "
+                       "%resume_training. Or %resume_training --replay to let keepalive re-run the setup "
+                       "cells recorded with the run.")
+    p.add_argument("target", nargs="?", metavar="PATH|RUN",
+                   help="a run folder / URL, a folder of runs, or the name of a run under the checkpoint dir")
+    p.add_argument("--replay", action="store_true",
+                   help="re-execute the setup cells recorded with the run (the cells run before the "
+                        "training cell in its session) before the training cell")
+    p.add_argument("--show", action="store_true",
+                   help="only show the recorded training cell and setup cells; run nothing")
+    p.add_argument("--dir", default=None, help="where to look for runs (default: the checkpoint dir)")
+    p.add_argument("--takeover", action="store_true",
+                   help="take the run over even if another live session holds its writer lease")
+    p.add_argument("--no-verify", dest="verify", action="store_false",
+                   help="do not re-read the newest checkpoint before re-running the cell")
+    return p
+
+
+# ------------------------------------------------------------------------------------ magics
+@magics_class
+class KeepaliveMagics(Magics):
+    """``%keepalive`` and ``%resume_training``."""
+
+    # ------------------------------------------------------------------------------ %keepalive
+    @line_magic("keepalive")
+    def keepalive(self, line: str = "") -> None:
+        """%keepalive [status|dir|ls] ...: the session panel, the checkpoint dir, the runs. --help for more."""
+        argv = _split(line) or ["status"]
+        if argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+            argv = ["status"] + argv
+        try:
+            args = keepalive_parser().parse_args(argv)
+        except _Exit:
+            return None
+        if args.command == "status":
+            return self._status(args)
+        if args.command == "dir":
+            return self._dir(args)
+        if args.command == "ls":
+            return self._ls(args)
+        keepalive_parser().print_help()
+        return None
+
+    def _status(self, args) -> None:
+        from . import widget
+
+        if args.mode == "json":
+            import json
+
+            print(json.dumps(session.status_report(checkpoint_dir=args.dir), indent=2, default=str))
+            return
+        widget.show_status(self.shell, args.dir, mode=args.mode or "auto", interval=args.interval,
+                           full_every=args.full_every, live=not args.once)
+
+    def _dir(self, args) -> None:
+        if args.reset:
+            os.environ.pop("KEEPALIVE_DIR", None)
+        if args.path:
+            path = os.path.expanduser(args.path)
+            os.environ["KEEPALIVE_DIR"] = path
+            print(f"keepalive: checkpoints without a path now go to {session.default_checkpoint_dir()}"
+                  " (for this kernel; put the same `%keepalive dir` line in your setup cell)")
+        else:
+            current = session.default_checkpoint_dir()
+            if os.environ.get("KEEPALIVE_DIR"):
+                why = "$KEEPALIVE_DIR"
+            elif current.startswith("/content/drive/"):
+                why = "the mounted Google Drive"
+            elif current.startswith("/kaggle/working"):
+                why = "Kaggle's /kaggle/working, kept when the session ends"
+            else:
+                why = "the default (no $KEEPALIVE_DIR, no Drive mounted)"
+            print(f"keepalive: checkpoints without a path go to {current} ({why}); change with "
+                  "%keepalive dir PATH")
+        warning = _storage_warning(session.default_checkpoint_dir())
+        if warning:
+            print(f"keepalive: WARNING {warning}")
+
+    def _ls(self, args) -> None:
+        import argparse as _ap
+
+        from ..cli import cmd_ls
+        from ..errors import NoCheckpointError
+
+        path = args.path or session.default_checkpoint_dir()
+        if not args.json:
+            try:
+                runs = scan_runs(path)
+            except Exception:  # noqa: BLE001 - the table below says what is wrong
+                runs = []
+            if runs:
+                print(f"runs under {path}:")
+                for r in runs:
+                    if r.error:
+                        state = f"unreadable: {r.error}"
+                    elif r.newest is None:
+                        state = "no committed checkpoint"
+                    elif r.finished:
+                        state = f"finished at {r.where()}"
+                    else:
+                        state = f"UNFINISHED at {r.where()}  ->  %resume_training {r.run}"
+                    print(f"  {r.run:<20} {state}")
+                print()
+        try:
+            cmd_ls(_ap.Namespace(path=path, json=args.json, verify=args.verify))
+        except NoCheckpointError as exc:
+            print(f"keepalive: no checkpoints: {exc}")
+
+    # ------------------------------------------------------------------------ %resume_training
+    @line_magic("resume_training")
+    def resume_training(self, line: str = "") -> None:
+        """%resume_training [PATH|RUN] [--replay] [--show]: continue the newest unfinished run. --help for more."""
+        try:
+            args = resume_parser().parse_args(_split(line))
+        except _Exit:
+            return None
+        ip = self.shell
+        root = args.dir or session.default_checkpoint_dir()
+        state = self._pick_run(args.target, root)
+        if state is None:
+            return None
+        if args.verify:
+            info = self._newest_valid(state)
+        else:
+            info = state.newest
+        meta = (info.manifest or {}).get("metadata") or {}
+        ctx = meta.get("context") or {}
+        cell = ctx.get("cell") or {}
+        source = cell.get("source")
+        if not source:
+            if ctx.get("kind") == "script":
+                raise UsageError(
+                    f"run '{state.run}' was started by the script {ctx.get('path')} "
+                    f"(argv {ctx.get('argv')}), not by a notebook cell: run that script again "
+                    "(e.g. !python ...) and it resumes by itself.")
+            raise UsageError(f"run '{state.run}' has no recorded notebook cell (it was written by a "
+                             "keepalive without the notebook context, or outside IPython): run the cell "
+                             "that trains it again; it resumes by itself.")
+        setup = list(ctx.get("setup_cells") or [])
+        if args.show:
+            self._show(state, info, cell, setup)
+            return None
+        self._check_lease(state, args.takeover)
+        print(f"keepalive: run '{state.run}' ({state.url}): newest valid checkpoint at {state.where(info)}")
+        with context.resuming(ctx):
+            if args.replay:
+                self._replay(setup, source)
+            missing = context.missing_names(source, ip.user_ns, ip)
+            if missing:
+                raise UsageError(self._missing_message(state, cell, setup, missing))
+            print(f"keepalive: re-running training cell {_cell_label(cell)}: {_first_line(source)}",
+                  flush=True)
+            before = self._checkpointer_ids()
+            result = ip.run_cell(source, store_history=False)
+        self._check_target(state, before)
+        if result is not None and not result.success:
+            err = result.error_in_exec or result.error_before_exec
+            what = type(err).__name__ if err is not None else "an error"
+            if isinstance(err, KeyboardInterrupt):
+                raise UsageError("training interrupted; the newest checkpoint is kept. Run "
+                                 "%resume_training again to continue.")
+            raise UsageError(f"the training cell stopped with {what} (see above). Its checkpoints are "
+                             "kept; fix the cause and run %resume_training again.")
+        return None
+
+    # -- helpers
+    def _pick_run(self, target: Optional[str], root: str) -> Optional[RunState]:
+        from ..errors import NoCheckpointError
+        from ..store import open_location
+
+        if target and ("/" in target or "://" in target or target.startswith(".") or os.path.exists(target)):
+            try:
+                kind, what, _ = open_location(target)
+            except NoCheckpointError as exc:
+                raise UsageError(f"nothing to resume at {target}: {exc}") from None
+            if kind == "checkpoint":
+                print(f"keepalive: {target} is one checkpoint; resuming its run, which starts from "
+                      "the run's newest valid checkpoint")
+                runs = scan_runs(what.url)
+            elif kind == "run":
+                runs = scan_runs(what.url)
+            else:
+                runs = scan_runs(target)
+            return self._choose(runs, target, named=kind != "root")
+        runs = scan_runs(root)
+        if target:
+            named = [r for r in runs if r.run == target]
+            if not named:
+                names = ", ".join(sorted({r.run for r in runs})) or "none"
+                raise UsageError(f"no run named '{target}' under {root} (runs there: {names}). "
+                                 "Give its folder instead: %resume_training PATH")
+            return self._choose(named, root, named=True)
+        if not runs:
+            print(f"keepalive: nothing to resume: no keepalive runs under {root}.\n"
+                  "           A DriveCheckpoint without a path writes there (%keepalive dir PATH changes "
+                  "it); for a run elsewhere: %resume_training PATH")
+            return None
+        return self._choose(runs, root, named=False)
+
+    def _choose(self, runs: Sequence[RunState], where: str, named: bool) -> Optional[RunState]:
+        if not runs:
+            print(f"keepalive: nothing to resume: no keepalive runs under {where}.")
+            return None
+        unfinished = [r for r in runs if r.unfinished]
+        if unfinished:
+            return unfinished[0]
+        with_ckpt = [r for r in runs if r.newest is not None]
+        if not with_ckpt:
+            what = f"run '{runs[0].run}' has" if named else f"no run under {where} has"
+            errors = "; ".join(f"{r.run}: {r.error}" for r in runs if r.error)
+            print(f"keepalive: nothing to resume: {what} a committed checkpoint yet"
+                  + (f" ({errors})" if errors else "")
+                  + ". Run the training cell; it starts from the beginning.")
+            return None
+        r = with_ckpt[0]
+        if named:
+            print(f"keepalive: nothing to resume: run '{r.run}' has finished ({r.where()}). To train it "
+                  "further, raise its number of epochs and run its cell again.")
+        else:
+            print(f"keepalive: nothing to resume: every run under {where} has finished (newest: "
+                  f"'{r.run}', {r.where()}).")
+        return None
+
+    def _newest_valid(self, state: RunState):
+        """The newest checkpoint that verifies (spooled ones included), saying which are damaged."""
+        for info, store in state.sources:
+            if store.verify(info).valid:
+                return info
+            print(f"keepalive: checkpoint {info.name} of run '{state.run}' is damaged ({info.error}); "
+                  "falling back to an older one", flush=True)
+        raise UsageError(f"cannot resume run '{state.run}': none of its {state.count} checkpoint(s) "
+                         f"verifies. Nothing was run; the files stay as they are "
+                         f"(inspect them with: !keepalive verify {state.url}).")
+
+    def _check_lease(self, state: RunState, takeover: bool) -> None:
+        # (a lease of this kernel is fine: the core hands it over to the new checkpointer)
+        lease_obj = state.store.lease
+        current = _live_writer(state)
+        if current is None:
+            return
+        age = time.time() - float(current.get("heartbeat", 0))
+        if not takeover:
+            raise UsageError(
+                f"run '{state.run}' is being written by another live session (host {current.get('host')}, "
+                f"pid {current.get('pid')}, heartbeat {age:.0f} s ago). If that session is gone (e.g. the "
+                f"old runtime of this notebook), its lease expires in "
+                f"{max(0.0, float(current.get('ttl', lease_obj.ttl)) - age):.0f} s; or take the run over "
+                "now: %resume_training --takeover")
+        lease_obj.acquire(takeover=True)
+        lease_obj.release()
+        print(f"keepalive: took run '{state.run}' over from host {current.get('host')} "
+              f"pid {current.get('pid')}")
+
+    def _replay(self, setup: List[Dict[str, Any]], training_source: str) -> None:
+        ip = self.shell
+        for cell in setup:
+            src = cell.get("source") or ""
+            skip = self._skip_reason(cell, src, training_source)
+            if skip:
+                print(f"keepalive: replay: skipping {_cell_label(cell)} ({skip})")
+                continue
+            print(f"keepalive: replay: running setup cell {_cell_label(cell)}: {_first_line(src)}",
+                  flush=True)
+            result = ip.run_cell(src, store_history=False)
+            if result is not None and not result.success:
+                raise UsageError(f"setup cell {_cell_label(cell)} failed on replay (see above); nothing "
+                                 "was trained. Fix it, or run the setup cells by hand, then "
+                                 "%resume_training again.")
+
+    @staticmethod
+    def _skip_reason(cell: Dict[str, Any], src: str, training_source: str) -> Optional[str]:
+        if src.strip() == training_source.strip():
+            return "the training cell itself"
+        if cell.get("ok") is False:
+            return "it failed in the original session"
+        code = context.python_source(src)
+        for magic in ("resume_training", "unload_ext"):
+            if f"run_line_magic('{magic}'" in code or f'run_line_magic("{magic}"' in code:
+                return f"%{magic}"
+        lines = [ln.strip() for ln in src.strip().splitlines() if ln.strip() and not ln.strip().startswith("#")]
+        if lines and all(_DISPLAY_ONLY.match(ln) for ln in lines):
+            return "keepalive display only"
+        return None
+
+    def _missing_message(self, state: RunState, cell: Dict[str, Any], setup: List[Dict[str, Any]],
+                         missing: List[str]) -> str:
+        lines = [f"cannot resume run '{state.run}' yet: its training cell {_cell_label(cell)} uses "
+                 f"name(s) this kernel does not define: {', '.join(missing)}"]
+        defined_by: Dict[str, List[Dict[str, Any]]] = {}
+        for c in setup:
+            names = context.defined_names(c.get("source") or "")
+            for n in missing:
+                if n in names:
+                    defined_by.setdefault(n, []).append(c)
+        if defined_by:
+            lines.append("They were defined by these setup cells of the session that started the run:")
+            shown = set()
+            for n in missing:
+                for c in defined_by.get(n, []):
+                    key = id(c)
+                    names = [m for m in missing if any(x is c for x in defined_by.get(m, []))]
+                    if key in shown:
+                        continue
+                    shown.add(key)
+                    lines.append(f"  {_cell_label(c)} defines {', '.join(names)}:")
+                    lines.extend(_excerpt(c.get("source") or "", set(names)))
+        unknown = [n for n in missing if n not in defined_by]
+        if unknown:
+            lines.append(f"No recorded setup cell defines: {', '.join(unknown)}.")
+        lines.append("Run those cells (or use %resume_training --replay to re-run the recorded setup "
+                     "cells), then %resume_training again. Nothing was trained.")
+        return "\n".join(lines)
+
+    def _show(self, state: RunState, info, cell: Dict[str, Any], setup: List[Dict[str, Any]]) -> None:
+        print(f"run '{state.run}' ({state.url}), newest valid checkpoint {info.name} "
+              f"(epoch {info.epoch}, step {info.step})")
+        missing = context.missing_names(cell["source"], self.shell.user_ns, self.shell) or []
+        print(f"\nsetup cells ({len(setup)} recorded):")
+        for c in setup:
+            print(f"--- {_cell_label(c)}" + ("  (failed in its session)" if c.get("ok") is False else ""))
+            print(c.get("source", "").rstrip())
+        print(f"\ntraining cell {_cell_label(cell)}:")
+        print(cell["source"].rstrip())
+        if missing:
+            print(f"\nnot defined in this kernel yet: {', '.join(missing)}")
+
+    @staticmethod
+    def _checkpointer_ids() -> set:
+        core = sys.modules.get("keepalive.core")
+        return {id(c) for c in list(core._ACTIVE)} if core is not None else set()
+
+    @staticmethod
+    def _check_target(state: RunState, before: set) -> None:
+        core = sys.modules.get("keepalive.core")
+        if core is None:
+            return
+        new = [c for c in list(core._ACTIVE) if id(c) not in before]
+        if new and not any(c.store.url == state.store.url for c in new):
+            urls = ", ".join(sorted({c.store.url for c in new}))
+            print(f"keepalive: WARNING the training cell wrote to {urls}, not to the run you resumed "
+                  f"({state.store.url}): did the path or %keepalive dir / $KEEPALIVE_DIR change?")
+
+
+def _storage_warning(root: str) -> Optional[str]:
+    """The session module's advice when ``root`` does not outlive the session (Colab VM disk, Kaggle
+    outside /kaggle/working)."""
+    warn = getattr(session, "_storage_warning", None)
+    if warn is None:
+        return None
+    try:
+        return warn(session.detect().platform, root)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+# --------------------------------------------------------------------------------- load/unload
+_loaded: List[Any] = []
+
+
+def load_ipython_extension(ip: Any) -> None:
+    """``%load_ext keepalive``: magics, cell recording, idle tracking, the unfinished-run notice."""
+    again = any(s is ip for s in _loaded)
+    ip.register_magics(KeepaliveMagics)
+    context.register(ip)
+    try:
+        session.tracker().register(ip)
+    except Exception as exc:  # noqa: BLE001 - idle tracking is a convenience
+        print(f"keepalive: idle tracking is off ({exc})", file=sys.stderr)
+    if not again:
+        _loaded.append(ip)
+    root = session.default_checkpoint_dir()
+    print(f"keepalive {__version__}: %keepalive status | dir | ls, %resume_training (--help on each); "
+          f"checkpoints without a path go to {root}")
+    warning = _storage_warning(root)
+    if warning:
+        print(f"keepalive: WARNING {warning}")
+    try:
+        notice = unfinished_notice(root)
+    except Exception as exc:  # noqa: BLE001 - loading must never fail over a listing
+        notice = f"keepalive: could not look for unfinished runs under {root}: {exc}"
+    if notice:
+        print(notice)
+
+
+def unload_ipython_extension(ip: Any) -> None:
+    """``%unload_ext keepalive``: remove the magics and every hook and thread the extension added."""
+    from . import widget
+
+    context.unregister(ip)
+    try:
+        session.tracker().unregister(ip)
+    except Exception:  # noqa: BLE001
+        pass
+    widget.stop_all()
+    mm = getattr(ip, "magics_manager", None)
+    if mm is not None:
+        for name in MAGIC_NAMES:
+            mm.magics.get("line", {}).pop(name, None)
+        mm.registry.pop(KeepaliveMagics.__name__, None)
+    _loaded[:] = [s for s in _loaded if s is not ip]
+
+
+__all__ = ["load_ipython_extension", "unload_ipython_extension", "KeepaliveMagics", "scan_runs",
+           "RunState", "unfinished_notice", "keepalive_parser", "resume_parser"]

@@ -1,0 +1,372 @@
+"""What produced a run: the notebook cell that trains and the cells executed before it.
+
+:func:`capture_context` is called by :class:`keepalive.core.Checkpointer` when a ``DriveCheckpoint``
+is created (and again when a save comes from a training loop running in another cell than the one
+that created it). Its dict lands in every checkpoint manifest as ``metadata["context"]``::
+
+    {"kind": "notebook",                     # "ipython" in a terminal IPython
+     "shell": "ZMQInteractiveShell",
+     "cell": {"source": "...", "execution_count": 7, "cell_id": "..."},
+     "setup_cells": [{"execution_count": 1, "source": "...", "ok": true}, ...],
+     "setup_cells_left_out": 0,              # older cells dropped to keep the manifest small
+     "cell_key": "4711:12",                  # which execution of a cell this was (process:counter)
+     "recorded_by": "pre_run_cell",          # or "history" without %load_ext keepalive
+     "notebook": "/path/x.ipynb",            # when the front end says (JPY_SESSION_NAME, VS Code)
+     "recorded_at": "2025-01-01T12:00:00Z"}
+
+With ``%load_ext keepalive`` the running cell comes from IPython's ``pre_run_cell`` event and each
+cell's success from ``post_run_cell``; without it, from IPython's input history (``In``). Setup cells
+are the cells stored in that history before the running one (so cells run before ``%load_ext`` are
+included). ``%resume_training`` re-executes the recorded cell; while it does, :func:`resuming`
+makes :func:`capture_context` return the original record, so a run keeps naming the cell that
+started it however often it is resumed.
+
+Cells are written into checkpoint manifests, next to the checkpoints (Drive, a bucket): a setup cell
+holding a secret (an API key, a token) travels with them. ``KEEPALIVE_RECORD_CELLS=cell`` records the
+training cell only, ``=none`` nothing (``%resume_training`` then cannot re-run the cell; re-running the
+training cell by hand still resumes).
+
+Nothing here imports a framework; everything is cheap (no parsing at record time).
+"""
+from __future__ import annotations
+
+import ast
+import builtins
+import contextlib
+import itertools
+import os
+import sys
+import time
+import uuid
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Set
+
+#: setup cells kept in a record: at most this many characters of source in all, and this many cells
+MAX_SETUP_CHARS = 256 * 1024
+MAX_SETUP_CELLS = 300
+
+_counter = itertools.count(1)
+_TOKEN = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"   # pids repeat across Colab runtimes; this does not
+_stack: List[Dict[str, Any]] = []          # cells running now (nested run_cell calls included)
+_results: Dict[int, bool] = {}             # execution_count -> success, from post_run_cell
+_override: List[Dict[str, Any]] = []       # contexts pinned by %resume_training
+_registered: List[Any] = []                # shells whose events we hook
+
+
+def _get_ipython():
+    mod = sys.modules.get("IPython")
+    if mod is None:
+        return None
+    try:
+        return mod.get_ipython()
+    except Exception:  # noqa: BLE001
+        return None
+
+
+# ------------------------------------------------------------------------------------ recording
+def pre_run_cell(info: Any = None) -> None:
+    """IPython ``pre_run_cell`` event: remember the cell that starts running."""
+    raw = getattr(info, "raw_cell", None)
+    _stack.append({"key": f"{_TOKEN}:{next(_counter)}", "source": raw if isinstance(raw, str) else "",
+                   "store_history": bool(getattr(info, "store_history", False)),
+                   "cell_id": getattr(info, "cell_id", None)})
+
+
+def post_run_cell(result: Any = None) -> None:
+    """IPython ``post_run_cell`` event: the cell ended; note whether it succeeded."""
+    info = getattr(result, "info", None)
+    raw = getattr(info, "raw_cell", None)
+    # An empty cell fires post_run_cell without pre_run_cell: pop only the cell that ends.
+    if _stack and (raw is None or _stack[-1]["source"] == raw):
+        _stack.pop()
+    count = getattr(result, "execution_count", None)
+    if isinstance(count, int) and getattr(info, "store_history", True):
+        try:
+            _results[count] = bool(result.success)
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def register(ip: Any) -> None:
+    """Hook ``pre_run_cell`` / ``post_run_cell`` of ``ip`` (idempotent)."""
+    if any(s is ip for s in _registered):
+        return
+    ip.events.register("pre_run_cell", pre_run_cell)
+    ip.events.register("post_run_cell", post_run_cell)
+    _registered.append(ip)
+    # %load_ext runs inside a cell whose pre_run_cell has already fired: remember it as running.
+    hist = _history(ip)
+    if len(hist) > 1 and hist[-1].strip():
+        _stack.append({"key": f"{_TOKEN}:{next(_counter)}", "source": hist[-1],
+                       "store_history": True, "cell_id": None, "late": True})
+
+
+def unregister(ip: Any = None) -> None:
+    for shell in [s for s in _registered if ip is None or s is ip]:
+        for name, fn in (("pre_run_cell", pre_run_cell), ("post_run_cell", post_run_cell)):
+            try:
+                shell.events.unregister(name, fn)
+            except ValueError:
+                pass
+        _registered.remove(shell)
+    if not _registered:
+        _stack.clear()
+
+
+def is_registered() -> bool:
+    return bool(_registered)
+
+
+@contextlib.contextmanager
+def resuming(context: Mapping[str, Any]) -> Iterator[None]:
+    """While ``%resume_training`` re-executes a recorded cell, runs keep their original record."""
+    pinned = dict(context)
+    pinned["resumed"] = int(pinned.get("resumed", 0)) + 1
+    pinned["resumed_at"] = _iso(time.time())
+    _override.append(pinned)
+    try:
+        yield
+    finally:
+        _override.remove(pinned)
+
+
+# ------------------------------------------------------------------------------------ capturing
+def _history(ip: Any) -> List[str]:
+    hm = getattr(ip, "history_manager", None)
+    hist = getattr(hm, "input_hist_raw", None)
+    if hist is None:
+        hist = (getattr(ip, "user_ns", None) or {}).get("_ih")
+    return list(hist) if hist is not None else []
+
+
+def _iso(t: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
+
+
+def _notebook_path(ip: Any) -> Optional[str]:
+    ns = getattr(ip, "user_ns", None) or {}
+    path = ns.get("__vsc_ipynb_file__") or os.environ.get("JPY_SESSION_NAME")
+    return str(path) if path else None
+
+
+def current_cell_key() -> Optional[str]:
+    """Identifies the cell execution running now (cheap; the core compares it between saves)."""
+    if _override:
+        return _override[-1].get("cell_key")
+    if _stack:
+        return _stack[-1]["key"]
+    ip = _get_ipython()
+    if ip is None:
+        return None
+    return f"{_TOKEN}:hist:{len(_history(ip)) - 1}"
+
+
+def capture_context(ip: Any = None) -> Optional[Dict[str, Any]]:
+    """The running cell and the cells executed before it, as a JSON-able dict; None outside IPython
+    (or when no cell is known)."""
+    mode = os.environ.get("KEEPALIVE_RECORD_CELLS", "all").strip().lower()
+    if mode in ("none", "0", "off", "no", "false"):
+        return None
+    if _override:
+        return dict(_override[-1])
+    ip = ip if ip is not None else _get_ipython()
+    if ip is None:
+        return None
+    hist = _history(ip)
+    top = _stack[-1] if _stack else None
+    count: Optional[int]
+    if top is not None:
+        source, key, cell_id = top["source"], top["key"], top.get("cell_id")
+        if top.get("store_history") and len(hist) > 1 and hist[-1].rstrip() == source.rstrip():
+            count = len(hist) - 1
+            before = hist[1:count]
+        else:  # a nested run_cell (not stored in the history): everything stored so far came first
+            count = None
+            before = hist[1:]
+        recorded_by = "pre_run_cell"
+    else:
+        if len(hist) < 2:
+            return None
+        count = len(hist) - 1
+        source, key, cell_id = hist[-1], f"{_TOKEN}:hist:{count}", None
+        before = hist[1:count]
+        recorded_by = "history"
+    if not source or not source.strip():
+        return None
+    first = 1
+    setup = [{"execution_count": i + first, "source": s, "ok": _results.get(i + first)}
+             for i, s in enumerate(before) if s and s.strip()]
+    left_out = 0
+    total = 0
+    kept: List[Dict[str, Any]] = []
+    for cell in reversed(setup):
+        total += len(cell["source"])
+        if total > MAX_SETUP_CHARS or len(kept) >= MAX_SETUP_CELLS:
+            left_out = len(setup) - len(kept)
+            break
+        kept.append(cell)
+    kept.reverse()
+    if mode == "cell":
+        kept, left_out = [], len(setup)
+    shell = type(ip).__name__
+    kernel = any(c.__name__ == "ZMQInteractiveShell" for c in type(ip).__mro__)
+    ctx: Dict[str, Any] = {
+        "kind": "notebook" if kernel else "ipython",
+        "shell": shell,
+        "cell": {"source": source, "execution_count": count, "cell_id": cell_id},
+        "setup_cells": kept,
+        "setup_cells_left_out": left_out,
+        "cell_key": key,
+        "recorded_by": recorded_by,
+        "recorded_at": _iso(time.time()),
+        "pid": os.getpid(),
+    }
+    nb = _notebook_path(ip)
+    if nb:
+        ctx["notebook"] = nb
+    return ctx
+
+
+# ----------------------------------------------------------------------------- name analysis
+def python_source(raw: str, ip: Any = None) -> str:
+    """The Python code IPython runs for ``raw`` (magics become ``get_ipython()`` calls). A cell magic
+    such as ``%%time`` whose body is Python gives the body, so its names can be checked."""
+    text = raw
+    stripped = raw.lstrip()
+    if stripped.startswith("%%"):
+        body = stripped.split("\n", 1)[1] if "\n" in stripped else ""
+        text = body
+    ip = ip if ip is not None else _get_ipython()
+    if ip is not None:
+        try:
+            return ip.transform_cell(text)
+        except Exception:  # noqa: BLE001
+            return text
+    try:
+        from IPython.core.inputtransformer2 import TransformerManager
+
+        return TransformerManager().transform_cell(text)
+    except Exception:  # noqa: BLE001
+        return text
+
+
+class _Names(ast.NodeVisitor):
+    def __init__(self) -> None:
+        self.loaded: List[str] = []
+        self.defined: Set[str] = set()
+        self.star = False
+
+    def visit_Name(self, node: ast.Name) -> None:
+        if isinstance(node.ctx, ast.Load):
+            self.loaded.append(node.id)
+        else:
+            self.defined.add(node.id)
+
+    def _def(self, node) -> None:
+        self.defined.add(node.name)
+        self.generic_visit(node)
+
+    visit_FunctionDef = visit_AsyncFunctionDef = visit_ClassDef = _def
+
+    def visit_arg(self, node: ast.arg) -> None:
+        self.defined.add(node.arg)
+        self.generic_visit(node)
+
+    def visit_Import(self, node) -> None:
+        for alias in node.names:
+            if alias.name == "*":
+                self.star = True
+            else:
+                self.defined.add(alias.asname or alias.name.split(".")[0])
+
+    visit_ImportFrom = visit_Import
+
+    def visit_ExceptHandler(self, node) -> None:
+        if node.name:
+            self.defined.add(node.name)
+        self.generic_visit(node)
+
+    def visit_Global(self, node) -> None:
+        self.defined.update(node.names)
+
+    visit_Nonlocal = visit_Global
+
+    def generic_visit(self, node) -> None:
+        for attr in ("name", "rest"):  # match patterns: MatchAs / MatchStar / MatchMapping
+            if type(node).__name__.startswith("Match") and isinstance(getattr(node, attr, None), str):
+                self.defined.add(getattr(node, attr))
+        super().generic_visit(node)
+
+
+def _parse(code: str) -> Optional[ast.Module]:
+    try:
+        return ast.parse(code)
+    except (SyntaxError, ValueError):
+        return None
+
+
+def defined_names(raw: str, ip: Any = None) -> Set[str]:
+    """Names a cell assigns, defines or imports (anywhere in it)."""
+    tree = _parse(python_source(raw, ip))
+    if tree is None:
+        return set()
+    v = _Names()
+    v.visit(tree)
+    return v.defined
+
+
+def defining_lines(raw: str, names: Set[str], ip: Any = None) -> List[int]:
+    """1-based numbers of the lines of ``raw`` whose top-level statements define any of ``names``."""
+    tree = _parse(python_source(raw, ip))
+    if tree is None:
+        return []
+    # IPython drops leading blank lines, and python_source a cell magic's first line
+    src_lines = raw.splitlines()
+    offset = 0
+    while offset < len(src_lines) and not src_lines[offset].strip():
+        offset += 1
+    if raw.lstrip().startswith("%%"):
+        offset += 1
+        while offset < len(src_lines) and not src_lines[offset].strip():
+            offset += 1
+    out: List[int] = []
+    for stmt in tree.body:
+        v = _Names()
+        v.visit(stmt)
+        if v.defined & names:
+            end = getattr(stmt, "end_lineno", None) or stmt.lineno
+            out.extend(range(stmt.lineno + offset, end + offset + 1))
+    return out
+
+
+def free_names(raw: str, ip: Any = None) -> Optional[List[str]]:
+    """Names a cell reads that it does not define before (top-level statements in order), builtins
+    excluded; None when the cell does not parse or star-imports (then nothing can be said)."""
+    tree = _parse(python_source(raw, ip))
+    if tree is None:
+        return None
+    seen: Set[str] = set()
+    free: List[str] = []
+    for stmt in tree.body:
+        v = _Names()
+        v.visit(stmt)
+        if v.star:
+            return None
+        for name in v.loaded:
+            if name not in seen and name not in v.defined and name not in free:
+                free.append(name)
+        seen |= v.defined
+    bi = set(dir(builtins)) | {"get_ipython", "display", "__IPYTHON__", "In", "Out", "exit", "quit"}
+    return [n for n in free if n not in bi and not (n.startswith("__") and n.endswith("__"))]
+
+
+def missing_names(raw: str, namespace: Mapping[str, Any], ip: Any = None) -> Optional[List[str]]:
+    """The free names of ``raw`` that ``namespace`` lacks (None: could not tell)."""
+    names = free_names(raw, ip)
+    if names is None:
+        return None
+    return [n for n in names if n not in namespace]
+
+
+__all__ = ["capture_context", "current_cell_key", "pre_run_cell", "post_run_cell", "register",
+           "unregister", "is_registered", "resuming", "python_source", "defined_names", "free_names",
+           "missing_names", "defining_lines", "MAX_SETUP_CHARS", "MAX_SETUP_CELLS"]
