@@ -119,9 +119,208 @@ def cmd_status(args) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------------------- sync
+def add_sync(sub) -> None:
+    p = sub.add_parser("sync", help="upload checkpoints still waiting in the local spool",
+                       description="Upload the checkpoints that wait in this machine's spool "
+                                   "($KEEPALIVE_SPOOL, default /tmp/keepalive-spool) to their destination: "
+                                   "for the run (or folder of runs) PATH, or for every destination. Use it "
+                                   "after a kernel crash, or before ending a runtime. When the training "
+                                   "process is still alive it uploads them itself: sync then waits for it. "
+                                   "Exit 0 when nothing is left, 1 when something could not be uploaded.")
+    p.add_argument("path", nargs="?", default=None,
+                   help="destination run or folder of runs (path or URL); default: every destination")
+    p.add_argument("--timeout", type=float, default=None, metavar="S",
+                   help="give up after S seconds (default: keep retrying until done)")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    p.add_argument("--spool", default=None, help="spool root (default: $KEEPALIVE_SPOOL or /tmp/keepalive-spool)")
+    p.set_defaults(func=cmd_sync)
+
+
+def cmd_sync(args) -> int:
+    from . import spool
+    from .units import format_bytes
+
+    todo = [(f, r) for f, r in spool.list_spools(args.spool) if spool._matches(r["destination"], args.path)]
+    total = 0
+    for folder, record in todo:
+        try:
+            total += sum(c.size_bytes or 0 for c in spool._spool_of(folder, record).pending())
+        except OSError:
+            pass
+    bar = None
+    if total and not args.json:
+        try:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="keepalive sync",
+                       file=sys.stderr, mininterval=0.5)
+        except ImportError:
+            bar = None
+    try:
+        result = spool.sync(args.path, timeout=args.timeout, root=args.spool,
+                            progress=bar.update if bar is not None else None)
+    finally:
+        if bar is not None:
+            bar.close()
+    if args.json:
+        print(json.dumps(result))
+    else:
+        rows = [r for r in result["destinations"] if r["pending_before"]]
+        if not rows:
+            print("nothing to upload: the spool is empty" + (f" for {args.path}" if args.path else ""))
+        for r in rows:
+            state = "done" if not r["pending"] else f"{r['pending']} still pending ({r['error']})"
+            print(f"{r['destination']}: {r['uploaded']} uploaded of {r['pending_before']} "
+                  f"({format_bytes(r['bytes_before'])}); {state}")
+    return 0 if result["ok"] else 1
+
+
+# ---------------------------------------------------------------------------------------- bench
+def add_bench(sub) -> None:
+    p = sub.add_parser("bench", help="benchmark workloads (Keras / fastai) that survive resets",
+                       description="The benchmark trainings users run on Colab / Kaggle (six Keras "
+                                   "examples, the Colab Fashion-MNIST CNN, fastai's dogs-vs-cats ResNet), "
+                                   "each checkpointed with DriveCheckpoint: re-running `bench run` after a "
+                                   "crash or a new session resumes it. Per-epoch timings go to "
+                                   "results.json / results.csv in the run folder.")
+    bsub = p.add_subparsers(dest="bench_command", metavar="SUBCOMMAND")
+
+    q = bsub.add_parser("list", help="the workloads: framework, model, epochs x batch, dataset",
+                        description="List the workloads with their framework, model, epochs x batch "
+                                    "size and dataset.")
+    q.add_argument("--json", action="store_true", help="one JSON object per workload")
+    q.set_defaults(func=cmd_bench_list)
+
+    q = bsub.add_parser("run", help="train a workload (resumes a run that was interrupted)",
+                        description="Train workload NAME with checkpoints in DIR/RUN (default RUN: NAME, "
+                                    "or NAME-synthetic-SIZE with --synthetic). Run the same command again "
+                                    "after a crash, a disconnect or in a new session: it resumes from the "
+                                    "newest valid checkpoint. Exit 0 when the training completed, 3 when it "
+                                    "stopped to save before the session's time limit.")
+    q.add_argument("name", help="workload name (see `keepalive bench list`)")
+    q.add_argument("--synthetic", action="store_true",
+                   help="generated data of the same shapes and dtypes (no download)")
+    q.add_argument("--size", choices=["tiny", "small", "full"], default=None,
+                   help="data size (default: small with --synthetic, full otherwise; with real data a "
+                        "smaller size trains on the first samples)")
+    q.add_argument("--epochs", type=int, default=None, help="epochs (default: the workload's)")
+    q.add_argument("--dir", default=None,
+                   help="folder of benchmark runs, a path or fsspec URL (default: the default checkpoint "
+                        "dir + /bench, see `keepalive status`)")
+    q.add_argument("--run", default=None, help="run folder name inside --dir (default: see above)")
+    q.add_argument("--every", default="epoch",
+                   help="checkpoint schedule: epoch (default), a number of steps, or a duration (10min)")
+    q.add_argument("--keep", type=int, default=3, help="checkpoints to keep (default 3)")
+    q.add_argument("--no-checkpoint", action="store_true",
+                   help="train without checkpoints (timings only; for overhead comparisons)")
+    q.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    q.add_argument("--threads", type=int, default=None, help="CPU threads for the framework")
+    q.add_argument("--deterministic", action="store_true",
+                   help="deterministic ops (TensorFlow op determinism / torch deterministic algorithms)")
+    q.add_argument("--markers", action="store_true",
+                   help="print `STEP n` after each optimizer step and `COMMITTED n` after each checkpoint "
+                        "(for crash tests)")
+    q.add_argument("--progress", action="store_true", help="the framework's own progress output too")
+    q.add_argument("--quiet", action="store_true", help="no per-epoch lines")
+    q.set_defaults(func=cmd_bench_run)
+
+    q = bsub.add_parser("report", help="a table per run: epoch times, samples/s, checkpoint overhead",
+                        description="Show the results of every benchmark run found at or below PATH (a run "
+                                    "folder or a folder of runs; default: the default checkpoint dir + "
+                                    "/bench): per epoch its time, samples/s, the checkpoint's blocking time "
+                                    "and share, background write time and size, the metrics; platform and "
+                                    "device per session.")
+    q.add_argument("path", nargs="?", default=None, help="run folder or folder of runs (path or URL)")
+    q.add_argument("--json", action="store_true", help="the results documents as one JSON list")
+    q.add_argument("--csv", action="store_true", help="all epoch records as one CSV table")
+    q.set_defaults(func=cmd_bench_report)
+    p.set_defaults(func=lambda args: (p.print_help(), 0)[1])
+
+
+def _bench_dir(path: Optional[str]) -> str:
+    if path:
+        return path
+    from .session import default_checkpoint_dir
+
+    return default_checkpoint_dir().rstrip("/") + "/bench"
+
+
+def cmd_bench_list(args) -> int:
+    from . import workloads
+
+    rows = [workloads.describe(n) for n in workloads.names()]
+    if args.json:
+        for r in rows:
+            print(json.dumps(r))
+        return 0
+    print(f"{'name':<24} {'framework':<9} {'epochs x batch':<20} {'dataset':<31} model")
+    for r in rows:
+        if r["framework"] == "fastai" and r.get("freeze_epochs"):
+            eb = f"{r['freeze_epochs']}+{r['epochs']} x {r['batch_size']}"
+        else:
+            eb = f"{r['epochs']} x {r['batch_size']}"
+        if r.get("steps_per_epoch"):
+            eb += f" ({r['steps_per_epoch']} steps)"
+        print(f"{r['name']:<24} {r['framework']:<9} {eb:<20} {r['dataset']:<31} {r['model']}")
+    return 0
+
+
+def cmd_bench_run(args) -> int:
+    from . import workloads
+
+    if args.name not in workloads.REGISTRY:
+        print(f"keepalive bench run: unknown workload {args.name!r}; known: {', '.join(workloads.names())}",
+              file=sys.stderr)
+        return 2
+    from .workloads.common import resolve_size
+
+    size = resolve_size(args.synthetic, args.size)
+    run = args.run or (f"{args.name}-synthetic-{size}" if args.synthetic else
+                       (args.name if size == "full" else f"{args.name}-{size}"))
+    run_dir = _bench_dir(args.dir).rstrip("/") + "/" + run
+    every = int(args.every) if str(args.every).isdigit() else args.every
+    if not args.quiet:
+        print(f"keepalive bench: {args.name} ({'synthetic' if args.synthetic else 'real'} data, size {size}) "
+              f"in {run_dir}", flush=True)
+    doc = workloads.run(args.name, run_dir, epochs=args.epochs, synthetic=args.synthetic, size=size,
+                        every=every, keep=args.keep, checkpoint=not args.no_checkpoint, seed=args.seed,
+                        threads=args.threads, deterministic=args.deterministic, markers=args.markers,
+                        verbose=1 if args.progress else 0, quiet=args.quiet)
+    s = doc.get("summary") or {}
+    if not args.quiet:
+        pct = s.get("checkpoint_pct")
+        print(f"keepalive bench: {doc.get('epochs_done')}/{doc.get('epochs')} epochs "
+              f"{'completed' if doc.get('completed') else 'done, not completed'}; "
+              f"{s.get('samples_per_s')} samples/s"
+              + (f", checkpoint overhead {pct:.2f} %" if pct is not None else "")
+              + f"; results in {run_dir}/results.json and results.csv", flush=True)
+    if args.markers and doc.get("completed"):
+        print("DONE", flush=True)
+    return 0 if doc.get("completed") else 3
+
+
+def cmd_bench_report(args) -> int:
+    from .workloads import common
+
+    root = _bench_dir(args.path)
+    docs = [d for d in (common.read_results(u) for u in common.find_results(root)) if d is not None]
+    if args.json:
+        print(json.dumps(docs, indent=1))
+        return 0 if docs else 2
+    if args.csv:
+        sys.stdout.write(common.results_csv(docs))
+        return 0 if docs else 2
+    if not docs:
+        print(f"keepalive bench report: no benchmark results under {root}", file=sys.stderr)
+        return 2
+    print("\n\n".join(common.format_report(d) for d in docs))
+    return 0
+
+
 # ------------------------------------------------------------------------------------------ main
-# One builder per sub-command; `bench` (workloads) and `sync` (spool) add theirs here.
-_BUILDERS = [add_ls, add_verify, add_status]
+# One builder per sub-command; `bench` (workloads) adds its own here.
+_BUILDERS = [add_ls, add_verify, add_status, add_sync, add_bench]
 
 
 def build_parser() -> argparse.ArgumentParser:

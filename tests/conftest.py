@@ -2,8 +2,11 @@
 that runs a test once per storage kind (local folder, memory://, gs://, s3://)."""
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 import uuid
 
 import pytest
@@ -11,6 +14,13 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 import servers  # noqa: E402  (tests/servers.py)
+
+# The test session gets its own spool and default checkpoint folders (children inherit them): no
+# test reads or fills the user's /tmp/keepalive-spool or ./keepalive-checkpoints.
+_SCRATCH = tempfile.mkdtemp(prefix="keepalive-tests-")
+os.environ.setdefault("KEEPALIVE_SPOOL", os.path.join(_SCRATCH, "spool"))
+os.environ.setdefault("KEEPALIVE_DIR", os.path.join(_SCRATCH, "checkpoints"))
+atexit.register(shutil.rmtree, _SCRATCH, True)
 
 # gcsfs reads these when it is imported / builds a filesystem: set them before any test imports it.
 _GCS_PORT = servers.free_port()

@@ -44,6 +44,7 @@ def run_cli(env: dict, *args: str, cwd=None) -> subprocess.CompletedProcess:
 def status_json(tmp_path, *args: str, **env_extra: str) -> dict:
     env = clean_env(**env_extra)
     env.setdefault("KEEPALIVE_DIR", str(tmp_path / "ckpt"))
+    env.setdefault("KEEPALIVE_SPOOL", str(tmp_path / "spool"))  # not the machine's real spool
     return json.loads(run_cli(env, "status", "--json", *args, cwd=str(tmp_path)).stdout)
 
 

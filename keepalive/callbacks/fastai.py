@@ -270,6 +270,10 @@ class DriveCheckpoint(Callback):
             limit approaches.
         takeover: take the run over from another live session that holds its writer lease.
         background: write checkpoints in a background thread (default).
+        spool: ``"auto"`` (default) commits remote / Drive checkpoints to a local spool first and
+            uploads them in the background (and switches to it when a local destination fails);
+            ``True`` / ``False`` force it. ``flush_timeout``: how long the end of training waits for
+            uploads (default 120 s). ``drive_flush``: on Colab, ``drive.flush_and_unmount()`` at the end.
     """
 
     order = 95  # only before_train / before_batch work is done in callback events; saves run after all
@@ -279,11 +283,14 @@ class DriveCheckpoint(Callback):
                  keep: Optional[int] = 3, keep_every: Optional[int] = None,
                  on_deadline: str = "save_and_stop", deadline_margin: Union[str, float, None] = None,
                  run: Optional[str] = None, takeover: bool = False, background: bool = True,
-                 storage_options: Optional[dict] = None, quiet: bool = False):
+                 storage_options: Optional[dict] = None, quiet: bool = False,
+                 spool: Union[str, bool] = "auto", flush_timeout: Optional[float] = None,
+                 drive_flush: Optional[bool] = None):
         super().__init__()
         self._config = dict(path=path, run=run, every=every, keep=keep, keep_every=keep_every,
                             on_deadline=on_deadline, deadline_margin=deadline_margin, takeover=takeover,
-                            background=background, storage_options=storage_options, quiet=quiet)
+                            background=background, storage_options=storage_options, quiet=quiet,
+                            spool=spool, flush_timeout=flush_timeout, drive_flush=drive_flush)
         self._n_fits = 0
         self._loaded = False
         self._cell: Any = None       # the notebook cell (execution count) of the last counted fit

@@ -226,6 +226,10 @@ class DriveCheckpoint(CheckpointerViews, keras.callbacks.Callback):
         track: more callbacks whose state to save (those in the same ``fit`` are found anyway).
         takeover: take the run over from another live session that holds its writer lease.
         background: write checkpoints in a background thread (default).
+        spool: ``"auto"`` (default) commits remote / Drive checkpoints to a local spool first and
+            uploads them in the background (and switches to it when a local destination fails);
+            ``True`` / ``False`` force it. ``flush_timeout``: how long the end of training waits for
+            uploads (default 120 s). ``drive_flush``: on Colab, ``drive.flush_and_unmount()`` at the end.
         remaining_fn: seconds left in the session (default: from :mod:`keepalive.session`).
     """
 
@@ -235,13 +239,16 @@ class DriveCheckpoint(CheckpointerViews, keras.callbacks.Callback):
                  deadline_margin: Union[str, float, None] = None, run: Optional[str] = None,
                  track: Sequence[Any] = (), takeover: bool = False, background: bool = True,
                  storage_options: Optional[dict] = None, quiet: bool = False,
+                 spool: Union[str, bool] = "auto", flush_timeout: Optional[float] = None,
+                 drive_flush: Optional[bool] = None,
                  remaining_fn: Optional[Callable[[], Optional[float]]] = None):
         super().__init__()
         self.core = Checkpointer(path, run=run, every=every, keep=keep, keep_every=keep_every,
                                  on_deadline=on_deadline, deadline_margin=deadline_margin,
                                  takeover=takeover, background=background,
                                  storage_options=storage_options, framework="keras", quiet=quiet,
-                                 remaining_fn=remaining_fn)
+                                 remaining_fn=remaining_fn, spool=spool,
+                                 flush_timeout=flush_timeout, drive_flush=drive_flush)
         self.core.metadata["keras"] = {"version": keras.__version__,
                                        "backend": keras.backend.backend()}
         self.track = list(track)

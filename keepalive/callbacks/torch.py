@@ -64,6 +64,10 @@ class DriveCheckpoint(CheckpointerViews):
         takeover: take the run over from another live session that holds its writer lease.
         background: write checkpoints in a background thread (default); the loop waits only for the
             copy to host memory.
+        spool: ``"auto"`` (default) commits remote / Drive checkpoints to a local spool first and
+            uploads them in the background (and switches to it when a local destination fails);
+            ``True`` / ``False`` force it. ``flush_timeout``: how long the end of training waits for
+            uploads (default 120 s). ``drive_flush``: on Colab, ``drive.flush_and_unmount()`` at the end.
         **objects: more objects with ``state_dict()`` / ``load_state_dict()``, saved under their names.
     """
 
@@ -73,11 +77,14 @@ class DriveCheckpoint(CheckpointerViews):
                  keep_every: Optional[int] = None, on_deadline: str = "save_and_stop",
                  deadline_margin: Union[str, float, None] = None, run: Optional[str] = None,
                  takeover: bool = False, background: bool = True,
-                 storage_options: Optional[dict] = None, quiet: bool = False, **objects: Any):
+                 storage_options: Optional[dict] = None, quiet: bool = False,
+                 spool: Union[str, bool] = "auto", flush_timeout: Optional[float] = None,
+                 drive_flush: Optional[bool] = None, **objects: Any):
         self.core = Checkpointer(path, run=run, every=every, keep=keep, keep_every=keep_every,
                                  on_deadline=on_deadline, deadline_margin=deadline_margin,
                                  takeover=takeover, background=background,
-                                 storage_options=storage_options, framework="torch", quiet=quiet)
+                                 storage_options=storage_options, framework="torch", quiet=quiet,
+                                 spool=spool, flush_timeout=flush_timeout, drive_flush=drive_flush)
         self.objects: Dict[str, Any] = {}
         for name, obj in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler),
                           ("scaler", scaler), *objects.items()):
