@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file
 
 import faultyfs
-from crashkit import run_to_completion
+from crashkit import COMMITTED_RE, run_to_completion
 from keepalive import cli
 from keepalive import spool as spool_mod
 from keepalive.store import MANIFEST, CheckpointStore
@@ -222,8 +222,7 @@ def test_sigkill_during_an_outage_resumes_bit_exact(tmp_path, reference, request
     assert_same(reference, tmp_path / "out.st")
     assert (failed if proxy is not None else faultyfs.hits(control)) > 0, "the outage never happened"
     assert spool_mod.pending_summary(str(tmp_path / "spool")) is None, "something was never uploaded"
-    committed = {int(line.split()[1]) for line in report.final_output.splitlines()
-                 if line.startswith("COMMITTED ")}
+    committed = {int(m.group(1)) for m in map(COMMITTED_RE.match, report.final_output.splitlines()) if m}
     if local_dest is not None:
         at_dest = steps_at(local_dest)
         capsys.readouterr()

@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 from fastai.callback.core import Callback
 from fastai.callback.tracker import EarlyStoppingCallback, SaveModelCallback
 
+from childio import emit
 from fastai_setup import history, make_learner, weights
 from keepalive.callbacks.fastai import DriveCheckpoint
 
@@ -62,14 +63,14 @@ class PrintSteps(Callback):
 
     def after_batch(self):
         if self.learn.training:
-            print(f"STEP {self.ckpt.counters['step'] + 1}", flush=True)
+            emit(f"STEP {self.ckpt.counters['step'] + 1}")
             if args.sleep:
                 time.sleep(args.sleep)
 
 
 every = int(args.every) if args.every.isdigit() else args.every
 ckpt = DriveCheckpoint(args.run, every=every)
-ckpt.core.writer.on_commit.append(lambda r: print(f"COMMITTED {r.info.step}", flush=True))
+ckpt.core.writer.on_commit.append(lambda r: emit(f"COMMITTED {r.info.step}"))
 cbs = [PrintSteps(ckpt)]
 if args.trackers:
     cbs += [AtomicSaveModel(monitor="valid_loss"),

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch.utils.data import DataLoader, Dataset
 
+from childio import emit
 from keepalive.callbacks.torch import DriveCheckpoint
 
 p = argparse.ArgumentParser()
@@ -60,12 +61,6 @@ if args.budget:
 every = int(args.every) if args.every.isdigit() else args.every
 ckpt = DriveCheckpoint(args.run, model=model, optimizer=opt, scheduler=sched, every=every,
                        deadline_margin=args.margin)
-
-
-def emit(line):
-    """One whole line per write, so the writer thread's COMMITTED lines never split a STEP line."""
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
 
 
 ckpt.core.writer.on_commit.append(lambda r: emit(f"COMMITTED {r.info.step}"))

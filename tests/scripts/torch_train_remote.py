@@ -23,6 +23,7 @@ import torch.nn.functional as F  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
+from childio import emit  # noqa: E402
 from keepalive.callbacks.torch import DriveCheckpoint  # noqa: E402
 
 p = argparse.ArgumentParser()
@@ -68,14 +69,14 @@ every = int(args.every) if args.every.isdigit() else args.every
 options = json.loads(args.storage_options) if args.storage_options else None
 ckpt = DriveCheckpoint(args.run, model=model, optimizer=opt, scheduler=sched, every=every,
                        keep=args.keep or None, storage_options=options)
-ckpt.core.writer.on_commit.append(lambda r: print(f"COMMITTED {r.info.step}", flush=True))
+ckpt.core.writer.on_commit.append(lambda r: emit(f"COMMITTED {r.info.step}"))
 for epoch in ckpt.epochs(args.epochs):
     model.train()
     for x, y in ckpt.batches(loader):
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
         opt.step()
-        print(f"STEP {ckpt.step + 1} {time.time():.3f}", flush=True)
+        emit(f"STEP {ckpt.step + 1} {time.time():.3f}")
         if args.sleep:
             time.sleep(args.sleep)
     sched.step()
