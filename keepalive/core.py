@@ -153,6 +153,7 @@ class Checkpointer:
         self._last_saved_step: Optional[int] = None
         self._pending_signal: Optional[int] = None
         self._deferred_save = False
+        self._reserved = False
         self._deferred_stop: Optional[str] = None
         self._old_handlers: Dict[int, Any] = {}
         self._in_loop = False
@@ -293,6 +294,7 @@ class Checkpointer:
         """
         self.store.lease.progress = dict(self.counters)
         _session.note_activity()  # a running training is not idle
+        self._reserve_snapshot(capture)
         decision = self.trigger.after_step(steps)
         if not can_save:
             # Nothing can be saved here: what came due (a scheduled save, a deadline stop) is done
@@ -313,8 +315,18 @@ class Checkpointer:
             raise KeyboardInterrupt
         raise SystemExit(128 + signum)
 
+    def _reserve_snapshot(self, capture: Capture) -> None:
+        """At the first boundary: prepare the host buffer of the first save in the background."""
+        if not self._reserved:
+            self._reserved = True
+            try:
+                self.writer.snapshot.reserve(self.build_tree(capture))
+            except Exception as exc:  # noqa: BLE001 - an optimisation only; the save will say more
+                log.debug("could not reserve the snapshot buffer: %s", exc)
+
     def epoch_boundary(self, capture: Capture, *, last: bool = False) -> Decision:
         """Call after every epoch, with the counters already pointing at the next epoch."""
+        self._reserve_snapshot(capture)
         decision = self.trigger.after_epoch()
         if self.training_progress is not None:
             self.training_progress.epoch_end(last)

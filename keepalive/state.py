@@ -22,6 +22,7 @@ import base64
 import json
 import struct
 import sys
+import threading
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
@@ -167,12 +168,40 @@ class HostSnapshot:
 
     def __init__(self) -> None:
         self._buffer: Optional[np.ndarray] = None
+        self._reserving: Optional[threading.Thread] = None
 
     @property
     def capacity(self) -> int:
         return 0 if self._buffer is None else self._buffer.nbytes
 
+    def reserve(self, tree: Any) -> None:
+        """Allocate the buffer for ``tree`` and touch every page in a background thread.
+
+        Called when training starts, so that the first save copies into memory that is already
+        mapped: faulting in a fresh buffer costs more than the copy itself (0.2-1.3 s per GiB seen
+        here). ``ctypes.memset`` releases the GIL, so training runs on meanwhile.
+        """
+        if self._buffer is not None or self._reserving is not None:
+            return
+        _, tensors = encode(tree)
+        _, size = layout(tensors)
+        if size < (64 << 20):
+            return  # small states fault in quickly at the first save
+
+        def run() -> None:
+            import ctypes
+
+            buf = _host_buffer(size)
+            ctypes.memset(buf.ctypes.data, 0, buf.nbytes)
+            self._buffer = buf
+
+        self._reserving = threading.Thread(target=run, name="keepalive-reserve", daemon=True)
+        self._reserving.start()
+
     def take(self, tree: Any) -> Dict[str, Any]:
+        if self._reserving is not None:
+            self._reserving.join()
+            self._reserving = None
         json_tree, tensors = encode(tree)
         header, size = layout(tensors)
         if self._buffer is None or self._buffer.nbytes < size:
