@@ -71,20 +71,10 @@ def say(message: str) -> None:
     print(f"keepalive: {message}", flush=True)
 
 
-class CheckpointerViews:
+class RunViews:
     """Read-only views on ``self.core`` (a :class:`Checkpointer`) that every adapter offers."""
 
     core: "Checkpointer"
-
-    @property
-    def epoch(self) -> int:
-        """Epochs completed (the next epoch to run)."""
-        return self.core.counters["epoch"]
-
-    @property
-    def step(self) -> int:
-        """Optimizer steps completed."""
-        return self.core.counters["step"]
 
     @property
     def counters(self) -> Dict[str, int]:
@@ -110,6 +100,20 @@ class CheckpointerViews:
     def url(self) -> str:
         """The run folder (local path or URL)."""
         return self.core.url
+
+
+class CheckpointerViews(RunViews):
+    """:class:`RunViews` plus ``epoch`` and ``step`` (fastai callbacks read those from the learner)."""
+
+    @property
+    def epoch(self) -> int:
+        """Epochs completed (the next epoch to run)."""
+        return self.core.counters["epoch"]
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps completed."""
+        return self.core.counters["step"]
 
 
 class Checkpointer:
@@ -456,4 +460,4 @@ def install_sigterm_flush() -> None:
                 pass
 
 
-__all__ = ["Checkpointer", "CheckpointerViews", "default_dir", "resolve_run_url", "say", "install_sigterm_flush"]
+__all__ = ["Checkpointer", "CheckpointerViews", "RunViews", "default_dir", "resolve_run_url", "say", "install_sigterm_flush"]

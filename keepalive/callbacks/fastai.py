@@ -83,7 +83,7 @@ from fastai.torch_core import find_bs
 from fastcore.basics import noop
 from fastcore.foundation import L
 
-from ..core import Checkpointer, say
+from ..core import Checkpointer, RunViews, say
 from ..dataorder import mix
 from ..errors import StateMismatchError
 from ._torch_data import _seed_worker_rngs
@@ -258,7 +258,7 @@ class _EventsHook:
 
 
 # --------------------------------------------------------------------------------------- callback
-class DriveCheckpoint(Callback):
+class DriveCheckpoint(RunViews, Callback):  # RunViews: no epoch / step (a fastai callback reads the learner's)
     """Checkpoint a fastai training to a local folder, a mounted Drive or any fsspec URL (see module).
 
     Args:
@@ -311,28 +311,10 @@ class DriveCheckpoint(Callback):
             self._core = Checkpointer(framework="fastai", **self._config)
         return self._core
 
-    @property
-    def counters(self) -> Dict[str, int]:
-        """``epoch`` (all fit calls together), ``step`` (optimizer steps), ``batch``, ``samples``."""
-        return self.core.counters
 
-    @property
-    def extras(self) -> Dict[str, Any]:
-        return self.core.extras
 
-    @property
-    def url(self) -> str:
-        return self.core.url
 
-    @property
-    def stopped(self) -> bool:
-        """True when training ended early to save before the session's deadline."""
-        return self.core.stopped
 
-    @property
-    def finished(self) -> bool:
-        """True once a fit call ended normally (its end is checkpointed)."""
-        return self.core.finished
 
     def __repr__(self) -> str:
         return f"DriveCheckpoint({self.core.url!r})"

@@ -181,3 +181,18 @@ def run_keras(spec: Any, run_dir: str, *, epochs: Optional[int] = None, syntheti
 
 def one_hot(y: np.ndarray, n: int) -> np.ndarray:
     return keras.utils.to_categorical(y, n).astype("float32")
+
+
+def mnist_style(dataset: str, n_train: int, n_test: int, size: str, synthetic: bool,
+                seeds=(1, 2), num_classes: int = 10):
+    """28x28 grey images with integer labels, ``(x_train, y_train, x_test, y_test, note)``: synthetic
+    ones of the same shapes, or ``keras.datasets.<dataset>`` (cut to the size unless ``full``)."""
+    if synthetic:
+        x_train, y_train = common.synthetic_images(n_train, (28, 28), num_classes, seed=seeds[0])
+        x_test, y_test = common.synthetic_images(n_test, (28, 28), num_classes, seed=seeds[1])
+        label = "Fashion-MNIST" if dataset == "fashion_mnist" else "MNIST"
+        return x_train, y_train, x_test, y_test, f"synthetic {label}-shaped data ({n_train} / {n_test})"
+    (x_train, y_train), (x_test, y_test) = getattr(keras.datasets, dataset).load_data()
+    x_train, y_train = common.subset(None if size == "full" else n_train, x_train, y_train)
+    x_test, y_test = common.subset(None if size == "full" else n_test, x_test, y_test)
+    return x_train, y_train, x_test, y_test, f"keras.datasets.{dataset}"

@@ -63,17 +63,10 @@ def load_data(synthetic: bool = False, size: Optional[str] = None) -> Dict[str, 
 
     size = common.resolve_size(synthetic, size)
     n_train, n_test, batch, steps = common.pick(SIZES, size)
-    if synthetic:
-        x_train, y_train = common.synthetic_images(n_train, (28, 28), NUM_CLASSES, seed=10)
-        x_test, y_test = common.synthetic_images(n_test, (28, 28), NUM_CLASSES, seed=11)
-        note = f"synthetic Fashion-MNIST-shaped data ({n_train} / {n_test})"
-    else:
-        import keras
+    from ._keras import mnist_style
 
-        (x_train, y_train), (x_test, y_test) = keras.datasets.fashion_mnist.load_data()
-        x_train, y_train = common.subset(None if size == "full" else n_train, x_train, y_train)
-        x_test, y_test = common.subset(None if size == "full" else n_test, x_test, y_test)
-        note = "keras.datasets.fashion_mnist"
+    x_train, y_train, x_test, y_test, note = mnist_style("fashion_mnist", n_train, n_test, size,
+                                                         synthetic, seeds=(10, 11))
     x_train, x_test = np.expand_dims(x_train, -1), np.expand_dims(x_test, -1)
     per_epoch = batch * steps
     return {"x_train": Repeated(x_train, per_epoch), "y_train": Repeated(y_train, per_epoch, "int32"),

@@ -30,21 +30,11 @@ def load_data(synthetic: bool = False, size: Optional[str] = None) -> Dict[str, 
     """``x_train`` (N, 784) float32 in [0, 1], ``y_train`` (N, 10) one-hot float32, and the test set."""
     import numpy as np
 
-    from ._keras import one_hot
+    from ._keras import mnist_style, one_hot
 
     size = common.resolve_size(synthetic, size)
     n_train, n_test = common.pick(SIZES, size)
-    if synthetic:
-        x_train, y_train = common.synthetic_images(n_train, (28, 28), NUM_CLASSES, seed=1)
-        x_test, y_test = common.synthetic_images(n_test, (28, 28), NUM_CLASSES, seed=2)
-        note = f"synthetic MNIST-shaped data ({n_train} / {n_test})"
-    else:
-        import keras
-
-        (x_train, y_train), (x_test, y_test) = keras.datasets.mnist.load_data()
-        x_train, y_train = common.subset(None if size == "full" else n_train, x_train, y_train)
-        x_test, y_test = common.subset(None if size == "full" else n_test, x_test, y_test)
-        note = "keras.datasets.mnist"
+    x_train, y_train, x_test, y_test, note = mnist_style("mnist", n_train, n_test, size, synthetic)
     prep = lambda x: (x.reshape(len(x), 784).astype(np.float32) / 255.0)  # noqa: E731
     return {"x_train": prep(x_train), "y_train": one_hot(y_train, NUM_CLASSES),
             "x_test": prep(x_test), "y_test": one_hot(y_test, NUM_CLASSES), "note": note}
