@@ -49,7 +49,10 @@ def _reader(stream, q):
 
 def run_to_completion(cmd: List[str], *, total_steps: int, kills: int, rng: random.Random,
                       run_dir: Optional[str] = None, env: Optional[dict] = None,
-                      max_substep_delay: float = 0.03, timeout: float = 120.0) -> CrashReport:
+                      max_substep_delay: float = 0.03, timeout: float = 120.0,
+                      kill_after_commit: Optional[int] = None) -> CrashReport:
+    """``kill_after_commit``: the first kill also waits until that step's checkpoint is committed
+    (writes are asynchronous: without it, how far back a kill sends the run depends on the load)."""
     report = CrashReport()
     env = dict(os.environ if env is None else env, PYTHONUNBUFFERED="1")
     resumed_prev: Optional[int] = None
@@ -85,11 +88,13 @@ def run_to_completion(cmd: List[str], *, total_steps: int, kills: int, rng: rand
                 m = STEP_RE.match(line)
                 if m:
                     last_step = int(m.group(1))
-                    if kill_at is not None and last_step >= kill_at:
-                        time.sleep(rng.uniform(0, max_substep_delay))
-                        proc.send_signal(signal.SIGKILL)
-                        killed = True
-                        break
+                wait_for = kill_after_commit if attempt == 0 else None
+                if (kill_at is not None and last_step is not None and last_step >= kill_at
+                        and (wait_for is None or (committed is not None and committed >= wait_for))):
+                    time.sleep(rng.uniform(0, max_substep_delay))
+                    proc.send_signal(signal.SIGKILL)
+                    killed = True
+                    break
             proc.wait(timeout=30)
         finally:
             if proc.poll() is None:

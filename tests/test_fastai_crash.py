@@ -105,7 +105,8 @@ def test_detects_divergence(tmp_path, references):
     # unfrozen fit's first epoch, whose order comes from the DataLoader RNG as the frozen fit left it
     report = run_to_completion(_cmd(tmp_path / "run", tmp_path / "w.st", *args, "--sleep", "0.05",
                                     "--break", "dl_rng"),
-                               total_steps=N_ITER + 5, kills=1, rng=_KillLast(1), timeout=180)
+                               total_steps=N_ITER + 5, kills=1, rng=_KillLast(1), timeout=180,
+                               kill_after_commit=10)
     assert report.trials[1].resumed_step == 10
     assert "DONE" in report.final_output
     with pytest.raises(AssertionError, match="differs"):
