@@ -445,19 +445,4 @@ def _flush_all_at_exit() -> None:
             log.error("could not finish the last checkpoint of %s: %s", ckpt.url, exc)
 
 
-def _sigterm_outside_loop(signum, frame) -> None:  # pragma: no cover - exercised in subprocess tests
-    _flush_all_at_exit()
-    raise SystemExit(128 + signum)
-
-
-def install_sigterm_flush() -> None:
-    """Outside a training loop, SIGTERM flushes in-flight writes before the process exits."""
-    if threading.current_thread() is threading.main_thread():
-        if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
-            try:
-                signal.signal(signal.SIGTERM, _sigterm_outside_loop)
-            except (ValueError, OSError):
-                pass
-
-
-__all__ = ["Checkpointer", "CheckpointerViews", "RunViews", "default_dir", "resolve_run_url", "say", "install_sigterm_flush"]
+__all__ = ["Checkpointer", "CheckpointerViews", "RunViews", "default_dir", "resolve_run_url", "say"]
