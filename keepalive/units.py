@@ -63,6 +63,22 @@ def format_duration(seconds: Optional[float]) -> str:
     return f"{sign}{minutes} min {secs:02d} s"
 
 
+def parse_bytes(value: Union[str, int, float]) -> int:
+    """Bytes in a size such as ``"10GB"``, ``"5GiB"``, ``"500M"`` or a number.
+
+    >>> parse_bytes("1.5GiB")
+    1610612736
+    """
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?)b?\s*", str(value), re.I)
+    if not m:
+        raise ValueError(f"not a size: {value!r} (use e.g. '10GB', '5GiB')")
+    number, unit, binary = m.groups()
+    power = " kmgt".index(unit.lower() or " ")
+    return int(float(number) * (1024 if binary else 1000) ** power)
+
+
 def format_bytes(n: Optional[float], *, binary: bool = True) -> str:
     """Sizes with an explicit unit: binary ``GiB`` (default) or decimal ``GB``."""
     if n is None:

@@ -1,0 +1,220 @@
+"""Every ``KEEPALIVE_*`` environment variable, in one table: name, default, parser, meaning.
+
+Code never reads ``os.environ`` for a ``KEEPALIVE_*`` variable itself; it asks this module:
+
+>>> from keepalive import settings
+>>> settings.get("KEEPALIVE_SPOOL_SLOW", env={"KEEPALIVE_SPOOL_SLOW": "30s"})
+30.0
+>>> settings.get("KEEPALIVE_SPOOL_SLOW", env={})
+10.0
+>>> settings.get("KEEPALIVE_RECORD_CELLS", env={"KEEPALIVE_RECORD_CELLS": "Cell"})
+'cell'
+
+The environment is parsed once per distinct set of ``KEEPALIVE_*`` values (a notebook that sets a
+variable with ``%env`` between two cells is seen at the next read; nothing is re-parsed otherwise). A
+value that does not parse is reported once, visibly, and the default is used instead: a typo never
+stops a training. ``keepalive status --settings`` prints the table with the values in force.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+
+from .units import parse_bytes, parse_duration
+
+__all__ = ["Setting", "SETTINGS", "get", "is_set", "table", "snapshot"]
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One environment variable: its name, default (already parsed), parser and meaning."""
+
+    name: str
+    default: Any
+    parse: Callable[[str], Any]
+    doc: str
+    kind: str = "str"  # how to write a value, shown in the table
+
+
+# ------------------------------------------------------------------------------------- parsers
+_TRUE = ("1", "true", "yes", "on", "always")
+_FALSE = ("0", "false", "no", "off", "never")
+
+
+def _flag(text: str) -> bool:
+    value = text.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE or value == "":
+        return False
+    raise ValueError(f"not a yes/no value: {text!r} (use 1 or 0)")
+
+
+def _tristate(text: str) -> Optional[bool]:
+    """True / False, or None for ``auto`` (or empty)."""
+    value = text.strip().lower()
+    if value in ("", "auto"):
+        return None
+    return _flag(value)
+
+
+def _limit(text: str) -> Optional[float]:
+    """A duration, or None for ``0`` / ``none`` / ``off`` (no limit)."""
+    value = text.strip().lower()
+    if value in ("0", "none", "off", "no", "unlimited", "inf"):
+        return None
+    return parse_duration(value)
+
+
+def _choice(*allowed: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        value = text.strip().lower()
+        if value not in allowed:
+            raise ValueError(f"{text!r} is not one of {', '.join(allowed)}")
+        return value
+
+    return parse
+
+
+def _spool_mode(text: str) -> str:
+    value = text.strip().lower()
+    if value in ("always", "on", "1", "true", "yes"):
+        return "always"
+    if value in ("never", "off", "0", "false", "no"):
+        return "never"
+    if value in ("", "auto"):
+        return "auto"
+    raise ValueError(f"{text!r} is not one of auto, always, never")
+
+
+def _path(text: str) -> Optional[str]:
+    value = text.strip()
+    return os.path.expanduser(value) if value else None
+
+
+def _text(text: str) -> Optional[str]:
+    return text.strip() or None
+
+
+def _lower(text: str) -> Optional[str]:
+    return text.strip().lower() or None
+
+
+def _positive_int(text: str) -> Optional[int]:
+    value = int(text.strip())
+    return value if value > 0 else None
+
+
+def _bytes_or_none(text: str) -> Optional[int]:
+    value = text.strip()
+    return parse_bytes(value) if value else None
+
+
+# --------------------------------------------------------------------------------------- table
+SETTINGS: Dict[str, Setting] = {s.name: s for s in [
+    # where checkpoints go
+    Setting("KEEPALIVE_DIR", None, _path, "default folder for runs when DriveCheckpoint() gets no "
+            "path (else the mounted Drive's MyDrive/keepalive, /kaggle/working/keepalive on Kaggle, "
+            "else ./keepalive-checkpoints)", "path or URL"),
+    # the session's clock
+    Setting("KEEPALIVE_PLATFORM", None, _lower, "force the detected platform (colab, kaggle, "
+            "paperspace, databricks, jupyter, local)", "name"),
+    Setting("KEEPALIVE_PROFILE", None, _lower, "pick a platform profile by name (e.g. colab-pro+)",
+            "name"),
+    Setting("KEEPALIVE_BUDGET", None, _text, "session time limit, e.g. 3h, 45min; 0 or none: no "
+            "limit (overrides the platform profile)", "duration"),
+    Setting("KEEPALIVE_IDLE", None, _text, "idle timeout, e.g. 90min; 0 or none: none", "duration"),
+    Setting("KEEPALIVE_SESSION_START", None, _text, "when the session's clock started (unix seconds "
+            "or ISO-8601); overrides the platform's clock", "time"),
+    # storage faults
+    Setting("KEEPALIVE_SPOOL", "/tmp/keepalive-spool", lambda t: _path(t) or "/tmp/keepalive-spool",
+            "root folder of the local spool (checkpoints waiting for upload)", "path"),
+    Setting("KEEPALIVE_SPOOL_MODE", "auto", _spool_mode, "auto: spool remote / Drive destinations and "
+            "failing local ones; always; never", "auto|always|never"),
+    Setting("KEEPALIVE_SPOOL_MAX", None, _bytes_or_none, "most bytes the spool may hold (default: "
+            "half the free disk)", "size"),
+    Setting("KEEPALIVE_SPOOL_SLOW", 10.0, parse_duration, "a direct local write slower than this "
+            "switches the run to the spool", "duration"),
+    Setting("KEEPALIVE_FLUSH_TIMEOUT", 120.0, parse_duration, "how long the end of training waits "
+            "for uploads", "duration"),
+    Setting("KEEPALIVE_DRIVE_FLUSH", False, _flag, "on Colab, call drive.flush_and_unmount() at the "
+            "end of a run (it unmounts Drive)", "0|1"),
+    # what the user sees
+    Setting("KEEPALIVE_PROGRESS", None, _tristate, "progress bars for uploads and epochs: auto, 1, 0",
+            "auto|1|0"),
+    Setting("KEEPALIVE_PROGRESS_MIN_BYTES", 256 << 20, parse_bytes, "uploads smaller than this get no "
+            "progress bar", "size"),
+    Setting("KEEPALIVE_VERBOSITY", "normal", _choice("quiet", "normal", "debug"), "quiet: only "
+            "warnings; normal: one line per resume / stop / problem; debug: also every save",
+            "quiet|normal|debug"),
+    Setting("KEEPALIVE_RECORD_CELLS", "all", _choice("all", "cell", "none", "0", "off", "no", "false"),
+            "which notebook cells a run records for %resume_training: all (setup + training), cell "
+            "(the training cell), none (cells may hold secrets)", "all|cell|none"),
+    # benchmarks
+    Setting("KEEPALIVE_BENCH_THREADS", None, _positive_int, "CPU threads for `keepalive bench run` "
+            "(default: the framework's)", "int"),
+]}
+
+
+# ------------------------------------------------------------------------------------- reading
+_LOCK = threading.Lock()
+_CACHE: Dict[Tuple[Tuple[str, str], ...], Dict[str, Any]] = {}
+_REPORTED: set = set()
+
+
+def _relevant(env: Mapping[str, str]) -> Tuple[Tuple[str, str], ...]:
+    return tuple(sorted((k, v) for k, v in env.items() if k.startswith("KEEPALIVE_")))
+
+
+def snapshot(env: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
+    """Every setting's value in force (parsed once per distinct environment)."""
+    env = os.environ if env is None else env
+    key = _relevant(env)
+    with _LOCK:
+        cached = _CACHE.get(key)
+    if cached is not None:
+        return cached
+    values: Dict[str, Any] = {}
+    for name, setting in SETTINGS.items():
+        raw = env.get(name)
+        if raw is None:
+            values[name] = setting.default
+            continue
+        try:
+            values[name] = setting.parse(raw)
+        except (ValueError, TypeError) as exc:
+            values[name] = setting.default
+            if (name, raw) not in _REPORTED:
+                _REPORTED.add((name, raw))
+                from .report import warn  # report imports settings: import it late
+
+                warn(f"ignoring {name}={raw!r}: {exc}; using the default ({setting.default!r})")
+    with _LOCK:
+        if len(_CACHE) > 64:  # tests flip variables often; keep the cache small
+            _CACHE.clear()
+        _CACHE[key] = values
+    return values
+
+
+def get(name: str, env: Optional[Mapping[str, str]] = None) -> Any:
+    """The parsed value of ``name`` (a key of :data:`SETTINGS`) in ``env`` (default ``os.environ``)."""
+    if name not in SETTINGS:
+        raise KeyError(f"unknown setting {name!r}")
+    return snapshot(env)[name]
+
+
+def is_set(name: str, env: Optional[Mapping[str, str]] = None) -> bool:
+    """Whether ``name`` is present (and non-empty) in the environment."""
+    env = os.environ if env is None else env
+    return bool((env.get(name) or "").strip())
+
+
+def table(env: Optional[Mapping[str, str]] = None) -> List[Dict[str, Any]]:
+    """One row per setting: ``name``, ``value`` in force, ``default``, ``set`` (from the
+    environment), ``kind`` and ``doc`` (``keepalive status --settings``)."""
+    env = os.environ if env is None else env
+    values = snapshot(env)
+    return [{"name": s.name, "value": values[s.name], "default": s.default, "set": is_set(s.name, env),
+             "kind": s.kind, "doc": s.doc} for s in SETTINGS.values()]
