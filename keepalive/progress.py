@@ -14,33 +14,24 @@ tqdm is imported only when a bar is actually opened; without tqdm nothing is sho
 """
 from __future__ import annotations
 
-import logging
-import os
 import sys
 from typing import Any, Callable, Mapping, Optional
 
+from . import report, settings
 from .units import format_bytes, format_duration
 
-log = logging.getLogger("keepalive.progress")
-
-DEFAULT_MIN_BYTES = 256 << 20
+DEFAULT_MIN_BYTES = int(settings.SETTINGS["KEEPALIVE_PROGRESS_MIN_BYTES"].default)
 
 
 def setting() -> Optional[bool]:
     """``KEEPALIVE_PROGRESS``: True (on), False (off) or None (automatic)."""
-    value = os.environ.get("KEEPALIVE_PROGRESS", "").strip().lower()
-    if value in ("0", "off", "false", "no", "never"):
-        return False
-    if value in ("1", "on", "true", "yes", "always"):
-        return True
-    return None
+    value: Optional[bool] = settings.get("KEEPALIVE_PROGRESS")
+    return value
 
 
 def min_upload_bytes() -> int:
-    try:
-        return int(float(os.environ.get("KEEPALIVE_PROGRESS_MIN_BYTES", DEFAULT_MIN_BYTES)))
-    except ValueError:
-        return DEFAULT_MIN_BYTES
+    """``KEEPALIVE_PROGRESS_MIN_BYTES``: smaller uploads get no bar."""
+    return int(settings.get("KEEPALIVE_PROGRESS_MIN_BYTES"))
 
 
 def total_bytes(files: Mapping[str, Any]) -> int:
@@ -102,7 +93,7 @@ def upload_progress(url: str) -> Optional[Callable[[Mapping[str, Any], int], Opt
                              desc=f"keepalive: saving step {step} ({format_bytes(total)}) to {target}",
                              file=sys.stderr, mininterval=0.5))
         except Exception as exc:  # noqa: BLE001
-            log.debug("no upload progress bar: %s", exc)
+            report.debug(f"no upload progress bar: {exc!r}")
             return None
 
     return factory
@@ -160,7 +151,7 @@ class TrainingProgress:
             if last:
                 self.close()
         except Exception as exc:  # noqa: BLE001 - a display problem must not stop training
-            log.debug("epoch progress failed: %s", exc)
+            report.debug(f"epoch progress failed: {exc!r}")
 
     def close(self) -> None:
         bar, self.bar = self.bar, None

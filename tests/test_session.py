@@ -1,4 +1,5 @@
-"""keepalive.session: platform detection, budgets, clocks, idle tracking, hardware, `keepalive status`.
+"""keepalive.session: platform detection, budgets, clocks, idle tracking, hardware; keepalive.status:
+`keepalive status` (and `--settings`).
 
 Platforms are simulated by the environment variables each platform sets itself, in real
 subprocesses running ``python -m keepalive status --json``. The one mock: a fake ``google.colab``
@@ -8,6 +9,7 @@ what is tested; the real tool is used where one exists).
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -19,7 +21,8 @@ import time
 
 import pytest
 
-from keepalive import session
+from keepalive import session, status
+from keepalive.session import platforms as session_platforms
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _STRIP_PREFIXES = ("COLAB_", "KAGGLE_", "PAPERSPACE_", "DATABRICKS_", "KEEPALIVE_", "TPU_", "JPY_")
@@ -54,11 +57,11 @@ def fresh(monkeypatch):
     for k in list(os.environ):
         if k.startswith(_STRIP_PREFIXES) or k in _STRIP_NAMES:
             monkeypatch.delenv(k)
-    session._OVERRIDES.clear()
-    session._INFO = None
+    session_platforms._OVERRIDES.clear()
+    session_platforms._INFO = None
     yield
-    session._OVERRIDES.clear()
-    session._INFO = None
+    session_platforms._OVERRIDES.clear()
+    session_platforms._INFO = None
 
 
 # ----------------------------------------------------------------------------- import and CLI
@@ -242,7 +245,7 @@ def test_format_status_without_budget_and_with_gpu():
         "session_start": "2025-01-01T00:00:00Z", "checkpoint_dir": "/x", "runs": [], "warnings": [],
         "hardware": {"gpus": [session._gpu_entry(0, "Tesla T4", 15360 * 2 ** 20, 1024 * 2 ** 20, 37.0)]},
     }
-    text = session.format_status(report)
+    text = status.format_status(report)
     assert "budget    none" in text
     assert "Tesla T4: 1.00 GiB (1.07 GB) used of 15.00 GiB (16.11 GB), utilisation 37 %" in text
 
@@ -309,7 +312,7 @@ def test_gpus_from_nvidia_smi_output(tmp_path, monkeypatch):
         """))
     smi.chmod(0o755)
     monkeypatch.setenv("PATH", f"{fake}{os.pathsep}{os.environ['PATH']}")
-    monkeypatch.setattr(session.importlib.util, "find_spec",
+    monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "pynvml" else _real_find_spec(name, *a))
     found, source = session.gpus()
     assert source == "nvidia-smi"
@@ -318,7 +321,7 @@ def test_gpus_from_nvidia_smi_output(tmp_path, monkeypatch):
     assert found[1]["name"] == "NVIDIA A100-SXM4-40GB" and found[1]["utilization_percent"] is None
 
 
-_real_find_spec = session.importlib.util.find_spec
+_real_find_spec = importlib.util.find_spec
 
 
 # --------------------------------------------------------------------------------- idle tracking
@@ -375,13 +378,14 @@ class FakeClock:
         return self.t
 
 
-def test_idle_warning_fires_once_per_idle_period(fresh, caplog):
+def test_idle_warning_fires_once_per_idle_period(fresh, caplog, capsys):
     info = session.configure(idle="100s")
     clock, events = FakeClock(), []
     tracker = session.IdleTracker(clock=clock, callbacks=[events.append])
     assert tracker.warn_margin(100) == 25.0
     tracker.post_run_cell()                       # a cell ended at t=1000
-    with caplog.at_level(logging.WARNING, logger="keepalive.session"):
+    capsys.readouterr()
+    with caplog.at_level(logging.WARNING, logger="keepalive"):
         clock.t = 1050
         assert tracker.check_idle(info=info) is None      # 50 s of margin left
         clock.t = 1080
@@ -396,8 +400,10 @@ def test_idle_warning_fires_once_per_idle_period(fresh, caplog):
         clock.t = 1290
         assert tracker.check_idle(info=info) is not None    # a new idle period warns again
     assert len(events) == 2
-    records = [r for r in caplog.records if r.name == "keepalive.session"]
+    records = [r for r in caplog.records if r.name == "keepalive"]   # keepalive.report's logger
     assert len(records) == 2 and "idle timeout of 1 min 40 s" in records[0].getMessage()
+    shown = capsys.readouterr().err                  # and printed: the user sees it, not only a log
+    assert shown.count("keepalive: warning: idle for") == 2 and "idle timeout of 1 min 40 s" in shown
     assert session.check_idle_warning() is None               # the module tracker saw nothing
     assert session.configure(idle=None).idle_timeout_seconds is None
     assert tracker.check_idle() is None
@@ -408,7 +414,7 @@ def test_idle_watch_thread_warns_once(fresh, caplog):
     events = []
     tracker = session.IdleTracker(callbacks=[events.append])
     tracker.note_activity()
-    with caplog.at_level(logging.WARNING, logger="keepalive.session"):
+    with caplog.at_level(logging.WARNING, logger="keepalive"):
         tracker.start_watch(interval=0.02)
         try:
             time.sleep(0.6)
@@ -442,9 +448,10 @@ def test_real_kernel_uses_kernel_clock(tmp_path):
         chunks = []
         reply = kc.execute_interactive(
             code, timeout=60,
-            output_hook=lambda m: chunks.append(m["content"].get("text", "")) if m["msg_type"] == "stream" else None)
+            output_hook=lambda m: (chunks.append(m["content"].get("text", ""))
+                                   if m["msg_type"] == "stream" else None))
         assert reply["content"]["status"] == "ok", reply["content"]
-        line = next(l for l in "".join(chunks).splitlines() if l.startswith("RESULT"))
+        line = next(ln for ln in "".join(chunks).splitlines() if ln.startswith("RESULT"))
         platform, clock, in_kernel, frontend, sub_platform, sub_clock, sub_start, start = json.loads(line[7:])
         assert (platform, clock, in_kernel, frontend) == ("jupyter", "kernel", True, "jupyter")
         assert (sub_platform, sub_clock) == ("jupyter", "kernel")    # `!keepalive status` in a cell

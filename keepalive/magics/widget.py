@@ -13,32 +13,23 @@ when a panel is built.
 from __future__ import annotations
 
 import html
-import logging
-import sys
 import threading
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
-from .. import session
+from .. import report as _report
+from .. import session, status
+from ..session import is_notebook_shell
 from ..units import format_duration
-
-log = logging.getLogger("keepalive.magics")
 
 _PANELS: List["StatusPanel"] = []
 _LOCK = threading.Lock()
 
 
-def is_notebook_shell(ip: Any) -> bool:
-    """A kernel shell (ipykernel's ZMQInteractiveShell or a subclass, e.g. Colab's)."""
-    return any(c.__name__ == "ZMQInteractiveShell" for c in type(ip).__mro__)
-
-
 def has_widget_frontend(ip: Any = None) -> bool:
-    """Whether widgets can be shown: a notebook kernel (ZMQInteractiveShell) and ipywidgets."""
-    if ip is None:
-        mod = sys.modules.get("IPython")
-        ip = mod.get_ipython() if mod is not None else None
-    if ip is None or not is_notebook_shell(ip):
+    """Whether widgets can be shown: a notebook front end (:func:`keepalive.session.in_notebook`)
+    and ipywidgets installed."""
+    if not session.in_notebook(ip):
         return False
     try:
         import ipywidgets  # noqa: F401
@@ -91,11 +82,11 @@ def time_lines(report: Dict[str, Any], info: Optional[session.SessionInfo] = Non
 
 def hardware_html(report: Dict[str, Any]) -> str:
     hw = report.get("hardware") or {}
-    rows = []
+    rows: List[Tuple[str, Any]] = []
     gl = hw.get("gpus") or []
     for g in gl:
         util = g.get("utilization_percent")
-        rows.append(("GPU %s" % g.get("index", ""), f"{g.get('name')}: {g.get('memory')}"
+        rows.append((f"GPU {g.get('index', '')}", f"{g.get('name')}: {g.get('memory')}"
                      + ("" if util is None else f", utilisation {util:.0f} %")))
     if not gl:
         rows.append(("GPU", hw.get("gpu_source") or "none"))
@@ -136,7 +127,7 @@ def warnings_html(warnings: List[str]) -> str:
 
 
 class StatusPanel:
-    """The live widget view of :func:`keepalive.session.status_report`."""
+    """The live widget view of :func:`keepalive.status.status_report`."""
 
     def __init__(self, checkpoint_dir: Optional[str] = None, interval: float = 5.0,
                  full_every: float = 60.0):
@@ -145,7 +136,7 @@ class StatusPanel:
         self.checkpoint_dir = checkpoint_dir
         self.interval = max(0.5, float(interval))
         self.full_every = max(self.interval, float(full_every))
-        self.report = session.status_report(checkpoint_dir=checkpoint_dir)
+        self.report = status.status_report(checkpoint_dir=checkpoint_dir)
         self.extra_warnings: List[str] = []
         self.title = W.HTML()
         bar_layout = W.Layout(width="320px")
@@ -198,7 +189,7 @@ class StatusPanel:
         self.render_time()
 
     def text(self) -> str:
-        return session.format_status(self.report)
+        return status.format_status(self.report)
 
     def mimebundle(self) -> Dict[str, Any]:
         data = dict(self.box._repr_mimebundle_() or {})
@@ -235,13 +226,13 @@ class StatusPanel:
             try:
                 if time.monotonic() - self._last_full >= self.full_every:
                     self._last_full = time.monotonic()
-                    self.report = session.status_report(checkpoint_dir=self.checkpoint_dir)
+                    self.report = status.status_report(checkpoint_dir=self.checkpoint_dir)
                     self.extra_warnings = []
                     self.render_full()
                 else:
                     self.render_time()
-            except Exception:  # noqa: BLE001 - a panel must never disturb the kernel
-                log.debug("status panel refresh failed", exc_info=True)
+            except Exception as exc:  # noqa: BLE001 - a panel must never disturb the kernel
+                _report.debug(f"status panel refresh failed: {exc!r}")
 
 
 def _on_idle_warning(event: Dict[str, Any]) -> None:
@@ -260,7 +251,7 @@ def show_status(ip: Any = None, checkpoint_dir: Optional[str] = None, *, mode: s
 
             display(panel.mimebundle(), raw=True)
         except Exception as exc:  # noqa: BLE001 - fall back to text
-            log.debug("status widget failed: %s", exc, exc_info=True)
+            _report.debug(f"status widget failed, showing text: {exc!r}")
         else:
             with _LOCK:
                 for old in _PANELS:
@@ -273,7 +264,7 @@ def show_status(ip: Any = None, checkpoint_dir: Optional[str] = None, *, mode: s
             else:
                 panel.stop("not live")
             return panel
-    print(session.format_status(session.status_report(checkpoint_dir=checkpoint_dir)))
+    print(status.format_status(status.status_report(checkpoint_dir=checkpoint_dir)))  # the panel itself
     return None
 
 

@@ -1,0 +1,434 @@
+"""Which platform runs this session, what it allows, and when the session started.
+
+:func:`detect` returns a :class:`SessionInfo`: the platform (one of :data:`PLATFORMS`), its session
+budget and idle timeout (from the :data:`PROFILES` table below, each figure with its source), the
+session start and the clock it runs on (:mod:`keepalive.session.clock`). Cached: the first call reads
+the environment and ``/proc``; later calls cost nothing, so :func:`remaining_seconds` is cheap enough
+for every training step.
+
+Overrides, strongest first: :func:`configure` arguments, then the settings ``KEEPALIVE_PLATFORM``
+(force a platform), ``KEEPALIVE_PROFILE`` (pick a named profile, e.g. ``colab-pro+``),
+``KEEPALIVE_BUDGET`` / ``KEEPALIVE_IDLE`` (durations such as ``3h``, ``45min``; ``0`` or ``none`` =
+no limit), ``KEEPALIVE_SESSION_START`` (unix seconds or ISO-8601; a time without an offset is UTC),
+then the profile. A value that makes no sense is reported (``SessionInfo.warnings``, shown once) and
+ignored: a typo never stops a training.
+
+>>> get_profile("kaggle").budget_seconds / 3600
+12.0
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+from .. import report, settings
+from ..units import parse_duration
+from .clock import ancestor_kernel, iso_time, parse_start, read_clock
+from .frontend import frontend_name, in_kernel
+
+__all__ = ["PLATFORMS", "PROFILES", "PlatformProfile", "get_profile", "SessionInfo", "detect",
+           "configure", "remaining_seconds", "elapsed_seconds", "default_checkpoint_dir",
+           "storage_warning", "vm_disk_path"]
+
+PLATFORMS = ("colab", "kaggle", "paperspace", "databricks", "jupyter", "local")
+
+_COLAB_FAQ = "https://research.google.com/colaboratory/faq.html"
+_COLAB_SIGNUP = "https://colab.research.google.com/signup"
+_KAGGLE_DOCS = "https://www.kaggle.com/docs/notebooks"
+_KAGGLE_GPU_DOCS = "https://www.kaggle.com/docs/efficient-gpu-usage"
+
+
+# ------------------------------------------------------------------------------------- profiles
+@dataclass(frozen=True)
+class PlatformProfile:
+    """What one platform (or plan) allows, with where each figure comes from."""
+
+    name: str                              # profile name; KEEPALIVE_PROFILE selects one by it
+    platform: str                          # one of PLATFORMS
+    budget_seconds: Optional[float]        # session lifetime; None = no limit
+    budget_source: str
+    idle_timeout_seconds: Optional[float]  # idle disconnect; None = none known
+    idle_source: str
+    clock: str                             # "vm" | "kernel" | "process": what the budget runs from
+    clock_source: str
+    persistent_dir: Optional[str] = None   # where files survive the session
+    notes: str = ""
+
+
+PROFILES: Tuple[PlatformProfile, ...] = (
+    PlatformProfile(
+        "colab", "colab",
+        12 * 3600.0, f"free tier: VM lifetime 'can be as much as 12 hours' ({_COLAB_FAQ}); "
+                     "not guaranteed, shorter when busy",
+        90 * 60.0, "idle disconnect after ~90 min (community figure; the FAQ only says "
+                   f"'recycled when idle for a while', {_COLAB_FAQ})",
+        "vm", "the budget runs from the VM start; kernel restarts do not reset it",
+        "/content/drive/MyDrive",
+        "Pro+ cannot be detected from inside the VM: set KEEPALIVE_PROFILE=colab-pro+ or "
+        "KEEPALIVE_BUDGET=24h"),
+    PlatformProfile(
+        "colab-pro+", "colab",
+        24 * 3600.0, f"Pro+: up to 24 h with background execution ({_COLAB_SIGNUP})",
+        90 * 60.0, "idle disconnect after ~90 min (community figure; background execution may "
+                   "outlive it)",
+        "vm", "the budget runs from the VM start; kernel restarts do not reset it",
+        "/content/drive/MyDrive", "selected only by KEEPALIVE_PROFILE=colab-pro+ or configure(profile=...)"),
+    PlatformProfile(
+        "kaggle", "kaggle",
+        12 * 3600.0, f"12 h per CPU/GPU session ({_KAGGLE_DOCS})",
+        20 * 60.0, f"interactive sessions stop after 20 min idle ({_KAGGLE_DOCS}); "
+                   f"{_KAGGLE_GPU_DOCS} says 60 min: the shorter figure is used",
+        "kernel", "the budget restarts with the kernel",
+        "/kaggle/working", "/kaggle/working (20 GB) is kept when the notebook is saved"),
+    PlatformProfile(
+        "kaggle-tpu", "kaggle",
+        9 * 3600.0, f"9 h per TPU session ({_KAGGLE_DOCS})",
+        20 * 60.0, f"interactive sessions stop after 20 min idle ({_KAGGLE_DOCS}); "
+                   f"{_KAGGLE_GPU_DOCS} says 60 min: the shorter figure is used",
+        "kernel", "the budget restarts with the kernel",
+        "/kaggle/working"),
+    PlatformProfile(
+        "paperspace", "paperspace",
+        None, "lifetime depends on the plan and the auto-shutdown chosen at "
+              "start (not readable here): set KEEPALIVE_BUDGET",
+        None, "no idle timeout known",
+        "vm", "the notebook's auto-shutdown timer runs from the container start",
+        "/storage"),
+    PlatformProfile(
+        "databricks", "databricks",
+        None, "no session limit (cluster auto-termination is configured per cluster: "
+              "set KEEPALIVE_BUDGET)",
+        None, "no idle timeout known",
+        "kernel", "elapsed time runs from the notebook's Python process",
+        "/dbfs"),
+    PlatformProfile(
+        "jupyter", "jupyter",
+        None, "a local/self-hosted kernel has no session limit",
+        None, "no idle timeout (a server's cull_idle_timeout, if any, is not readable "
+              "from the kernel: set KEEPALIVE_IDLE)",
+        "kernel", "elapsed time runs from the kernel start"),
+    PlatformProfile(
+        "local", "local",
+        None, "plain Python has no session limit",
+        None, "no idle timeout",
+        "process", "elapsed time runs from this process's start"),
+)
+
+_BY_NAME: Dict[str, PlatformProfile] = {p.name: p for p in PROFILES}
+
+
+def get_profile(name: str) -> PlatformProfile:
+    """The profile called ``name`` (see :data:`PROFILES`); ``KeyError`` listing the names otherwise."""
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise KeyError(f"unknown keepalive profile {name!r}; known: {', '.join(_BY_NAME)}") from None
+
+
+# ---------------------------------------------------------------------------------- overrides
+def _parse_limit(value: Any) -> Optional[float]:
+    """A budget / idle figure: a duration; ``0``, ``none``, ``off`` = no limit (None)."""
+    if value is None:
+        return None
+    if isinstance(value, str) and value.strip().lower() in ("", "none", "off", "no", "never",
+                                                            "unlimited", "inf", "0"):
+        return None
+    seconds = parse_duration(value)
+    if seconds <= 0:
+        return None
+    return seconds
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "<unset>"
+
+
+_UNSET: Any = _Unset()
+_OVERRIDES: Dict[str, Any] = {}  # configure()'s settings, stronger than the environment
+
+
+# ------------------------------------------------------------------------------------ the info
+@dataclass
+class SessionInfo:
+    """What :func:`detect` found. Times are unix seconds; durations seconds."""
+
+    platform: str
+    profile: str
+    budget_seconds: Optional[float]
+    idle_timeout_seconds: Optional[float]
+    budget_source: str
+    idle_source: str
+    start_time: float
+    clock: str
+    clock_source: str
+    evidence: str = ""                    # what identified the platform
+    frontend: Optional[str] = None        # colab, vscode, jupyter, ipykernel, ipython, ...
+    run_type: Optional[str] = None        # Kaggle: Interactive / Batch
+    accelerator: Optional[str] = None     # gpu / tpu / cpu where known
+    in_kernel: bool = False               # this process is an IPython kernel
+    kernel_pid: Optional[int] = None      # the kernel process the clock was read from
+    warnings: List[str] = field(default_factory=list)
+
+    def elapsed_seconds(self, now: Optional[float] = None) -> float:
+        return (time.time() if now is None else now) - self.start_time
+
+    def remaining_seconds(self, now: Optional[float] = None) -> Optional[float]:
+        """Seconds left of the budget (negative once past it); None without a budget."""
+        if self.budget_seconds is None:
+            return None
+        return self.start_time + self.budget_seconds - (time.time() if now is None else now)
+
+    @property
+    def deadline(self) -> Optional[float]:
+        return None if self.budget_seconds is None else self.start_time + self.budget_seconds
+
+    def idle_seconds(self) -> float:
+        """See :meth:`IdleTracker.idle_seconds` (the process's tracker)."""
+        from .idle import idle_seconds  # idle.py imports this module: import it when asked
+
+        return idle_seconds()
+
+    def idle_margin_seconds(self) -> Optional[float]:
+        if self.idle_timeout_seconds is None:
+            return None
+        return self.idle_timeout_seconds - self.idle_seconds()
+
+    def to_json(self) -> Dict[str, Any]:
+        out = asdict(self)
+        out["session_start"] = iso_time(self.start_time)
+        out["deadline"] = iso_time(self.deadline)
+        return out
+
+
+# ----------------------------------------------------------------------------------- detection
+def _colab_module_present() -> bool:
+    try:
+        return importlib.util.find_spec("google.colab") is not None
+    except Exception:  # noqa: BLE001 - no `google` package, or a broken one
+        return False
+
+
+def _accelerator(env: Mapping[str, str]) -> str:
+    """``tpu`` where a TPU is attached (Cloud TPU VM variables / device; Kaggle's TPU notebooks are
+    TPU VMs), ``gpu`` where an NVIDIA device or ``nvidia-smi`` is present, else ``cpu``."""
+    if any(env.get(k) for k in ("TPU_NAME", "TPU_ACCELERATOR_TYPE", "COLAB_TPU_ADDR", "XRT_TPU_CONFIG",
+                                "KAGGLE_TPU")) or os.path.exists("/dev/accel0"):
+        return "tpu"
+    if os.path.exists("/dev/nvidia0") or shutil.which("nvidia-smi"):
+        return "gpu"
+    return "cpu"
+
+
+def _platform_from_environment(env: Mapping[str, str], kernel: bool, kernel_pid: Optional[int]
+                               ) -> Tuple[str, str]:
+    """(platform, evidence): variables each platform sets itself first, then weaker evidence."""
+    if env.get("COLAB_RELEASE_TAG"):
+        return "colab", "COLAB_RELEASE_TAG"
+    if env.get("KAGGLE_KERNEL_RUN_TYPE"):
+        return "kaggle", "KAGGLE_KERNEL_RUN_TYPE"
+    if env.get("PAPERSPACE_NOTEBOOK_REPO_ID"):
+        return "paperspace", "PAPERSPACE_NOTEBOOK_REPO_ID"
+    if env.get("DATABRICKS_RUNTIME_VERSION"):
+        return "databricks", "DATABRICKS_RUNTIME_VERSION"
+    if os.path.exists("/var/colab/hostname"):
+        return "colab", "/var/colab/hostname"
+    if _colab_module_present():
+        return "colab", "google.colab importable"
+    if kernel:
+        return "jupyter", "running inside an IPython kernel"
+    if kernel_pid is not None:
+        return "jupyter", f"started from an IPython kernel (pid {kernel_pid})"
+    return "local", "no notebook platform found"
+
+
+def _detect(env: Mapping[str, str], overrides: Mapping[str, Any]) -> SessionInfo:
+    """The session as ``env`` (the environment) and ``overrides`` (:func:`configure`) describe it."""
+    warnings: List[str] = []
+    kernel = in_kernel()
+    kernel_pid: Optional[int] = os.getpid() if kernel else ancestor_kernel()
+
+    # --- platform
+    platform, evidence = None, ""
+    forced_profile = overrides.get("profile", _UNSET)
+    profile_src = "configure(profile=...)"
+    if forced_profile is _UNSET or forced_profile is None:
+        forced_profile, profile_src = settings.get("KEEPALIVE_PROFILE", env=env), "KEEPALIVE_PROFILE"
+    prof: Optional[PlatformProfile] = None
+    if forced_profile:
+        if forced_profile in _BY_NAME:
+            prof = _BY_NAME[forced_profile]
+        else:
+            warnings.append(f"{profile_src}={forced_profile!r} is not a known profile "
+                            f"({', '.join(_BY_NAME)}); ignored")
+    forced = overrides.get("platform", _UNSET)
+    forced_src = "configure(platform=...)"
+    if forced is _UNSET or forced is None:
+        forced, forced_src = settings.get("KEEPALIVE_PLATFORM", env=env), "KEEPALIVE_PLATFORM"
+    if forced:
+        if forced in PLATFORMS:
+            platform, evidence = forced, f"{forced_src}={forced}"
+        else:
+            warnings.append(f"{forced_src}={forced!r} is not one of {', '.join(PLATFORMS)}; ignored")
+    if platform is None and prof is not None:
+        platform, evidence = prof.platform, f"{profile_src}={prof.name}"
+    if platform is None:
+        platform, evidence = _platform_from_environment(env, kernel, kernel_pid)
+
+    run_type = env.get("KAGGLE_KERNEL_RUN_TYPE") or None
+    accelerator = _accelerator(env) if platform in ("kaggle", "colab") else None
+
+    # --- profile
+    if prof is None or prof.platform != platform:
+        if prof is not None:
+            warnings.append(f"profile {prof.name!r} is for {prof.platform}, not {platform}; ignored")
+        name = platform
+        if platform == "kaggle" and accelerator == "tpu":
+            name = "kaggle-tpu"
+        prof = _BY_NAME[name]
+
+    budget, budget_source = prof.budget_seconds, f"{prof.name} profile: {prof.budget_source}"
+    idle, idle_source = prof.idle_timeout_seconds, f"{prof.name} profile: {prof.idle_source}"
+    if platform == "kaggle" and run_type and run_type.lower() == "batch":
+        idle, idle_source = None, ("kaggle profile: a Batch run (Save & Run All) has no browser "
+                                   "session, so no idle timeout applies")
+
+    def pick(key: str, setting: str, current: Any, source: str, parser: Any) -> Tuple[Any, str]:
+        """configure(key=...) first, then the setting, else ``current``; a bad value is a warning."""
+        value = overrides.get(key, _UNSET)
+        if value is not _UNSET:
+            try:
+                return parser(value), f"configure({key}={value!r})"
+            except (ValueError, TypeError) as exc:
+                warnings.append(f"configure({key}={value!r}) ignored: {exc}")
+        raw = settings.get(setting, env=env)  # stripped text, None when unset or empty
+        if raw is not None:
+            try:
+                return parser(raw), f"{setting}={raw}"
+            except (ValueError, TypeError) as exc:
+                warnings.append(f"{setting}={raw!r} ignored: {exc}")
+        return current, source
+
+    budget, budget_source = pick("budget", "KEEPALIVE_BUDGET", budget, budget_source, _parse_limit)
+    idle, idle_source = pick("idle", "KEEPALIVE_IDLE", idle, idle_source, _parse_limit)
+
+    # --- clock
+    start, clock_source = pick("start", "KEEPALIVE_SESSION_START", None, "", parse_start)
+    if start is not None:
+        clock = "override"
+    else:
+        clock, start, clock_source = read_clock(prof.clock, kernel, kernel_pid)
+
+    return SessionInfo(
+        platform=platform, profile=prof.name, budget_seconds=budget, idle_timeout_seconds=idle,
+        budget_source=budget_source, idle_source=idle_source, start_time=start, clock=clock,
+        clock_source=clock_source, evidence=evidence,
+        frontend=frontend_name(env, platform, kernel or kernel_pid is not None),
+        run_type=run_type if platform == "kaggle" else None, accelerator=accelerator,
+        in_kernel=kernel, kernel_pid=kernel_pid if clock == "kernel" else None,
+        warnings=warnings)
+
+
+_INFO: Optional[SessionInfo] = None
+_INFO_LOCK = threading.Lock()
+
+
+def detect(refresh: bool = False) -> SessionInfo:
+    """The session as found (cached). ``refresh=True`` re-reads the environment and ``/proc``.
+    Each problem found (a bad override) is shown once."""
+    global _INFO
+    info = _INFO
+    if info is not None and not refresh:
+        return info
+    with _INFO_LOCK:
+        if _INFO is None or refresh:
+            _INFO = _detect(os.environ, dict(_OVERRIDES))
+            for w in _INFO.warnings:
+                report.warn(w, key=f"session: {w}")
+        return _INFO
+
+
+def configure(*, budget: Any = _UNSET, idle: Any = _UNSET, start: Any = _UNSET,
+              platform: Any = _UNSET, profile: Any = _UNSET, reset: bool = False) -> SessionInfo:
+    """Set session facts from Python; they beat the environment variables and the profile.
+
+    ``budget`` / ``idle``: a duration (``"3h"``, ``"45min"``, seconds) or ``None`` / ``0`` /
+    ``"none"`` for no limit. ``start``: unix seconds, ISO-8601 text or a ``datetime``.
+    ``platform``: one of :data:`PLATFORMS`; ``profile``: a :data:`PROFILES` name; ``None`` for these
+    three drops the setting again. An argument left out keeps its earlier setting; ``reset=True``
+    first clears every earlier setting. Returns the refreshed :class:`SessionInfo`.
+    """
+    if reset:
+        _OVERRIDES.clear()
+    for key, value in (("budget", budget), ("idle", idle), ("start", start), ("platform", platform),
+                       ("profile", profile)):
+        if value is _UNSET:
+            continue
+        if value is None and key in ("start", "platform", "profile"):
+            _OVERRIDES.pop(key, None)      # back to the environment / detection
+        else:
+            _OVERRIDES[key] = value
+    return detect(refresh=True)
+
+
+def remaining_seconds() -> Optional[float]:
+    """Seconds left of the session budget (None without one; negative once past). Cheap: after the
+    first detection this is one subtraction."""
+    info = _INFO if _INFO is not None else detect()
+    if info.budget_seconds is None:
+        return None
+    return info.start_time + info.budget_seconds - time.time()
+
+
+def elapsed_seconds() -> float:
+    """Seconds since the session's clock started."""
+    return time.time() - detect().start_time
+
+
+# ------------------------------------------------------------------------------- where files live
+def _is_url(path: str) -> bool:
+    return "://" in path and not path.startswith("file://")
+
+
+def default_checkpoint_dir() -> str:
+    """``KEEPALIVE_DIR``, else ``/content/drive/MyDrive/keepalive`` when Drive is mounted, else
+    ``/kaggle/working/keepalive`` on Kaggle, else ``./keepalive-checkpoints`` (made absolute)."""
+    configured = settings.get("KEEPALIVE_DIR")
+    if configured:
+        return configured if "://" in configured else os.path.abspath(configured)
+    if os.path.isdir("/content/drive/MyDrive"):
+        return "/content/drive/MyDrive/keepalive"
+    if detect().platform == "kaggle":
+        return "/kaggle/working/keepalive"
+    return os.path.abspath("keepalive-checkpoints")
+
+
+def storage_warning(platform: str, checkpoint_dir: str) -> Optional[str]:
+    """The advice when ``checkpoint_dir`` does not outlive a ``platform`` session (Colab's VM disk,
+    outside Kaggle's /kaggle/working), None when it does or cannot be judged (a URL)."""
+    if _is_url(checkpoint_dir):
+        return None
+    path = os.path.abspath(checkpoint_dir[7:] if checkpoint_dir.startswith("file://") else checkpoint_dir)
+    if platform == "colab" and not path.startswith("/content/drive/"):
+        return (f"checkpoint dir {path} is on the Colab VM's disk and is lost when the runtime is "
+                "recycled: mount Drive (drive.mount('/content/drive')) or use a gs:// URL")
+    if platform == "kaggle" and not (path == "/kaggle/working" or path.startswith("/kaggle/working/")):
+        return (f"checkpoint dir {path} is outside /kaggle/working, the only folder Kaggle keeps "
+                "when the session ends")
+    return None
+
+
+def vm_disk_path(platform: Optional[str] = None) -> str:
+    """The path whose disk holds the session's scratch files: /content on Colab, /kaggle/working
+    on Kaggle, else /."""
+    platform = platform or detect().platform
+    if platform == "colab" and os.path.isdir("/content"):
+        return "/content"
+    if platform == "kaggle" and os.path.isdir("/kaggle/working"):
+        return "/kaggle/working"
+    return "/"

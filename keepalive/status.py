@@ -1,0 +1,233 @@
+"""The ``keepalive status`` report: the session's facts (:mod:`keepalive.session`) with the runs
+under the checkpoint dir and the uploads waiting in the spool.
+
+It sits above storage on purpose: the session package knows the platform, the clock, idleness and
+the hardware and imports nothing from storage; this module combines them with what the store and
+the spool hold. The CLI (``keepalive status [--json]``) and the notebook panel
+(``%keepalive status``) both print what :func:`status_report` returns, through :func:`format_status`
+or as JSON. ``keepalive status --settings`` prints :func:`format_settings`.
+
+A report never fails: what cannot be read becomes a line under ``warnings``.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Dict, List, Mapping, Optional, Sequence
+
+from . import runs, session
+from ._version import __version__
+from .session.clock import iso_time
+from .units import format_duration
+
+__all__ = ["status_report", "format_status", "format_settings"]
+
+
+# ----------------------------------------------------------------------------------------- runs
+def _runs(checkpoint_dir: str, warnings: List[str]) -> List[Dict[str, Any]]:
+    """One entry per run under ``checkpoint_dir`` (:meth:`keepalive.runs.Run.summary`: its newest
+    committed checkpoint and counts); what cannot be read becomes a warning."""
+    try:
+        found = runs.find_runs(checkpoint_dir)
+    except Exception as exc:  # noqa: BLE001 - status never crashes
+        warnings.append(f"could not list runs under {checkpoint_dir}: {exc}")
+        return []
+    entries = []
+    for run in found:
+        try:
+            entry = run.summary()
+        except Exception as exc:  # noqa: BLE001
+            entry = {"run": run.name, "url": run.url, "newest_step": None, "newest_epoch": None,
+                     "newest_created": None, "checkpoints": 0, "error": str(exc)}
+        if entry.get("error"):
+            warnings.append(f"could not read run {run.url}: {entry['error']}")
+        entries.append(entry)
+    return entries
+
+
+def _pending_uploads() -> Optional[Dict[str, Any]]:
+    """Checkpoints waiting in the local spool for upload, None when none do."""
+    try:
+        return runs.pending_summary()
+    except Exception as exc:  # noqa: BLE001 - a status report never fails for it
+        return {"error": str(exc)}
+
+
+# --------------------------------------------------------------------------------------- report
+def status_report(checkpoint_dir: Optional[str] = None) -> Dict[str, Any]:
+    """Everything ``keepalive status --json`` prints (JSON-safe)."""
+    info = session.detect()
+    now = time.time()
+    warnings: List[str] = list(info.warnings)
+    if checkpoint_dir is None:
+        try:
+            checkpoint_dir = session.default_checkpoint_dir()
+        except Exception as exc:  # noqa: BLE001
+            warnings.append(f"no default checkpoint dir: {exc}")
+            checkpoint_dir = os.path.abspath("keepalive-checkpoints")
+    remaining = info.remaining_seconds(now)
+    idle = info.idle_seconds()
+    if remaining is not None:
+        if remaining <= 0:
+            warnings.append(f"the session budget ({format_duration(info.budget_seconds)}) is used up "
+                            f"by {format_duration(-remaining)}: the runtime may stop at any moment")
+        elif remaining < 30 * 60:
+            warnings.append(f"only {format_duration(remaining)} of the session budget left")
+    if info.idle_timeout_seconds is not None:
+        margin = info.idle_timeout_seconds - idle
+        if idle > 0 and margin < session.tracker().warn_margin(info.idle_timeout_seconds):
+            warnings.append(f"idle for {format_duration(idle)} of a "
+                            f"{format_duration(info.idle_timeout_seconds)} idle timeout")
+    w = session.storage_warning(info.platform, checkpoint_dir)
+    if w:
+        warnings.append(w)
+    try:
+        hw = session.hardware(checkpoint_dir)
+    except Exception as exc:  # noqa: BLE001
+        hw = {"error": str(exc), "warnings": []}
+    warnings.extend(hw.get("warnings", []))
+    run_entries = _runs(checkpoint_dir, warnings)
+
+    return {
+        "platform": info.platform,
+        "profile": info.profile,
+        "evidence": info.evidence,
+        "frontend": info.frontend,
+        "run_type": info.run_type,
+        "accelerator": info.accelerator,
+        "time": iso_time(now),
+        "time_unix": now,
+        "budget_seconds": info.budget_seconds,
+        "elapsed_seconds": info.elapsed_seconds(now),
+        "remaining_seconds": remaining,
+        "budget_source": info.budget_source,
+        "deadline": iso_time(info.deadline),
+        "idle_timeout_seconds": info.idle_timeout_seconds,
+        "idle_seconds": idle,
+        "idle_source": info.idle_source,
+        "clock": info.clock,
+        "clock_source": info.clock_source,
+        "session_start": iso_time(info.start_time),
+        "session_start_unix": info.start_time,
+        "hardware": hw,
+        "checkpoint_dir": checkpoint_dir,
+        "runs": run_entries,
+        "pending_uploads": _pending_uploads(),
+        "warnings": warnings,
+        "keepalive_version": __version__,
+    }
+
+
+# ------------------------------------------------------------------------------------------ text
+def _bar(fraction: float, width: int = 30) -> str:
+    fraction = min(1.0, max(0.0, fraction))
+    full = int(round(fraction * width))
+    return "[" + "#" * full + "." * (width - full) + "]"
+
+
+def _time_lines(r: Mapping[str, Any]) -> List[str]:
+    lines = []
+    budget, remaining, elapsed = r.get("budget_seconds"), r.get("remaining_seconds"), r.get("elapsed_seconds")
+    lines.append(f"  session   started {r.get('session_start')} (clock: {r.get('clock')}), "
+                 f"elapsed {format_duration(elapsed)}")
+    if budget is None:
+        lines.append("  budget    none (no session limit known)")
+    else:
+        frac = (remaining or 0.0) / budget if budget else 0.0
+        left = (f"{format_duration(remaining)} left" if remaining is not None and remaining >= 0
+                else f"over by {format_duration(-(remaining or 0.0))}")
+        lines.append(f"  budget    {format_duration(budget)}: {left}, ends {r.get('deadline')}")
+        lines.append(f"            {_bar(frac)} {max(0.0, frac) * 100:.0f} % of the session left")
+    lines.append(f"            budget from {r.get('budget_source')}")
+
+    idle_to, idle = r.get("idle_timeout_seconds"), r.get("idle_seconds")
+    if idle_to is None:
+        lines.append(f"  idle      {format_duration(idle)} idle; no idle timeout")
+    else:
+        lines.append(f"  idle      {format_duration(idle)} idle of a {format_duration(idle_to)} timeout "
+                     f"(margin {format_duration(idle_to - (idle or 0.0))})")
+    if r.get("idle_source"):
+        lines.append(f"            idle timeout from {r.get('idle_source')}")
+    return lines
+
+
+def _hardware_lines(hw: Mapping[str, Any]) -> List[str]:
+    lines = []
+    gl = hw.get("gpus") or []
+    if gl:
+        for g in gl:
+            util = g.get("utilization_percent")
+            lines.append(f"  GPU {g.get('index')}     {g.get('name')}: {g.get('memory')}, utilisation "
+                         f"{'n/a' if util is None else f'{util:.0f} %'}")
+    else:
+        lines.append(f"  GPU       {hw.get('gpu_source') or 'none (not checked)'}")
+    if hw.get("cpu_count") is not None:
+        quota = hw.get("cpu_quota")
+        lines.append(f"  CPU       {hw.get('cpu_model') or 'unknown model'}: {hw.get('cpu_count')} cores, "
+                     f"{hw.get('cpu_usable')} usable"
+                     + (f", cgroup quota {quota:.1f} cores" if quota else ""))
+    if hw.get("ram_total_bytes") is not None:
+        lines.append(f"  RAM       {hw.get('ram_available')} available of {hw.get('ram_total')}"
+                     + (f"; container limit {hw['ram_cgroup_limit']}" if hw.get("ram_cgroup_limit") else ""))
+    for d in hw.get("disks") or []:
+        if d.get("free_bytes") is not None:
+            lines.append(f"  disk      {d['what']} {d['path']}: {d['free']} free of {d['total']}")
+        else:
+            lines.append(f"  disk      {d['what']} {d['path']}: {d.get('note', 'n/a')}")
+    if hw.get("shm_total_bytes") is not None:
+        lines.append(f"  /dev/shm  {hw.get('shm_total')}")
+    return lines
+
+
+def _run_lines(r: Mapping[str, Any]) -> List[str]:
+    lines = [f"  checkpoints in {r.get('checkpoint_dir')}:"]
+    entries = r.get("runs") or []
+    if not entries:
+        lines.append("            no runs yet")
+    for run in entries:
+        if run.get("error"):
+            lines.append(f"            {run['run']}: unreadable ({run['error']})")
+        elif run.get("checkpoints"):
+            lines.append(f"            {run['run']}: {run['checkpoints']} checkpoint(s), newest step "
+                         f"{run.get('newest_step')} epoch {run.get('newest_epoch')} "
+                         f"({run.get('newest_created') or 'time unknown'})")
+        else:
+            lines.append(f"            {run['run']}: no committed checkpoint")
+    pending = r.get("pending_uploads")
+    if pending is not None:
+        lines.append(f"  uploads   {runs.format_pending(pending)}")
+    return lines
+
+
+def format_status(report: Mapping[str, Any]) -> str:
+    """The human panel: every figure with its unit; sizes as ``GiB (GB)``."""
+    r = report
+    head = f"keepalive status: platform {r.get('platform')}"
+    extras = [x for x in (f"profile {r.get('profile')}" if r.get("profile") else None,
+                          r.get("run_type") and f"run type {r['run_type']}",
+                          r.get("accelerator") and f"accelerator {r['accelerator']}",
+                          r.get("frontend") and f"front end {r['frontend']}") if x]
+    if extras:
+        head += " (" + ", ".join(extras) + ")"
+    lines = [head]
+    lines += _time_lines(r)
+    lines += _hardware_lines(r.get("hardware") or {})
+    lines += _run_lines(r)
+    for w in r.get("warnings") or []:
+        lines.append(f"  WARNING   {w}")
+    return "\n".join(lines)
+
+
+def format_settings(rows: Sequence[Mapping[str, Any]]) -> str:
+    """``keepalive status --settings``: each ``KEEPALIVE_*`` setting (rows of
+    :func:`keepalive.settings.table`) with the value in force, whether the environment set it, and
+    what it means."""
+    lines = ["keepalive settings (environment variables; * = set here, else the default):"]
+    width = max((len(str(row["name"])) for row in rows), default=0)
+    for row in rows:
+        value = "(none)" if row["value"] is None else repr(row["value"])
+        mark = "*" if row["set"] else " "
+        origin = "set" if row["set"] else "default"
+        lines.append(f"{mark} {str(row['name']):<{width}}  {value}  [{origin}; {row['kind']}]")
+        lines.append(f"  {'':<{width}}  {row['doc']}")
+    return "\n".join(lines)
