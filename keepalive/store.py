@@ -24,6 +24,7 @@ adversary; the manifest records the algorithm so a stronger one can be added wit
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import logging
 import os
@@ -34,14 +35,14 @@ import time
 import uuid
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, TypeVar, Union
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, TypeVar, Union
 
+from . import report
 from ._version import __version__
-from .backends import Backend, backend_for, read_chunks
+from .backends import backend_for, read_chunks
 from .errors import (
     CheckpointCorruptError,
     LeaseLostError,
-    NoCheckpointError,
     RunLockedError,
     StorageError,
 )
@@ -141,7 +142,7 @@ class RetryPolicy:
             except Exception as exc:  # noqa: BLE001 - classified just below
                 if attempt == self.attempts or not is_transient(exc):
                     raise
-                log.warning("%s failed (%s: %s); retry %d/%d in %.1f s",
+                log.info("%s failed (%s: %s); retry %d/%d in %.1f s",
                             what, type(exc).__name__, exc, attempt, self.attempts - 1, delay)
                 time.sleep(delay * (0.5 + random.random()))
                 delay = min(delay * 2, self.max_delay)
@@ -165,6 +166,11 @@ class CheckpointInfo:
     manifest: Optional[Dict[str, Any]] = None
     valid: Optional[bool] = None
     error: Optional[str] = None
+    #: where this copy lies: ``"destination"`` (the run folder) or ``"spool"`` (this machine's
+    #: local spool, :mod:`keepalive.spool`)
+    source: str = "destination"
+    #: a spooled copy that was uploaded already and is kept as the local cache of the newest one
+    cached: bool = False
 
     @property
     def committed(self) -> bool:
@@ -181,7 +187,7 @@ class CheckpointInfo:
             "path": self.url, "run": self.run, "name": self.name, "step": self.step,
             "epoch": self.epoch, "created": created, "size_bytes": self.size_bytes,
             "valid": self.valid if self.valid is not None else self.committed and self.error is None,
-            "error": self.error,
+            "error": self.error, "source": self.source, "cached": self.cached,
         }
 
 
@@ -290,11 +296,12 @@ class Lease:
                     f"(host {current.get('host')}, pid {current.get('pid')}, heartbeat {age:.0f} s ago). "
                     f"If that session is dead, wait {max(0, self.ttl - age):.0f} s for its lease to expire, "
                     f"or pass takeover=True (CLI/magic: --takeover) to take the run over now.")
-            log.warning("taking over run %s from host %s pid %s", self.store.url,
-                        current.get("host"), current.get("pid"))
+            # asked for (takeover=True): the caller says so where the user sees it
+            log.info("taking over run %s from host %s pid %s", self.store.url, current.get("host"),
+                     current.get("pid"))
         self._write()
         self.held = True
-        self.store._seq = None  # someone else may have committed meanwhile: count on from the run
+        self.store.forget_sequence()  # someone else may have committed meanwhile: count on from the run
         if self._thread is None or not self._thread.is_alive():
             self._stop.clear()
             self._thread = threading.Thread(target=self._heartbeat, name="keepalive-lease", daemon=True)
@@ -376,6 +383,15 @@ class CheckpointStore:
         self.lease = Lease(self, ttl=lease_ttl)
         self._writing: Optional[str] = None
         self._seq: Optional[int] = None
+        #: the highest ``seq`` this store gave out or was told exists elsewhere: the next commit is
+        #: numbered above it (a spool raises it to continue its destination's numbering, which
+        #: ``keep_every`` counts on)
+        self.seq_floor = 0
+
+    def forget_sequence(self) -> None:
+        """Count on from the newest checkpoint in the run at the next commit (someone else may have
+        committed meanwhile: a lease taken over, a run written through the spool)."""
+        self._seq = None
 
     # ----------------------------------------------------------------------------------- writing
     def open_for_writing(self, takeover: bool = False) -> None:
@@ -469,12 +485,16 @@ class CheckpointStore:
             total += size
         return entries, total
 
-    def _manifest(self, name, entries, *, step, epoch, metadata) -> Dict[str, Any]:
+    def _next_seq(self) -> int:
         if self._seq is None:  # once per writer: later commits count on (we hold the lease)
             newest = self.newest_committed()
             self._seq = (newest.seq or 0) if newest else 0
-        self._seq += 1
-        seq = self._seq
+        self._seq = max(self._seq, self.seq_floor) + 1
+        self.seq_floor = self._seq
+        return self._seq
+
+    def _manifest(self, name, entries, *, step, epoch, metadata) -> Dict[str, Any]:
+        seq = self._next_seq()
         now = time.time()
         manifest = {
             "format": FORMAT, "format_version": FORMAT_VERSION, "name": name, "run": self.run,
@@ -502,13 +522,14 @@ class CheckpointStore:
         for e in entries:
             if not (e.is_dir and e.name.startswith(CKPT_PREFIX)):
                 continue
-            info = self._load_info(e.name)
+            info = self.load_info(e.name)
             if info.committed or include_uncommitted:
                 out.append(info)
         out.sort(key=CheckpointInfo.sort_key)
         return out
 
-    def _load_info(self, name: str) -> CheckpointInfo:
+    def load_info(self, name: str) -> CheckpointInfo:
+        """The checkpoint folder ``name`` of this run as listed (its manifest read, not its data)."""
         folder = self.backend.join(self.path, name)
         try:
             raw = self.retry.call(lambda: self.backend.read_bytes(self.backend.join(folder, MANIFEST)),
@@ -539,22 +560,23 @@ class CheckpointStore:
     def verify(self, info: CheckpointInfo) -> CheckpointInfo:
         """Re-read every file of ``info``; sets ``valid`` / ``error`` and returns it."""
         try:
-            self._verified_files(info, keep=False)
+            self.check(info)
             info.valid, info.error = True, None
         except CheckpointCorruptError as exc:
             info.valid, info.error = False, exc.reason
         return info
 
+    def check(self, info: CheckpointInfo) -> None:
+        """Re-read every file of ``info`` against its manifest; raises :class:`CheckpointCorruptError`."""
+        self._verified_files(info, keep=False)
+
     def newest_valid(self, *, on_corrupt: Optional[Callable[[CheckpointInfo], None]] = None
                      ) -> Optional[CheckpointInfo]:
-        """The newest checkpoint that verifies, falling back to older ones; ``None`` if none."""
-        for info in reversed(self.list()):
-            if self.verify(info).valid:
-                return info
-            log.warning("skipping %s: %s", info.url, info.error)
-            if on_corrupt:
-                on_corrupt(info)
-        return None
+        """The newest checkpoint of this store that verifies, falling back to older ones; ``None`` if
+        none. (A run's spool and destination together: :meth:`keepalive.runs.Run.newest_valid`.)"""
+        found = first_readable(((info, self) for info in reversed(self.list())),
+                               lambda info, store: store.check(info), on_corrupt=on_corrupt)
+        return found[0] if found else None
 
     def read_files(self, info: CheckpointInfo) -> Dict[str, Buffer]:
         """Every file of a checkpoint, verified against its manifest (size and checksum).
@@ -637,7 +659,8 @@ class CheckpointStore:
                 self._remove_checkpoint(info)
                 removed.append(info.name)
             except OSError as exc:
-                log.warning("could not remove old checkpoint %s: %s", info.url, exc)
+                log.info("could not remove old checkpoint %s (retried at the next commit): %s",
+                         info.url, exc)
         return removed
 
     def collect_garbage(self, include_corrupt: bool = False) -> List[str]:
@@ -651,10 +674,12 @@ class CheckpointStore:
                 continue
             if not info.committed or (include_corrupt and info.valid is False):
                 try:
-                    self.retry.call(lambda: self.backend.remove_tree(info.path), f"remove {info.name}")
+                    self.retry.call(functools.partial(self.backend.remove_tree, info.path),
+                                    f"remove {info.name}")
                     removed.append(info.name)
                 except OSError as exc:
-                    log.warning("could not remove leftover %s: %s", info.url, exc)
+                    log.info("could not remove leftover %s (retried when the run is opened next): %s",
+                             info.url, exc)
         if removed:
             log.info("removed %d unfinished checkpoint folder(s) in %s", len(removed), self.url)
         return removed
@@ -702,12 +727,53 @@ def _library_versions() -> Dict[str, str]:
     return versions
 
 
-# ------------------------------------------------------------------------------ runs under a root
-def find_runs(url: Union[str, os.PathLike], max_depth: int = 3,
-              storage_options: Optional[dict] = None) -> List[str]:
-    """Run folders at or below ``url`` (a folder holding ``ckpt-*`` folders or a lease)."""
+# ------------------------------------------------------------------------------------- helpers
+def first_readable(copies: Iterable[Tuple[CheckpointInfo, "CheckpointStore"]],
+                   read: Callable[[CheckpointInfo, "CheckpointStore"], T], *,
+                   on_corrupt: Optional[Callable[[CheckpointInfo], None]] = None,
+                   quiet: bool = False) -> Optional[Tuple[CheckpointInfo, T]]:
+    """``(info, read(info, store))`` for the first of ``copies`` that reads, or None.
+
+    The one "fall back past damaged checkpoints" loop. ``copies`` are ``(info, the store holding
+    it)``, newest first; ``read`` raises :class:`CheckpointCorruptError` for a damaged one (verify
+    every byte, or verify and decode the state in the same pass). A damaged one is marked invalid
+    and handed to ``on_corrupt``, or else reported as a warning; then the next one is tried.
+    :meth:`CheckpointStore.newest_valid` runs it over one store, :mod:`keepalive.runs` over a run's
+    spool and destination.
+    """
+    for info, store in copies:
+        try:
+            value = read(info, store)
+        except CheckpointCorruptError as exc:
+            info.valid, info.error = False, exc.reason
+            if on_corrupt is not None:
+                on_corrupt(info)
+            else:
+                report.warn(f"checkpoint {info.name} of run '{info.run}' is damaged ({exc.reason}); "
+                            "falling back to an older one", quiet=quiet)
+            continue
+        info.valid = True
+        return info, value
+    return None
+
+
+def is_at_or_below(url: str, root: Union[str, os.PathLike], storage_options: Optional[dict] = None) -> bool:
+    """Whether the run URL ``url`` is ``root`` or lies below it (``root`` as a user writes it: a
+    path, a relative path or a URL)."""
+    try:
+        backend, path = backend_for(os.fspath(root), storage_options)
+        base = backend.url(path).rstrip("/")
+    except Exception:  # noqa: BLE001 - an unknown protocol: compare the text
+        base = os.fspath(root).rstrip("/")
+    return url == base or url.startswith(base + "/")
+
+
+def run_folders_below(url: Union[str, os.PathLike], max_depth: int = 3,
+                      storage_options: Optional[dict] = None) -> List[str]:
+    """URLs of the run folders at or below ``url``: folders that hold ``ckpt-*`` folders or a lease
+    (what a run looks like on storage). :func:`keepalive.runs.find_runs` builds the runs on it."""
     backend, root = backend_for(os.fspath(url), storage_options)
-    runs: List[str] = []
+    found: List[str] = []
 
     def walk(path: str, depth: int) -> None:
         try:
@@ -716,7 +782,7 @@ def find_runs(url: Union[str, os.PathLike], max_depth: int = 3,
             return
         names = {e.name for e in entries}
         if any(e.is_dir and e.name.startswith(CKPT_PREFIX) for e in entries) or LEASE in names:
-            runs.append(backend.url(path))
+            found.append(backend.url(path))
             return
         if depth < max_depth:
             for e in sorted(entries, key=lambda e: e.name):
@@ -724,25 +790,4 @@ def find_runs(url: Union[str, os.PathLike], max_depth: int = 3,
                     walk(backend.join(path, e.name), depth + 1)
 
     walk(root, 0)
-    return runs
-
-
-def open_location(url: Union[str, os.PathLike], storage_options: Optional[dict] = None):
-    """What ``url`` names: ``("checkpoint", store, info)``, ``("run", store, None)`` or
-    ``("root", [run urls], None)``. Raises :class:`NoCheckpointError` where nothing is found."""
-    text = os.fspath(url).rstrip("/")
-    backend, path = backend_for(text, storage_options)
-    base = path.rsplit("/", 1)[-1]
-    if base.startswith(CKPT_PREFIX):
-        # the parent from the backend path: a bare relative "ckpt-..." has no "/" in ``text``
-        parent = backend.url(path.rsplit("/", 1)[0])
-        store = CheckpointStore(parent, storage_options=storage_options, keep=None)
-        return "checkpoint", store, store._load_info(base)
-    if not backend.exists(path):
-        raise NoCheckpointError(f"{text} does not exist")
-    runs = find_runs(text, storage_options=storage_options)
-    if runs and runs[0] == backend.url(path):
-        return "run", CheckpointStore(text, storage_options=storage_options, keep=None), None
-    if not runs:
-        raise NoCheckpointError(f"no keepalive run or checkpoint under {text}")
-    return "root", runs, None
+    return found

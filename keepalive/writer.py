@@ -11,17 +11,31 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable, List, Mapping, Optional
+from typing import Any, Callable, List, Mapping, Optional, Protocol
 
+from . import report
 from .errors import LeaseLostError
 from .state import HostSnapshot
-from .store import CheckpointStore, WriteResult
+from .store import WriteResult
 
 log = logging.getLogger("keepalive.writer")
 
 
+class CommitTarget(Protocol):
+    """Where the writer commits: a :class:`~keepalive.store.CheckpointStore`, or the
+    :class:`~keepalive.spool.SpooledStore` in front of one."""
+
+    url: str
+
+    def commit(self, files: Mapping[str, Any], *, step: int, epoch: Optional[int] = None,
+               metadata: Optional[Mapping[str, Any]] = None,
+               progress: Optional[Callable[[int], None]] = None) -> WriteResult: ...
+
+
 class AsyncWriter:
-    def __init__(self, store: CheckpointStore, *, background: bool = True):
+    """Commits snapshots of the state in a background thread, one at a time."""
+
+    def __init__(self, store: CommitTarget, *, background: bool = True):
         self.store = store
         self.background = background
         self.snapshot = HostSnapshot()
@@ -97,7 +111,8 @@ class AsyncWriter:
             self.last_error = error
             if isinstance(error, LeaseLostError):
                 raise error
-            log.error("checkpoint write to %s failed: %s: %s", self.store.url, type(error).__name__, error)
+            report.warn(f"checkpoint write to {self.store.url} failed ({type(error).__name__}: {error}); "
+                        "the previous checkpoint stays the newest, training goes on")
         return result
 
 

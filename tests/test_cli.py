@@ -12,9 +12,14 @@ import pytest
 
 from keepalive import __version__, cli
 from keepalive.store import CheckpointStore
-
 from test_store_backends import (
-    drop_manifest, files_for, flip_byte, manifest_names_missing_file, tear_manifest, truncate)
+    drop_manifest,
+    files_for,
+    flip_byte,
+    manifest_names_missing_file,
+    tear_manifest,
+    truncate,
+)
 
 BIN = os.path.dirname(sys.executable)
 LS_KEYS = {"path", "run", "step", "epoch", "created", "size_bytes", "valid"}

@@ -19,11 +19,14 @@ import types
 import pytest
 
 import faultyfs
-from keepalive import cli
+from keepalive import cli, runs
 from keepalive import spool as spool_mod
 from keepalive.core import Checkpointer
 from keepalive.errors import RunLockedError
+from keepalive.spool import mount as mount_mod
+from keepalive.spool import uploader as uploader_mod
 from keepalive.store import MANIFEST, CheckpointStore, RetryPolicy
+from keepalive.units import parse_bytes
 
 FAR = 4e9  # a failure window the test closes by itself
 
@@ -38,14 +41,12 @@ def spool_env(tmp_path, monkeypatch):
     for name in ("KEEPALIVE_SPOOL_MODE", "KEEPALIVE_SPOOL_MAX", "KEEPALIVE_FLUSH_TIMEOUT",
                  "KEEPALIVE_DRIVE_FLUSH", "KEEPALIVE_PROGRESS", "KEEPALIVE_PROGRESS_MIN_BYTES"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(spool_mod, "BACKOFF_MAX", 0.5)
+    monkeypatch.setattr(uploader_mod, "BACKOFF_MAX", 0.5)
     # the stores' own retries (5 attempts, up to 5 s apart) only make these tests slower
     monkeypatch.setattr(RetryPolicy.__init__, "__defaults__", (2, 0.02, 0.05))
-    monkeypatch.setattr(spool_mod, "IDLE_POLL", 0.5)
+    monkeypatch.setattr(uploader_mod, "IDLE_POLL", 0.5)
     yield control
-    for up in list(spool_mod._REGISTRY.values()):
-        up.stop(timeout=10)
-    spool_mod._REGISTRY.clear()
+    spool_mod.UPLOADERS.stop_all(timeout=10)
 
 
 def fail(control, name="EIO", **extra):
@@ -133,7 +134,7 @@ def test_outage_then_recovery_loses_nothing(tmp_path, spool_env, capsys, fault):
     assert not f.flush(timeout=0.5)
     wait_for(lambda: f.uploader.failing is not None, what="the outage to be seen")
     assert steps_at(dest) == [1]
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err  # warnings go to stderr
     # reported once, however many retries
     assert out.count("cannot upload checkpoints") == 1 and "force_remount" not in out, out
     if fault == "ENOSPC":
@@ -141,7 +142,7 @@ def test_outage_then_recovery_loses_nothing(tmp_path, spool_env, capsys, fault):
     recover(spool_env)
     assert f.flush(timeout=30)
     assert steps_at(dest) == [1, 2, 3, 4]
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err
     assert out.count("works again") == 1, out
     f.close()
     verify_cli(dest, capsys)
@@ -159,18 +160,18 @@ def test_vanished_mount_reported_once_and_uploads_resume(tmp_path, caplog, capsy
     for s in (2, 3):
         f.commit(files(s), step=s)
     assert not f.flush(timeout=1)
-    wait_for(lambda: "not reachable" in capsys.readouterr().out or f.uploader.failing, what="report")
-    out = capsys.readouterr().out
+    wait_for(lambda: "not reachable" in capsys.readouterr().err or f.uploader.failing, what="report")
+    out = capsys.readouterr().err
     f.flush(timeout=0.5)
-    out += capsys.readouterr().out
+    out += capsys.readouterr().err
     assert out.count("not reachable") <= 1
     assert not mnt.exists(), "the vanished folder must not be re-created on the local disk"
     os.rename(tmp_path / "gone", mnt)  # remounted
     assert f.flush(timeout=30)
     assert steps_at(dest) == [1, 2, 3]
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err
     assert out.count("works again") == 1
-    messages = [r.getMessage() for r in caplog.records if r.name == "keepalive.spool"]
+    messages = [r.getMessage() for r in caplog.records if r.name == "keepalive"]  # keepalive.report
     assert sum("Training goes on" in m for m in messages) == 1, messages
     assert any("drive.mount('/content/drive', force_remount=True)" in m for m in messages)
     f.close()
@@ -187,7 +188,7 @@ def test_enotconn_on_a_local_destination_is_a_vanished_mount(tmp_path, spool_env
         f.commit(files(1), step=1)
         assert not f.flush(timeout=1)
         wait_for(lambda: f.uploader.failing is not None, what="the outage")
-        out = capsys.readouterr().out
+        out = capsys.readouterr().err
         assert out.count("not reachable") == 1 and "force_remount=True" in out
         recover(spool_env)
         assert f.flush(timeout=30) and steps_at(dest) == [1]
@@ -211,7 +212,7 @@ def test_local_auto_writes_directly_spools_on_failure_then_goes_back(tmp_path, s
         r2 = f.commit(files(2), step=2)  # the direct write fails: this very checkpoint is spooled
         assert f.spooling and f.reason == "failure" and r2.info.path.startswith(f.folder)
         f.commit(files(3), step=3)
-        out = capsys.readouterr().out
+        out = capsys.readouterr().err
         assert out.count("Training goes on") == 1, out
         recover(spool_env)
         assert f.flush(timeout=30)
@@ -219,7 +220,7 @@ def test_local_auto_writes_directly_spools_on_failure_then_goes_back(tmp_path, s
         r4 = f.commit(files(4), step=4)  # healthy and drained: direct again
         assert not f.spooling and r4.info.path.startswith(str(dest))
         assert [CheckpointStore(str(dest)).list()[i].seq for i in range(4)] == [1, 2, 3, 4]
-        assert "directly to" in capsys.readouterr().out
+        assert "directly to" in capsys.readouterr().err
         f.close()
     finally:
         undo()
@@ -291,7 +292,7 @@ def test_bound_drops_only_superseded_never_the_newest(tmp_path, spool_env, capsy
         f.commit(files(s), step=s)
     # 4 checkpoints of ~4.1 kB against a 6 kB bound: 1 and 2 are superseded by keep=2 newer ones
     assert [c.step for c in f.pending()] == [3, 4]
-    assert "over its bound" in capsys.readouterr().out  # 3 is kept although the bound is exceeded
+    assert "over its bound" in capsys.readouterr().err  # 3 is kept although the bound is exceeded
     g = front(f"faulty://{tmp_path / 'e' / 'run'}", keep=None, max_bytes=6000)
     g.open_for_writing()
     for s in (1, 2, 3):
@@ -326,9 +327,7 @@ def die(ckpt):
     """What a killed process leaves: its spool as it is, no uploads going on. (Its leases are
     released here because this process lives on: a dead one's would simply not be live.)"""
     ckpt.writer.wait()
-    for up in list(spool_mod._REGISTRY.values()):
-        up.stop(timeout=10)
-    spool_mod._REGISTRY.clear()
+    spool_mod.UPLOADERS.stop_all(timeout=10)
     ckpt.sink.spool.lease.release()
     ckpt._opened = False
 
@@ -367,7 +366,7 @@ def test_resume_takes_the_newest_of_spool_and_destination(tmp_path, spool_env, c
     recover(spool_env)
     d = Checkpointer(url, quiet=True, keep=None)
     tree = d.load()
-    assert tree["counters"]["step"] == 20 and "damaged" in capsys.readouterr().out
+    assert tree["counters"]["step"] == 20 and "damaged" in capsys.readouterr().err
     d.close()
 
 
@@ -382,7 +381,7 @@ def test_resume_while_the_destination_is_down_uses_the_spool(tmp_path, spool_env
     b.store.retry = RetryPolicy(attempts=1)
     tree = b.load()
     assert tree["counters"]["step"] == 5
-    assert "cannot read" in capsys.readouterr().out
+    assert "cannot read" in capsys.readouterr().err
     recover(spool_env)
     b.close()
 
@@ -417,11 +416,28 @@ def test_close_waits_bounded_and_says_what_is_pending(tmp_path, spool_env, capsy
     fail(spool_env, "EIO")
     save(a, 7, 1.0)
     a.close()  # returns although the upload cannot finish
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err
     assert "not uploaded" in out and f"keepalive sync {url}" in out and "newest step 7" in out
     a.flush()  # nothing moved since: no second report
-    assert "not uploaded" not in capsys.readouterr().out
+    assert "not uploaded" not in capsys.readouterr().err
     recover(spool_env)
+
+
+@pytest.mark.parametrize("quiet", [True, False])
+def test_quiet_silences_news_but_not_warnings(tmp_path, spool_env, capsys, quiet):
+    dest = CheckpointStore(f"faulty://{tmp_path / 'dest' / 'run'}", keep=None,
+                           retry=RetryPolicy(attempts=2, initial_delay=0.02, max_delay=0.05))
+    f = spool_mod.SpooledStore(dest, quiet=quiet)
+    f.open_for_writing()
+    fail(spool_env, "EIO")
+    f.commit(files(1), step=1)
+    assert not f.flush(timeout=2.5)  # news: "waiting up to ..."; warning: what is not uploaded
+    out = capsys.readouterr()
+    assert ("waiting up to" in out.out) is not quiet
+    assert "not uploaded" in out.err and "cannot upload checkpoints" in out.err
+    recover(spool_env)
+    assert f.flush(timeout=30)
+    f.close()
 
 
 @pytest.fixture
@@ -437,8 +453,8 @@ def fake_colab(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "google.colab.drive", drive)
     root = tmp_path / "content" / "drive"
     (root / "MyDrive").mkdir(parents=True)
-    monkeypatch.setattr(spool_mod, "DRIVE_ROOT", str(root))
-    monkeypatch.setattr(spool_mod, "_ismount", lambda p: os.path.isdir(p))
+    monkeypatch.setattr(mount_mod, "DRIVE_ROOT", str(root))
+    monkeypatch.setattr(mount_mod, "is_mount", lambda p: os.path.isdir(p))
     real_sync = os.sync
     monkeypatch.setattr(os, "sync", lambda: (calls.__setitem__("sync", calls["sync"] + 1), real_sync())[1])
     return root, calls
@@ -458,7 +474,7 @@ def test_drive_destination_flush_on_colab(fake_colab, capsys, drive_flush):
     a.flush()  # end of the run
     a.close()
     assert steps_at(run) == [3]
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err
     if drive_flush:
         assert calls["flush_and_unmount"] == 1 and "unmounted" in out
     else:
@@ -468,14 +484,14 @@ def test_drive_destination_flush_on_colab(fake_colab, capsys, drive_flush):
 
 def test_drive_not_mounted_is_spooled_not_written_to_the_vm_disk(fake_colab, monkeypatch, capsys):
     root, _ = fake_colab
-    monkeypatch.setattr(spool_mod, "_ismount", lambda p: False)
+    monkeypatch.setattr(mount_mod, "is_mount", lambda p: False)
     run = root / "MyDrive" / "runs" / "y"
     f = front(str(run))
     f.open_for_writing()
     f.commit(files(1), step=1)
     assert not f.flush(timeout=0.5)
     wait_for(lambda: f.uploader.failing is not None, what="the report")
-    assert "Google Drive is not mounted" in capsys.readouterr().out
+    assert "Google Drive is not mounted" in capsys.readouterr().err
     assert not run.exists()
 
 
@@ -500,7 +516,7 @@ def test_rerun_cell_shares_the_uploader_and_its_lease(tmp_path, spool_env):
     b = Checkpointer(url, quiet=True, keep=None)  # the same cell run again, same process
     b.load()  # hands the run over from `a`
     save(b, 2, 2.0)
-    assert b.sink.uploader is not None and len(spool_mod._REGISTRY) == 1
+    assert b.sink.uploader is not None and len(spool_mod.UPLOADERS) == 1
     recover(spool_env)
     b.flush(timeout=30)
     assert steps_at(tmp_path / "dest" / "run") == [1, 2]
@@ -558,7 +574,7 @@ def test_status_and_sync_after_a_crash(tmp_path, spool_env, capsys):
     assert result["ok"] and result["destinations"][0]["uploaded"] == 3
     assert steps_at(dest) == [1, 2, 3]
     verify_cli(dest, capsys)
-    assert spool_mod.pending_summary() is None
+    assert runs.pending_summary() is None
     r = subprocess.run([sys.executable, "-m", "keepalive", "sync"], capture_output=True, text=True,
                        timeout=120, env=env)
     assert r.returncode == 0 and "nothing" in r.stdout.lower()
@@ -571,12 +587,12 @@ def test_sync_help():
 
 
 def test_parse_and_modes():
-    assert spool_mod.parse_bytes("10GB") == 10 * 10 ** 9
-    assert spool_mod.parse_bytes("5GiB") == 5 * 2 ** 30
-    assert spool_mod.parse_bytes("500M") == 500 * 10 ** 6
+    assert parse_bytes("10GB") == 10 * 10 ** 9
+    assert parse_bytes("5GiB") == 5 * 2 ** 30
+    assert parse_bytes("500M") == 500 * 10 ** 6
     assert spool_mod.resolve_mode(True) == "always" and spool_mod.resolve_mode(False) == "never"
     with pytest.raises(ValueError):
         spool_mod.resolve_mode("sometimes")
-    assert spool_mod._public_options({"key": "k", "secret": "s", "token": "t",
-                                      "client_kwargs": {"endpoint_url": "http://x"}}) == {
+    assert spool_mod.public_options({"key": "k", "secret": "s", "token": "t",
+                                     "client_kwargs": {"endpoint_url": "http://x"}}) == {
         "client_kwargs": {"endpoint_url": "http://x"}}

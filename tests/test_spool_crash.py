@@ -26,8 +26,7 @@ from safetensors.torch import load_file
 
 import faultyfs
 from crashkit import COMMITTED_RE, run_to_completion
-from keepalive import cli
-from keepalive import spool as spool_mod
+from keepalive import cli, runs
 from keepalive.store import MANIFEST, CheckpointStore
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "torch_train_remote.py")
@@ -122,7 +121,7 @@ def test_training_keeps_its_pace_while_the_destination_fails(tmp_path, reference
     assert out.count("works again") == 1, out
     committed = {int(line.split()[1]) for _, line in lines if line.startswith("COMMITTED ")}
     assert committed <= set(steps_at(dest)), (sorted(committed), steps_at(dest))
-    assert spool_mod.pending_summary(str(tmp_path / "spool")) is None
+    assert runs.pending_summary(str(tmp_path / "spool")) is None
     capsys.readouterr()
     assert cli.main(["verify", f"faulty://{dest}"]) == 0
     assert_same(reference, tmp_path / "out.st")
@@ -135,8 +134,8 @@ def test_training_keeps_its_pace_while_the_destination_fails(tmp_path, reference
     before, during, after = step_times(0, t_fail), step_times(t_fail, t_rec), step_times(t_rec, FAR)
     with capsys.disabled():
         print(f"\nmedian step time: before the outage {statistics.median(before) * 1e3:.1f} ms, during "
-              f"{statistics.median(during) * 1e3:.1f} ms ({len(during) + 1} steps, {during_commits} commits), "
-              f"after {statistics.median(after) * 1e3:.1f} ms" if after else "")
+              f"{statistics.median(during) * 1e3:.1f} ms ({len(during) + 1} steps, {during_commits} "
+              f"commits), after {statistics.median(after) * 1e3:.1f} ms" if after else "")
 
 
 class _Window(threading.Thread):
@@ -147,8 +146,10 @@ class _Window(threading.Thread):
     def __init__(self, proxy, starts_file, spool_root, until_start, after_spooled=True, methods=None,
                  delay=0.0):
         super().__init__(daemon=True)
-        self.proxy, self.starts_file, self.spool_root, self.until = proxy, starts_file, spool_root, until_start
-        self.after_spooled, self.methods, self.delay, self.done = after_spooled, methods, delay, threading.Event()
+        self.proxy, self.starts_file, self.spool_root = proxy, starts_file, spool_root
+        self.until = until_start
+        self.after_spooled, self.methods, self.delay = after_spooled, methods, delay
+        self.done = threading.Event()
 
     def run(self):
         seen = False
@@ -221,7 +222,7 @@ def test_sigkill_during_an_outage_resumes_bit_exact(tmp_path, reference, request
     assert report.kills == kills
     assert_same(reference, tmp_path / "out.st")
     assert (failed if proxy is not None else faultyfs.hits(control)) > 0, "the outage never happened"
-    assert spool_mod.pending_summary(str(tmp_path / "spool")) is None, "something was never uploaded"
+    assert runs.pending_summary(str(tmp_path / "spool")) is None, "something was never uploaded"
     committed = {int(m.group(1)) for m in map(COMMITTED_RE.match, report.final_output.splitlines()) if m}
     if local_dest is not None:
         at_dest = steps_at(local_dest)

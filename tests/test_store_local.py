@@ -1,5 +1,5 @@
 """Local-folder specifics of the store: unusable paths, foreign folders, the writer lease across
-processes (dead, zombie, other host, expired, torn), and what ``open_location`` finds."""
+processes (dead, zombie, other host, expired, torn), and what ``keepalive.runs.locate`` finds."""
 from __future__ import annotations
 
 import json
@@ -12,7 +12,8 @@ import time
 import pytest
 
 from keepalive.errors import NoCheckpointError, RunLockedError, StorageError
-from keepalive.store import LEASE, CheckpointStore, find_runs, open_location
+from keepalive.runs import find_runs, locate
+from keepalive.store import LEASE, CheckpointStore
 
 
 def blob(step: int) -> dict:
@@ -81,10 +82,10 @@ def test_foreign_folder(tmp_path):
     assert store.list() == [] and store.newest_valid() is None
     assert find_runs(foreign) == []
     with pytest.raises(NoCheckpointError) as exc:
-        open_location(foreign)
+        locate(foreign)
     assert "no keepalive run or checkpoint" in str(exc.value)
     with pytest.raises(NoCheckpointError):
-        open_location(tmp_path / "does-not-exist")
+        locate(tmp_path / "does-not-exist")
 
 
 def test_foreign_ckpt_named_folder_is_not_trusted(tmp_path):
@@ -102,22 +103,25 @@ def test_foreign_ckpt_named_folder_is_not_trusted(tmp_path):
     assert store.newest_valid() is None
 
 
-def test_open_location_kinds(tmp_path, monkeypatch):
+def test_locate_kinds(tmp_path, monkeypatch):
     root = tmp_path / "runs"
     a, b = CheckpointStore(root / "a"), CheckpointStore(root / "nested" / "b")
     ia = a.commit(blob(1), step=1).info
     b.commit(blob(2), step=2)
     a.close(), b.close()
-    kind, runs, _ = open_location(root)
-    assert kind == "root" and runs == [str(root / "a"), str(root / "nested" / "b")]
-    kind, store, _ = open_location(root / "a")
-    assert kind == "run" and store.path == str(root / "a")
-    kind, store, info = open_location(ia.path)
-    assert kind == "checkpoint" and info.name == ia.name and store.verify(info).valid
+    where = locate(root)
+    assert where.kind == "root"
+    assert [r.url for r in where.runs] == [str(root / "a"), str(root / "nested" / "b")]
+    where = locate(root / "a")
+    assert where.kind == "run" and [r.destination.path for r in where.runs] == [str(root / "a")]
+    where = locate(ia.path)
+    info, store = where.checkpoint, where.runs[0].destination
+    assert where.kind == "checkpoint" and info.name == ia.name and store.verify(info).valid
     # a bare relative checkpoint folder name (``keepalive verify ckpt-...`` inside the run)
     monkeypatch.chdir(root / "a")
-    kind, store, info = open_location(ia.name)
-    assert kind == "checkpoint" and store.path == str(root / "a") and store.verify(info).valid
+    where = locate(ia.name)
+    info, store = where.checkpoint, where.runs[0].destination
+    assert where.kind == "checkpoint" and store.path == str(root / "a") and store.verify(info).valid
 
 
 # ------------------------------------------------------------------------------------- leases

@@ -1,0 +1,470 @@
+"""Runs: the one place that knows which runs exist and which checkpoints each one holds.
+
+A run is its **destination** (the run folder: a local path or an fsspec URL) plus, on this machine,
+its **local spool** (checkpoints committed locally and not uploaded yet, and the local copy of the
+newest uploaded one: :mod:`keepalive.spool`). Resume (:meth:`keepalive.core.Checkpointer.load`),
+``keepalive ls`` / ``verify`` / ``sync`` / ``status``, ``%keepalive ls``, ``%resume_training`` and the
+notice of ``%load_ext keepalive`` all ask this module; nothing else lists runs or picks a checkpoint.
+
+Rules, once:
+
+* A run's checkpoints are those of its destination and of its spool, newest first by (step, time
+  saved). A checkpoint held by both is listed once (the destination's copy); a resume reads the
+  spool's copy first (local disk) and falls back to the other.
+* A spooled copy that was uploaded already (``cached``) counts only where the destination holds it
+  too, or where the destination cannot be read: a run deleted at the destination on purpose does not
+  come back from a cache.
+* The newest *valid* checkpoint is the newest that verifies, falling back past damaged ones.
+
+>>> from keepalive.store import CheckpointStore
+>>> store = CheckpointStore("memory://doc-runs/pets", keep=None)
+>>> for step in (3, 6):
+...     _ = store.commit({"a.bin": b"x"}, step=step, epoch=step // 3)
+>>> store.close()
+>>> run = open_run("memory://doc-runs/pets")
+>>> [c.step for c in run.checkpoints()], run.newest_valid().step
+([6, 3], 6)
+>>> [r.name for r in find_runs("memory://doc-runs")]
+['pets']
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple, Union
+
+from . import report
+from .errors import NoCheckpointError
+from .resume import read_state
+from .spool import Spool, list_spools
+from .store import (
+    CKPT_PREFIX,
+    CheckpointInfo,
+    CheckpointStore,
+    backend_for,
+    first_readable,
+    run_folders_below,
+)
+from .units import format_bytes, format_duration
+
+__all__ = ["Run", "Location", "open_run", "find_runs", "spooled_runs", "locate", "checkpoints_at",
+           "pending_summary", "format_pending"]
+
+Copy = Tuple[CheckpointInfo, CheckpointStore]  # a checkpoint and the store holding this copy of it
+
+
+@dataclass
+class _Listing:
+    """What listing a run's stores found: every copy, newest first, and the stores that failed."""
+
+    copies: List[Copy] = field(default_factory=list)
+    failed: List[Tuple[str, BaseException]] = field(default_factory=list)  # (url, error)
+    answered: List[CheckpointStore] = field(default_factory=list)
+
+
+class Run:
+    """One training run: its destination store and, when this machine has one, its local spool.
+
+    Listing is lazy and taken once (a snapshot); :meth:`refresh` lists again. :meth:`load_newest`
+    always lists afresh.
+    """
+
+    def __init__(self, destination: Union[CheckpointStore, str], *, spool: Optional[Spool] = None,
+                 storage_options: Optional[dict] = None, name: Optional[str] = None):
+        if isinstance(destination, CheckpointStore):
+            self._destination: Optional[CheckpointStore] = destination
+            self.url = destination.url
+            self.name = name or destination.run
+        else:  # a URL from a spool record: the store is built when first needed (it may be remote)
+            self._destination = None
+            self.url = destination.rstrip("/")
+            self.name = name or self.url.rsplit("/", 1)[-1] or "run"
+        self.storage_options = storage_options
+        self.spool = spool
+        self._snapshots: Dict[bool, _Listing] = {}
+
+    def __repr__(self) -> str:
+        return f"Run({self.url!r}{', with a local spool' if self.spool is not None else ''})"
+
+    @property
+    def run(self) -> str:
+        """The run's name (its folder name), as :attr:`CheckpointStore.run` and
+        :attr:`CheckpointInfo.run` call it."""
+        return self.name
+
+    @property
+    def destination(self) -> CheckpointStore:
+        """The run folder's store (read-only use: ``keep=None``, nothing is ever deleted through it)."""
+        if self._destination is None:
+            self._destination = CheckpointStore(self.url, keep=None, storage_options=self.storage_options)
+        return self._destination
+
+    # ------------------------------------------------------------------------------- listing
+    def _list(self, include_uncommitted: bool = False) -> _Listing:
+        listing = _Listing()
+        stores: List[CheckpointStore] = [self.spool] if self.spool is not None else []
+        try:
+            stores.append(self.destination)
+        except Exception as exc:  # noqa: BLE001 - e.g. a protocol whose package is not installed
+            listing.failed.append((self.url, exc))
+        for store in stores:
+            try:
+                listed = store.list(include_uncommitted)
+            except Exception as exc:  # noqa: BLE001 - one store down: the other may answer
+                listing.failed.append((store.url, exc))
+                continue
+            listing.answered.append(store)
+            listing.copies.extend((info, store) for info in listed)
+        held = {info.name for info, _ in listing.copies if not info.cached}
+        listing.copies = [(info, store) for info, store in listing.copies
+                          if listing.failed or not info.cached or info.name in held]
+        if len(stores) > 1:
+            # newest first by (step, time saved, name); for one checkpoint held twice, the spool first
+            rank = {id(s): r for r, s in enumerate(stores)}
+            listing.copies.sort(key=lambda c: (-(c[0].step if c[0].step is not None else -1),
+                                               -(c[0].created or 0.0), c[0].name, rank[id(c[1])]))
+        else:
+            listing.copies.reverse()  # one store: exactly its own order (step, seq, created), newest first
+        return listing
+
+    def _snapshot(self, include_uncommitted: bool = False) -> _Listing:
+        if include_uncommitted not in self._snapshots:
+            self._snapshots[include_uncommitted] = self._list(include_uncommitted)
+        return self._snapshots[include_uncommitted]
+
+    def refresh(self) -> "Run":
+        """Forget what was listed: the next question lists the stores again."""
+        self._snapshots.clear()
+        return self
+
+    def store_of(self, info: CheckpointInfo) -> CheckpointStore:
+        """The store that holds this copy of a checkpoint (the spool or the destination)."""
+        return self.spool if info.source == "spool" and self.spool is not None else self.destination
+
+    def checkpoints(self, verify: bool = False, include_uncommitted: bool = False) -> List[CheckpointInfo]:
+        """The run's checkpoints, newest first, each once (``source`` says where this copy lies,
+        ``cached`` marks the spool's copy of an uploaded one). ``verify``: re-read every committed
+        one to fill in ``valid``; ``include_uncommitted``: also folders of writes that never finished.
+
+        Raises the storage error when nothing could be listed (the destination cannot be read and
+        the spool holds nothing).
+        """
+        listing = self._snapshot(include_uncommitted)
+        if listing.failed and not listing.copies:
+            raise listing.failed[0][1]
+        at_destination = {info.name for info, store in listing.copies if info.source != "spool"}
+        out: List[CheckpointInfo] = []
+        seen = set()
+        for info, _ in listing.copies:
+            if info.name in seen or (info.source == "spool" and info.name in at_destination):
+                continue
+            seen.add(info.name)
+            out.append(info)
+        if verify:
+            for info in out:
+                if info.committed and info.error is None:
+                    self.store_of(info).verify(info)
+        return out
+
+    def _readable(self) -> List[CheckpointInfo]:
+        """Committed checkpoints whose manifests read, newest first; [] when nothing can be listed."""
+        try:
+            return [c for c in self.checkpoints() if c.error is None]
+        except Exception:  # noqa: BLE001 - see ``error``
+            return []
+
+    @property
+    def error(self) -> Optional[str]:
+        """Why (part of) the run could not be listed, or None (from what was listed already)."""
+        listings = list(self._snapshots.values()) or [self._snapshot()]
+        failed = [exc for listing in listings for _, exc in listing.failed]
+        return str(failed[0]) if failed else None
+
+    @property
+    def newest(self) -> Optional[CheckpointInfo]:
+        """The newest committed checkpoint whose manifest reads (its data is not read)."""
+        readable = self._readable()
+        return readable[0] if readable else None
+
+    @property
+    def count(self) -> int:
+        """How many committed checkpoints with a readable manifest the run has."""
+        return len(self._readable())
+
+    @property
+    def broken(self) -> int:
+        """How many committed checkpoints have a damaged manifest."""
+        try:
+            return sum(1 for c in self.checkpoints() if c.error is not None)
+        except Exception:  # noqa: BLE001
+            return 0
+
+    # ---------------------------------------------------------------------- newest valid, resume
+    def _copies_newest_first(self) -> List[Copy]:
+        return [(info, store) for info, store in self._snapshot().copies if info.committed]
+
+    def newest_valid(self, *, on_corrupt: Optional[Callable[[CheckpointInfo], None]] = None,
+                     quiet: bool = False) -> Optional[CheckpointInfo]:
+        """The newest checkpoint that verifies (every byte re-read), falling back past damaged ones
+        (each handed to ``on_corrupt``, else reported as a warning); None when none verifies."""
+        found = first_readable(self._copies_newest_first(), lambda info, store: store.check(info),
+                               on_corrupt=on_corrupt, quiet=quiet)
+        return found[0] if found else None
+
+    def load_newest(self, *, quiet: bool = False
+                    ) -> Optional[Tuple[CheckpointInfo, Dict[str, Any], Optional[dict]]]:
+        """``(info, state tree, progress of the last writer)`` of the newest valid checkpoint, or None.
+
+        Lists afresh. Damaged checkpoints (torn, truncated, bit-flipped) are skipped with a warning
+        naming them. A store that cannot be listed (the destination is down) is skipped with a
+        warning as long as another one answers; when none answers, or nothing readable is found and
+        a store could not be read (it may hold more), its error is raised: starting over could bury
+        its checkpoints.
+        """
+        listing = self.refresh()._snapshot()
+        if listing.failed and listing.answered:
+            for url, exc in listing.failed:
+                report.warn(f"cannot read {url} ({exc}); looking for the newest checkpoint in the other "
+                            "location(s)", quiet=quiet)
+        if listing.failed and not listing.copies:
+            raise listing.failed[0][1]
+        previous = _writer_progress(listing.answered)
+        found = first_readable(self._copies_newest_first(), read_state, quiet=quiet)
+        if found is None:
+            if listing.failed:
+                raise listing.failed[0][1]  # all that could be read was damaged
+            return None
+        info, tree = found
+        return info, tree, previous
+
+    # ------------------------------------------------------------------------------- uploads
+    def pending_uploads(self) -> List[CheckpointInfo]:
+        """Checkpoints waiting in this machine's spool for upload, newest first."""
+        if self.spool is None:
+            return []
+        try:
+            return list(reversed(self.spool.pending()))
+        except OSError:
+            return []
+
+    def in_spool(self, info: Optional[CheckpointInfo]) -> bool:
+        """Whether ``info`` exists only in this machine's spool (committed here, not uploaded yet)."""
+        return info is not None and info.source == "spool" and not info.cached
+
+    # ---------------------------------------------------------------------- what the run says
+    @property
+    def metadata(self) -> Dict[str, Any]:
+        """The metadata of the newest checkpoint (what the writer recorded: framework, cell, ...)."""
+        newest = self.newest
+        return ((newest.manifest or {}).get("metadata") or {}) if newest else {}
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.metadata.get("finished"))
+
+    @property
+    def unfinished(self) -> bool:
+        return self.newest is not None and not self.finished
+
+    @property
+    def created(self) -> float:
+        """When the newest checkpoint was saved (unix seconds; 0 without one)."""
+        newest = self.newest
+        return (newest.created or 0.0) if newest else 0.0
+
+    def where(self, info: Optional[CheckpointInfo] = None) -> str:
+        """``epoch E, step S (ckpt-..., saved 3 min ago)`` for ``info`` (default: the newest)."""
+        n = info or self.newest
+        if n is None:
+            return "no committed checkpoint"
+        age = format_duration(max(0.0, time.time() - (n.created or time.time())))
+        spooled = "; in the local spool, not uploaded yet" if self.in_spool(n) else ""
+        return f"epoch {n.epoch}, step {n.step} ({n.name}, saved {age} ago{spooled})"
+
+    def writer_progress(self) -> Optional[dict]:
+        """How far the last writer got (the counters in its lease's heartbeat), or None."""
+        stores = ([self.spool] if self.spool is not None else []) + [self.destination]
+        return _writer_progress(stores)
+
+    def live_writer(self) -> Optional[Dict[str, Any]]:
+        """The lease of another live session writing the run now (None when there is none, or when
+        it is this process)."""
+        lease = self.destination.lease
+        try:
+            current = lease.read()
+        except Exception:  # noqa: BLE001
+            return None
+        if not current or not lease.is_live(current):
+            return None
+        if current.get("pid") == os.getpid() and current.get("host") == lease.host:
+            return None
+        return current
+
+    def summary(self) -> Dict[str, Any]:
+        """JSON-safe facts for ``keepalive status``: ``run``, ``url``, ``checkpoints``,
+        ``newest`` / ``newest_step`` / ``newest_epoch`` / ``newest_created`` (UTC ISO), and when they
+        apply ``broken``, ``pending_uploads`` and ``error``."""
+        entry: Dict[str, Any] = {"run": self.name, "url": self.url, "newest_step": None,
+                                 "newest_epoch": None, "newest_created": None, "checkpoints": 0}
+        if self.error is not None:
+            entry["error"] = self.error
+        entry["checkpoints"] = self.count
+        if self.broken:
+            entry["broken"] = self.broken
+        newest = self.newest
+        if newest is not None:
+            created = None if newest.created is None else time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                                         time.gmtime(newest.created))
+            entry.update(newest_step=newest.step, newest_epoch=newest.epoch, newest_created=created,
+                         newest=newest.name)
+        pending = len(self.pending_uploads())
+        if pending:
+            entry["pending_uploads"] = pending
+        return entry
+
+
+def _writer_progress(stores: Iterable[CheckpointStore]) -> Optional[dict]:
+    best: Optional[dict] = None
+    for store in stores:
+        try:
+            progress = (store.lease.read() or {}).get("progress")
+        except Exception:  # noqa: BLE001 - informative only
+            continue
+        if progress and (best is None or (progress.get("step") or 0) > (best.get("step") or 0)):
+            best = progress
+    return best
+
+
+# ------------------------------------------------------------------------------- finding runs
+def _spool_for(dest: CheckpointStore) -> Optional[Spool]:
+    """The local spool of a destination run when one exists on this machine (else None)."""
+    try:
+        spool = Spool.for_destination(dest)
+        return spool if os.path.isdir(spool.path) else None
+    except Exception:  # noqa: BLE001 - an unreadable spool root: the destination only
+        return None
+
+
+def open_run(url: Union[str, "os.PathLike[str]"], storage_options: Optional[dict] = None) -> Run:
+    """The run at ``url`` (a run folder, local path or URL), with its local spool when it has one."""
+    dest = CheckpointStore(url, keep=None, storage_options=storage_options)
+    return Run(dest, spool=_spool_for(dest), storage_options=storage_options)
+
+
+def spooled_runs(below: Optional[str] = None, spool_root: Optional[str] = None) -> List[Run]:
+    """The runs that have a spool on this machine (under the spool root ``spool_root``), or only
+    those whose destination is the run or folder ``below`` or lies below it."""
+    out = []
+    for folder, record in list_spools(spool_root, below=below):
+        options = record.get("storage_options") or None
+        out.append(Run(record["destination"], spool=Spool.from_record(folder, record),
+                       storage_options=options, name=record.get("run")))
+    return out
+
+
+def find_runs(root: Union[str, "os.PathLike[str]"], storage_options: Optional[dict] = None,
+              include_spools: bool = True) -> List[Run]:
+    """Every run at or below ``root`` (a folder or URL), in folder order; with ``include_spools``
+    also the runs whose destination lies below ``root`` but so far exist only in this machine's
+    spool (a kernel died before its first upload). Raises when ``root`` cannot be read at all."""
+    urls = run_folders_below(root, storage_options=storage_options)
+    runs = [open_run(url, storage_options) for url in urls]
+    if include_spools:
+        known = {r.url for r in runs}
+        try:
+            for run in spooled_runs(below=os.fspath(root)):
+                if run.url not in known and run.newest is not None:
+                    runs.append(run)
+                    known.add(run.url)
+        except Exception:  # noqa: BLE001 - the spool is a bonus; the destinations were listed
+            pass
+    return runs
+
+
+@dataclass
+class Location:
+    """What a path names: one checkpoint (``kind="checkpoint"``, its run and ``checkpoint``), one
+    run (``"run"``) or a folder of runs (``"root"``)."""
+
+    kind: str
+    runs: List[Run]
+    checkpoint: Optional[CheckpointInfo] = None
+
+
+def locate(url: Union[str, "os.PathLike[str]"], storage_options: Optional[dict] = None) -> Location:
+    """What ``url`` names (a checkpoint folder, also as a bare ``ckpt-...`` name; a run folder; a
+    folder of runs). Raises :class:`NoCheckpointError` where nothing is found."""
+    text = os.fspath(url).rstrip("/")
+    backend, path = backend_for(text, storage_options)
+    base = path.rsplit("/", 1)[-1]
+    if base.startswith(CKPT_PREFIX):
+        # the parent from the backend path: a bare relative "ckpt-..." has no "/" in ``text``
+        run = open_run(backend.url(path.rsplit("/", 1)[0]), storage_options)
+        return Location("checkpoint", [run], run.destination.load_info(base))
+    here = backend.url(path)
+    if not backend.exists(path):
+        spooled = [r for r in spooled_runs(below=text) if r.newest is not None]
+        if not spooled:
+            raise NoCheckpointError(f"{text} does not exist")
+        return Location("run" if [r.url for r in spooled] == [here] else "root", spooled)
+    runs = find_runs(text, storage_options)
+    if runs and runs[0].url == here:
+        return Location("run", runs[:1])
+    if not runs:
+        raise NoCheckpointError(f"no keepalive run or checkpoint under {text}")
+    return Location("root", runs)
+
+
+def checkpoints_at(url: Union[str, "os.PathLike[str]"], verify: bool = False,
+                   storage_options: Optional[dict] = None) -> List[CheckpointInfo]:
+    """Every checkpoint ``url`` names, as ``keepalive ls`` / ``verify`` show them: one checkpoint; or
+    each run's checkpoints oldest first, folders of unfinished writes included. ``verify``: re-read
+    every committed one to fill in ``valid``."""
+    where = locate(url, storage_options)
+    if where.checkpoint is not None:
+        info = where.checkpoint
+        return [where.runs[0].store_of(info).verify(info) if verify else info]
+    out: List[CheckpointInfo] = []
+    for run in where.runs:
+        listed = run.checkpoints(verify=verify, include_uncommitted=True)
+        if run.error is not None:
+            report.warn(f"cannot read {run.url} ({run.error}); showing what this machine's spool holds")
+        out.extend(reversed(listed))
+    return out
+
+
+# ------------------------------------------------------------------------------------ uploads
+def pending_summary(spool_root: Optional[str] = None) -> Optional[Dict[str, Any]]:
+    """What waits in this machine's spool: ``{count, bytes, oldest_age_seconds, destinations:
+    [{destination, spool, count, bytes, oldest_age_seconds, newest_step}]}``, or None when nothing
+    does (``keepalive status``'s ``pending_uploads``)."""
+    now = time.time()
+    rows = []
+    for run in spooled_runs(spool_root=spool_root):
+        pending = run.pending_uploads()
+        if not pending:
+            continue
+        oldest = min((c.created for c in pending if c.created), default=None)
+        rows.append({"destination": run.url, "spool": run.spool.folder if run.spool else None,
+                     "count": len(pending), "bytes": sum(c.size_bytes or 0 for c in pending),
+                     "oldest_age_seconds": None if oldest is None else max(0.0, now - oldest),
+                     "newest_step": pending[0].step})
+    if not rows:
+        return None
+    ages = [r["oldest_age_seconds"] for r in rows if r["oldest_age_seconds"] is not None]
+    return {"count": sum(r["count"] for r in rows), "bytes": sum(r["bytes"] for r in rows),
+            "oldest_age_seconds": max(ages) if ages else None, "destinations": rows}
+
+
+def format_pending(pending: Optional[Mapping[str, Any]]) -> str:
+    """One line for :func:`pending_summary`'s result (``keepalive status``)."""
+    if not pending:
+        return "none pending"
+    if "count" not in pending:
+        return f"unknown ({pending.get('error')})"
+    text = (f"{pending['count']} checkpoint(s), {format_bytes(pending['bytes'])} pending, oldest "
+            f"{format_duration(pending.get('oldest_age_seconds'))} old")
+    dests = ", ".join(r["destination"] for r in pending.get("destinations") or [])
+    return f"{text} (to {dests}; `keepalive sync` uploads them)" if dests else text
+
