@@ -35,8 +35,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("KEEPALIVE_PROGRESS", "0")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import numpy as np  # noqa: E402
 import keras  # noqa: E402
+import numpy as np  # noqa: E402
 
 from keepalive.callbacks.keras import DriveCheckpoint  # noqa: E402
 
@@ -152,7 +152,8 @@ def main() -> None:
     print(f"\nsmall CNN ({n_params:,} parameters, about {n_params * 4 * 3 / 2**20:.1f} MiB with the "
           f"Adadelta state), {args.samples} samples x {args.epochs} epochs, batch {args.batch}, "
           f"keras {keras.__version__} ({keras.backend.backend()}), {args.repeats} repeats")
-    print(f"{'configuration':18s} {'median epoch':>13s} {'overhead':>9s} {'blocking/epoch':>15s} {'share':>7s}")
+    print(f"{'configuration':18s} {'median epoch':>13s} {'overhead':>9s} {'blocking/epoch':>15s} "
+          f"{'share':>7s}")
     out = {}
     for kind in kinds:
         med = statistics.median(epochs[kind])
@@ -163,7 +164,8 @@ def main() -> None:
               f"{out[kind]['blocking_pct']:6.2f}%")
     if writes:
         out["keepalive"]["background_write_s"] = statistics.median(writes)
-        print(f"keepalive background write (until durable), median: {1000 * statistics.median(writes):.1f} ms")
+        print(f"keepalive background write (until durable), median: "
+              f"{1000 * statistics.median(writes):.1f} ms")
     if args.json:
         print(json.dumps(out, indent=2))
     if not args.dir:

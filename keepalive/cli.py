@@ -26,24 +26,11 @@ def add_ls(sub) -> None:
     p.set_defaults(func=cmd_ls)
 
 
-def _checkpoints_under(path: str, verify: bool):
-    from .store import CheckpointStore, open_location
-
-    kind, what, info = open_location(path)
-    if kind == "checkpoint":
-        store = what
-        yield (store.verify(info) if verify else info)
-        return
-    stores = [what] if kind == "run" else [CheckpointStore(u, keep=None) for u in what]
-    for store in stores:
-        for c in store.list(include_uncommitted=True):
-            yield (store.verify(c) if verify and c.committed and c.error is None else c)
-
-
 def cmd_ls(args) -> int:
+    from .runs import checkpoints_at
     from .units import format_bytes
 
-    rows = list(_checkpoints_under(args.path, args.verify))
+    rows = checkpoints_at(args.path, verify=args.verify)
     if args.json:
         for c in rows:
             print(json.dumps(c.to_json()))
@@ -73,9 +60,10 @@ def add_verify(sub) -> None:
 
 def cmd_verify(args) -> int:
     from .errors import NoCheckpointError
+    from .runs import checkpoints_at
 
     try:
-        rows = list(_checkpoints_under(args.path, verify=True))
+        rows = checkpoints_at(args.path, verify=True)
     except NoCheckpointError as exc:
         print(f"keepalive verify: {exc}", file=sys.stderr)
         return 2
@@ -105,17 +93,25 @@ def add_status(sub) -> None:
                                    "KEEPALIVE_SESSION_START.")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--dir", default=None, help="checkpoint folder to report on (default: the default dir)")
+    p.add_argument("--settings", action="store_true",
+                   help="list every KEEPALIVE_* setting: the value in force, set or default, meaning")
     p.set_defaults(func=cmd_status)
 
 
 def cmd_status(args) -> int:
-    from . import session
+    from . import status
 
-    report = session.status_report(checkpoint_dir=args.dir)
+    if args.settings:
+        from . import settings
+
+        rows = settings.table()
+        print(json.dumps(rows, indent=2, default=str) if args.json else status.format_settings(rows))
+        return 0
+    report = status.status_report(checkpoint_dir=args.dir)
     if args.json:
         print(json.dumps(report, indent=2, default=str))
     else:
-        print(session.format_status(report))
+        print(status.format_status(report))
     return 0
 
 
@@ -139,15 +135,11 @@ def add_sync(sub) -> None:
 
 def cmd_sync(args) -> int:
     from . import spool
+    from .runs import spooled_runs
     from .units import format_bytes
 
-    todo = [(f, r) for f, r in spool.list_spools(args.spool) if spool._matches(r["destination"], args.path)]
-    total = 0
-    for folder, record in todo:
-        try:
-            total += sum(c.size_bytes or 0 for c in spool._spool_of(folder, record).pending())
-        except OSError:
-            pass
+    total = sum(c.size_bytes or 0 for run in spooled_runs(below=args.path, spool_root=args.spool)
+                for c in run.pending_uploads())
     bar = None
     if total and not args.json:
         try:
@@ -215,12 +207,10 @@ def add_bench(sub) -> None:
     q.add_argument("--no-checkpoint", action="store_true",
                    help="train without checkpoints (timings only; for overhead comparisons)")
     q.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    q.add_argument("--threads", type=int, default=None, help="CPU threads for the framework")
+    q.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for the framework (default: KEEPALIVE_BENCH_THREADS, else its own)")
     q.add_argument("--deterministic", action="store_true",
                    help="deterministic ops (TensorFlow op determinism / torch deterministic algorithms)")
-    q.add_argument("--markers", action="store_true",
-                   help="print `STEP n` after each optimizer step and `COMMITTED n` after each checkpoint "
-                        "(for crash tests)")
     q.add_argument("--progress", action="store_true", help="the framework's own progress output too")
     q.add_argument("--quiet", action="store_true", help="no per-epoch lines")
     q.set_defaults(func=cmd_bench_run)
@@ -251,14 +241,15 @@ def _is_download_error(exc: BaseException) -> bool:
     import urllib.error
 
     seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        names = {c.__name__ for c in type(exc).__mro__}
-        if isinstance(exc, (urllib.error.URLError, ConnectionError, TimeoutError)) or \
+    link: Optional[BaseException] = exc  # the exception, then its causes
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        names = {c.__name__ for c in type(link).__mro__}
+        if isinstance(link, (urllib.error.URLError, ConnectionError, TimeoutError)) or \
                 names & {"ConnectionError", "HTTPError", "URLError", "ProxyError", "SSLError"} or \
-                "URL fetch failure" in str(exc):
+                "URL fetch failure" in str(link):
             return True
-        exc = exc.__cause__ or exc.__context__
+        link = link.__cause__ or link.__context__
     return False
 
 
@@ -283,11 +274,10 @@ def cmd_bench_list(args) -> int:
 
 
 def cmd_bench_run(args) -> int:
-    from . import workloads
+    from . import report, workloads
 
     if args.name not in workloads.REGISTRY:
-        print(f"keepalive bench run: unknown workload {args.name!r}; known: {', '.join(workloads.names())}",
-              file=sys.stderr)
+        report.warn(f"bench run: unknown workload {args.name!r}; known: {', '.join(workloads.names())}")
         return 2
     from .workloads.common import resolve_size
 
@@ -296,34 +286,31 @@ def cmd_bench_run(args) -> int:
                        (args.name if size == "full" else f"{args.name}-{size}"))
     run_dir = _bench_dir(args.dir).rstrip("/") + "/" + run
     every = int(args.every) if str(args.every).isdigit() else args.every
-    if not args.quiet:
-        print(f"keepalive bench: {args.name} ({'synthetic' if args.synthetic else 'real'} data, size {size}) "
-              f"in {run_dir}", flush=True)
+    report.say(f"bench: {args.name} ({'synthetic' if args.synthetic else 'real'} data, size {size}) "
+               f"in {run_dir}", quiet=args.quiet)
     try:
         doc = workloads.run(args.name, run_dir, epochs=args.epochs, synthetic=args.synthetic, size=size,
                             every=every, keep=args.keep, checkpoint=not args.no_checkpoint, seed=args.seed,
-                            threads=args.threads, deterministic=args.deterministic, markers=args.markers,
+                            threads=args.threads, deterministic=args.deterministic,
                             verbose=1 if args.progress else 0, quiet=args.quiet)
     except Exception as exc:  # noqa: BLE001 - a failed download gets a one-line answer
         if args.synthetic or not _is_download_error(exc) or args.verbose:
             raise
-        print(f"keepalive bench run: could not download the {args.name} data ({exc}); check the "
-              "network, or train on generated data of the same shapes with --synthetic", file=sys.stderr)
+        report.warn(f"bench run: could not download the {args.name} data ({exc}); check the network, or "
+                    "train on generated data of the same shapes with --synthetic")
         return 1
     s = doc.get("summary") or {}
-    if not args.quiet:
-        pct = s.get("checkpoint_pct")
-        print(f"keepalive bench: {doc.get('epochs_done')}/{doc.get('epochs')} epochs "
-              f"{'completed' if doc.get('completed') else 'done, not completed'}; "
-              f"{s.get('samples_per_s')} samples/s"
-              + (f", checkpoint overhead {pct:.2f} %" if pct is not None else "")
-              + f"; results in {run_dir}/results.json and results.csv", flush=True)
-    if args.markers and doc.get("completed"):
-        print("DONE", flush=True)
+    pct = s.get("checkpoint_pct")
+    report.say(f"bench: {doc.get('epochs_done')}/{doc.get('epochs')} epochs "
+               f"{'completed' if doc.get('completed') else 'done, not completed'}; "
+               f"{s.get('samples_per_s')} samples/s"
+               + (f", checkpoint overhead {pct:.2f} %" if pct is not None else "")
+               + f"; results in {run_dir}/results.json and results.csv", quiet=args.quiet)
     return 0 if doc.get("completed") else 3
 
 
 def cmd_bench_report(args) -> int:
+    from . import report
     from .workloads import common
 
     root = _bench_dir(args.path)
@@ -335,7 +322,7 @@ def cmd_bench_report(args) -> int:
         sys.stdout.write(common.results_csv(docs))
         return 0 if docs else 2
     if not docs:
-        print(f"keepalive bench report: no benchmark results under {root}", file=sys.stderr)
+        report.warn(f"bench report: no benchmark results under {root}")
         return 2
     print("\n\n".join(common.format_report(d) for d in docs))
     return 0
@@ -362,8 +349,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=[logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)],
-                        format="%(levelname)s %(name)s: %(message)s")
+    if args.verbose:  # the log's details; what a user must see is printed by keepalive.report anyway
+        logging.basicConfig(level=logging.INFO if args.verbose == 1 else logging.DEBUG,
+                            format="%(levelname)s %(name)s: %(message)s")
     if not getattr(args, "func", None):
         parser.print_help()
         return 0

@@ -1,8 +1,11 @@
 """The framework-neutral checkpointer every adapter is built on.
 
 An adapter (torch loop, Keras callback, fastai callback) does three things only: it says where the
-step and epoch boundaries are, it gives a ``capture()`` function returning its objects' state as a
-tree, and it restores such a tree into its objects. Everything else lives here: where checkpoints go,
+step and epoch boundaries are (:meth:`Checkpointer.advance`, :meth:`Checkpointer.end_epoch`,
+:meth:`Checkpointer.end_stage`), it gives a ``capture()`` function returning its objects' state as a
+tree, and it restores such a tree into its objects (:mod:`keepalive.adapter` has the base class that
+gives every adapter the same ``save`` / ``flush`` / ``close`` / views). Everything else lives here:
+the counters and their arithmetic, where checkpoints go,
 when to save (:mod:`keepalive.trigger`), asynchronous writes (:mod:`keepalive.writer`), resuming from
 the newest valid checkpoint with fallback (:mod:`keepalive.resume`), RNG capture
 (:mod:`keepalive.rng`), deferred interrupts (Ctrl-C / "Interrupt kernel" and SIGTERM save at the next
@@ -23,17 +26,17 @@ import atexit
 import logging
 import os
 import signal
-import sys
 import threading
 import time
 import weakref
-from typing import Any, Callable, Dict, Mapping, Optional, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Union
 
+from . import notebook, report, rng
 from . import progress as _progress
-from . import rng
 from . import session as _session
 from . import spool as _spool
-from .resume import load_newest
+from .config import CheckpointConfig
+from .runs import Run
 from .store import CheckpointInfo, CheckpointStore
 from .trigger import Decision, SaveTrigger
 from .units import format_duration
@@ -49,85 +52,61 @@ _ACTIVE: "weakref.WeakSet[Checkpointer]" = weakref.WeakSet()
 
 def default_dir() -> str:
     """``$KEEPALIVE_DIR``, else the mounted Drive, else ``./keepalive-checkpoints``."""
-    try:
-        from .session import default_checkpoint_dir
-
-        return default_checkpoint_dir()
-    except ImportError:  # pragma: no cover - session module absent in a trimmed install
-        return os.environ.get("KEEPALIVE_DIR") or os.path.abspath("keepalive-checkpoints")
+    return _session.default_checkpoint_dir()
 
 
-def resolve_run_url(path: Union[str, os.PathLike, None], run: Optional[str] = None) -> str:
-    """The run folder: ``path`` itself, or ``<default dir>/<run or 'default'>`` without a path."""
+#: unnamed checkpointers (no path, no run=) created so far per (cell execution or script, folder)
+_UNNAMED: Dict[tuple, int] = {}
+
+
+def resolve_run_url(path: Union[str, "os.PathLike[str]", None], run: Optional[str] = None) -> str:
+    """The run folder: ``path`` itself, or ``<default dir>/<run or 'default'>`` without a path.
+
+    Without a path and a name, the n-th checkpointer created by one notebook cell execution (or one
+    script) gets ``default-<n>`` from the second on: a K-fold loop gets one run per fold, and running
+    the same cell again after a reset finds each fold's own run in the same order.
+    """
     if path is None:
         base = default_dir().rstrip("/")
-        return f"{base}/{run or 'default'}"
+        if run is None:
+            key = (notebook.current_cell_key() or "script", base)
+            n = _UNNAMED[key] = _UNNAMED.get(key, 0) + 1
+            run = "default" if n == 1 else f"default-{n}"
+            if n == 2:
+                report.warn("a second DriveCheckpoint() without a path or run= in this cell: it writes "
+                            "run 'default-2' (then default-3, ...), one per training, in creation order. "
+                            "Name each one, e.g. run=f'fold{k}', to make that explicit.")
+        return f"{base}/{run}"
     return os.fspath(path)
 
 
-def say(message: str) -> None:
-    """One line for the user: printed (notebooks show stdout) and logged."""
-    log.info(message)
-    print(f"keepalive: {message}", flush=True)
+def say(message: str, *, quiet: bool = False) -> None:
+    """One line of news for the user (:func:`keepalive.report.say`)."""
+    report.say(message, quiet=quiet)
 
 
-class RunViews:
-    """Read-only views on ``self.core`` (a :class:`Checkpointer`) that every adapter offers."""
-
-    core: "Checkpointer"
-
-    @property
-    def counters(self) -> Dict[str, int]:
-        """``epoch``, ``step``, ``batch`` (within the epoch) and ``samples``."""
-        return self.core.counters
-
-    @property
-    def extras(self) -> Dict[str, Any]:
-        """Your own JSON-able values, saved and restored with the state (e.g. the best metric)."""
-        return self.core.extras
-
-    @property
-    def finished(self) -> bool:
-        """True once training ran to its end (and that end is checkpointed)."""
-        return self.core.finished
-
-    @property
-    def stopped(self) -> bool:
-        """True when training ended early to save before the session's deadline."""
-        return self.core.stopped
-
-    @property
-    def url(self) -> str:
-        """The run folder (local path or URL)."""
-        return self.core.url
-
-
-class CheckpointerViews(RunViews):
-    """:class:`RunViews` plus ``epoch`` and ``step`` (fastai callbacks read those from the learner)."""
-
-    @property
-    def epoch(self) -> int:
-        """Epochs completed (the next epoch to run)."""
-        return self.core.counters["epoch"]
-
-    @property
-    def step(self) -> int:
-        """Optimizer steps completed."""
-        return self.core.counters["step"]
+def active_checkpointers() -> List["Checkpointer"]:
+    """The checkpointers alive in this process (the magics use it to find the run a cell trained)."""
+    return list(_ACTIVE)
 
 
 class Checkpointer:
-    """Where, when and how a training run is checkpointed and resumed (see module docstring)."""
+    """Where, when and how a training run is checkpointed and resumed (see module docstring).
 
-    def __init__(self, path: Union[str, os.PathLike, None] = None, *, run: Optional[str] = None,
-                 every: Union[str, int, None] = "epoch", keep: Optional[int] = 3,
-                 keep_every: Optional[int] = None, on_deadline: str = "save_and_stop",
-                 deadline_margin: Union[str, float, None] = None, takeover: bool = False,
-                 background: bool = True, storage_options: Optional[dict] = None,
-                 framework: str = "generic", quiet: bool = False,
-                 remaining_fn: Optional[Callable[[], Optional[float]]] = None,
-                 spool: Union[str, bool, None] = "auto", flush_timeout: Optional[float] = None,
-                 drive_flush: Optional[bool] = None):
+    ``Checkpointer(path, every=..., keep=..., ...)`` or ``Checkpointer(config=CheckpointConfig(...))``:
+    the options are those of :class:`keepalive.config.CheckpointConfig`.
+    """
+
+    def __init__(self, path: Union[str, "os.PathLike[str]", None] = None, *,
+                 config: Optional[CheckpointConfig] = None, framework: str = "generic",
+                 **options: Any):
+        cfg = CheckpointConfig.strict(path, config, options, "Checkpointer")
+        self.config = cfg
+        path, run, every, keep, keep_every = cfg.path, cfg.run, cfg.every, cfg.keep, cfg.keep_every
+        on_deadline, deadline_margin, takeover = cfg.on_deadline, cfg.deadline_margin, cfg.takeover
+        background, storage_options, quiet = cfg.background, cfg.storage_options, cfg.quiet
+        remaining_fn, spool, flush_timeout = cfg.remaining_fn, cfg.spool, cfg.flush_timeout
+        drive_flush = cfg.drive_flush
         self.url = resolve_run_url(path, run)
         self.store = CheckpointStore(self.url, keep=keep, keep_every=keep_every,
                                      storage_options=storage_options)
@@ -159,6 +138,10 @@ class Checkpointer:
         self._deferred_save = False
         self._reserved = False
         self._deferred_stop: Optional[str] = None
+        self._deferred_reason: Optional[str] = None
+        self._pid = os.getpid()
+        #: why the adapter's loop cannot be saved inside an epoch (said when an interrupt comes)
+        self.mid_epoch_obstacle: Optional[str] = None
         self._old_handlers: Dict[int, Any] = {}
         self._in_loop = False
         #: the number of epochs, when the adapter knows it (for the ETA next to the session time)
@@ -169,53 +152,58 @@ class Checkpointer:
 
     # -------------------------------------------------------------------------------- context
     def _capture_context(self) -> None:
-        """Record what produced this run: the notebook cell (via the magics) or the script."""
-        if "IPython" in sys.modules:
-            try:
-                from .magics.context import capture_context
-
-                ctx = capture_context()
-                if ctx:
-                    self.metadata["context"] = ctx
-                    return
-            except ImportError:
-                pass
-        main = sys.modules.get("__main__")
-        script = getattr(main, "__file__", None)
-        if script:
-            self.metadata["context"] = {"kind": "script", "path": os.path.abspath(script),
-                                        "argv": list(sys.argv)}
+        """Record what produced this run: the notebook cell, or the script."""
+        ctx = notebook.capture_context() or notebook.script_context()
+        if ctx:
+            self.metadata["context"] = ctx
 
     def _refresh_context(self) -> None:
         """A save from a training loop: when the loop runs in another notebook cell than the one
         that created this checkpointer (``ckpt = DriveCheckpoint(...)`` in one cell, the loop in the
         next), record the loop's cell as the training cell (the creating one becomes a setup cell)."""
-        ctx_mod = sys.modules.get("keepalive.magics.context")
-        if ctx_mod is None:
-            return
         try:
-            key = ctx_mod.current_cell_key()
+            key = notebook.current_cell_key()
             if key is not None and key != (self.metadata.get("context") or {}).get("cell_key"):
-                ctx = ctx_mod.capture_context()
+                ctx = notebook.capture_context()
                 if ctx:
                     self.metadata["context"] = ctx
         except Exception as exc:  # noqa: BLE001 - context is informative, never fatal
             log.debug("could not refresh the notebook context: %s", exc)
 
+    # ------------------------------------------------------------------------------- messages
+    def say(self, message: str) -> None:
+        """News for the user, silenced by ``quiet=True``."""
+        report.say(message, quiet=self.quiet)
+
+    def warn(self, message: str, key: Optional[str] = None) -> None:
+        """A problem the user must see (not silenced by ``quiet``); once per ``key`` and run."""
+        report.warn(message, key=None if key is None else f"{self.url}:{key}", quiet=self.quiet)
+
     # --------------------------------------------------------------------------------- resume
-    def load(self, describe: Optional[Callable[[Dict[str, Any]], str]] = None) -> Optional[Dict[str, Any]]:
+    def load(self, describe: Optional[Callable[[Dict[str, Any]], str]] = None,
+             check: Optional[Callable[[Dict[str, Any]], None]] = None) -> Optional[Dict[str, Any]]:
         """The newest valid checkpoint's state tree (falling back past corrupt ones), or None.
 
-        Sets the counters and extras from it and says in one line what is resumed; ``describe``
-        (optional) returns adapter-specific words for that line from the tree (e.g. what is restored).
+        ``check(tree)`` runs first and may raise (e.g. ``StateMismatchError``): then nothing is changed
+        here either, and calling ``load`` again after fixing the objects tries again. Otherwise sets the
+        counters and extras from the tree and says in one line what is resumed; ``describe`` (optional)
+        returns adapter-specific words for that line from the tree (e.g. what is restored).
         """
-        found = load_newest(*self.sink.resume_stores())  # the spool and the destination
+        # the run = its destination and this machine's spool of it: the newest valid checkpoint of both
+        found = Run(self.store, spool=self.sink.local_spool()).load_newest(quiet=self.quiet)
         # Take the writer lease now, at the start of training: a second session on the same run
         # learns it at once instead of after its first epoch.
         self._open()
         if found is None:
             return None
         info, tree, previous = found
+        if check is not None:
+            self.resumed_from = info  # for the check's messages; reset if it refuses
+            try:
+                check(tree)
+            except BaseException:
+                self.resumed_from = None
+                raise
         self.resumed_from = info
         counters = tree.get("counters", {})
         for k in self.counters:
@@ -228,14 +216,15 @@ class Checkpointer:
             redone = ""
             if previous and previous.get("step") is not None and previous["step"] > self.counters["step"]:
                 redone = f"; about {previous['step'] - self.counters['step']} step(s) will be redone"
-            finished = " (this run had finished)" if (info.manifest or {}).get("metadata", {}).get("finished") else ""
+            had_finished = (info.manifest or {}).get("metadata", {}).get("finished")
+            finished = " (this run had finished)" if had_finished else ""
             detail = ""
             if describe is not None:
                 try:
                     detail = describe(tree) or ""
                 except Exception as exc:  # noqa: BLE001 - words only: never stop a resume for them
                     log.debug("describe() failed: %s", exc)
-            say(f"resuming run '{self.store.run}' from {info.name}: epoch {self.counters['epoch']}, "
+            self.say(f"resuming run '{self.store.run}' from {info.name}: epoch {self.counters['epoch']}, "
                 f"step {self.counters['step']}, saved {format_duration(age)} ago{redone}{finished}"
                 f"{'; ' + detail if detail else ''}")
         return tree
@@ -258,6 +247,13 @@ class Checkpointer:
 
     def _committed(self, result) -> None:
         self.trigger.record_save(result.seconds)
+
+    def check_storable(self, capture: Capture) -> None:
+        """Raise now (at the start of training) if the state holds a value that cannot be stored,
+        instead of at the first save an epoch later. Walks the tree; copies nothing."""
+        from .state import encode  # layer 1; a cheap walk that only records tensor references
+
+        encode(self.build_tree(capture))
 
     def build_tree(self, capture: Capture) -> Dict[str, Any]:
         tree = {"keepalive": {"format": STATE_FORMAT, "framework": self.framework},
@@ -287,8 +283,70 @@ class Checkpointer:
         self.writer.wait(timeout)
         self.sink.flush(timeout, end_of_run=self.finished or self.stopped)
 
+    # ------------------------------------------------------------------------------ lifecycle
+    # An adapter calls these at its framework's boundaries; they own the counter arithmetic, so
+    # every adapter's counters mean the same thing: ``epoch`` = epochs completed, ``batch`` = batches
+    # done in the running epoch, ``step`` = optimizer steps, ``samples`` = samples seen.
+    def new_fit(self) -> None:
+        """A new training call with the same checkpointer (Keras' ``fit`` run again): counters and
+        end states start over; the next :meth:`load` finds where the run stands."""
+        self.finished = self.stopped = False
+        self.stop_reason = None
+        self.trigger.deadline_hit = False
+        for k in self.counters:
+            self.counters[k] = 0
+
+    def start_epoch(self) -> None:
+        """An epoch begins (for the trigger's epoch timing and the deadline prediction)."""
+        self.trigger.start_epoch()
+
+    def advance(self, capture: Capture, *, steps: int = 1, batch: Optional[int] = None,
+                samples: int = 0, can_save: bool = True, pending: bool = False,
+                requested: bool = False) -> Decision:
+        """After a batch in which ``steps`` optimizer steps ran: count them (``batch``: the batch
+        index reached within the epoch, when the adapter knows it absolutely; else the batch counter
+        moves by ``steps``), then act at this step boundary (see :meth:`step_boundary`).
+        ``pending``: gradients are being accumulated (no save here; what comes due waits for the next
+        boundary without them). ``requested``: the user asked for a save during this batch."""
+        c = self.counters
+        c["batch"] = c["batch"] + steps if batch is None else int(batch)
+        c["step"] += steps
+        c["samples"] += int(samples)
+        if requested:
+            self._deferred_save = True
+            self._deferred_reason = "by hand"
+        return self.step_boundary(capture, can_save=can_save, steps=steps, pending=pending)
+
+    def end_epoch(self, capture: Capture, *, last: bool = False, epoch: Optional[int] = None,
+                  requested: bool = False) -> Decision:
+        """An epoch ended (``epoch``: the number of epochs now complete, when the framework says):
+        count it, then save / stop as due (``last``: the training's end, always saved;
+        ``requested``: the user asked for a save after this epoch's batches)."""
+        self.counters["epoch"] = self.counters["epoch"] + 1 if epoch is None else int(epoch)
+        self.counters["batch"] = 0
+        if requested:
+            self._deferred_save = True
+            self._deferred_reason = "by hand"
+        return self.epoch_boundary(capture, last=last)
+
+    def count_epoch(self) -> None:
+        """An epoch ended whose boundary is acted on later (fastai saves a fit's last epoch in
+        :meth:`end_stage`, after the other callbacks' end of fit): count it now, nothing else."""
+        self.counters["epoch"] += 1
+        self.counters["batch"] = 0
+
+    def already_complete(self, total: Optional[int] = None, detail: str = "",
+                         message: Optional[str] = None) -> None:
+        """The checkpoint is at (or past) the end of the training asked for: say so (even with
+        ``quiet=True``: a training call that trains nothing must say why), mark finished."""
+        of = f" of {total}" if total else ""
+        report.say(message or f"run '{self.store.run}' already completed {self.counters['epoch']} "
+                   f"epoch(s){of}; nothing to do{detail}")
+        self.finished = True
+
     # ----------------------------------------------------------------------------- boundaries
-    def step_boundary(self, capture: Capture, *, can_save: bool = True, steps: int = 1) -> Decision:
+    def step_boundary(self, capture: Capture, *, can_save: bool = True, steps: int = 1,
+                      pending: bool = False) -> Decision:
         """Call after every optimizer step, with the counters already advanced.
 
         ``can_save=False`` where the adapter cannot resume inside an epoch: then no checkpoint is
@@ -299,18 +357,30 @@ class Checkpointer:
         self.store.lease.progress = dict(self.counters)
         _session.note_activity()  # a running training is not idle
         self._reserve_snapshot(capture)
-        decision = self.trigger.after_step(steps)
-        if not can_save:
-            # Nothing can be saved here: what came due (a scheduled save, a deadline stop) is done
-            # at the next epoch end instead of being lost.
-            self._deferred_save = self._deferred_save or decision.save
+        decision = self.trigger.after_step(steps, consistent=can_save and not pending)
+        if not can_save or pending:
+            # Nothing can be saved here (the loop cannot resume inside an epoch, or gradients are
+            # being accumulated): what came due (a scheduled save, a deadline stop, an interrupt)
+            # is done at the next boundary where it can be, instead of being lost.
+            if decision.save and not self._deferred_save:
+                self._deferred_save, self._deferred_reason = True, decision.reason
             if decision.stop:
                 self._deferred_stop = decision.reason
-            if self._pending_signal is not None:
-                pending, self._pending_signal = self._pending_signal, None
+            if not can_save and self._pending_signal is not None:
+                signum, self._pending_signal = self._pending_signal, None
                 self.uninstall_signal_handlers()
-                self._raise_for(pending)
+                self.warn(f"{signal.Signals(signum).name}: this loop cannot be saved inside an epoch "
+                          f"({self.mid_epoch_obstacle or 'see the earlier warning'}); stopping without a "
+                          f"new checkpoint: a restart continues from the last one (epoch "
+                          f"{self.counters['epoch']} begins again)")
+                self._raise_for(signum)
             return Decision()
+        if self._deferred_save or self._deferred_stop:
+            decision.save = True
+            decision.reason = decision.reason or self._deferred_reason or "a save came due"
+            if self._deferred_stop:
+                decision.stop, decision.reason = True, self._deferred_stop
+            self._deferred_save, self._deferred_stop, self._deferred_reason = False, None, None
         return self._act(decision, capture, at_epoch_end=False)
 
     @staticmethod
@@ -337,17 +407,25 @@ class Checkpointer:
         if self._deferred_save:  # a step/time save came due where none was possible: save here
             self._deferred_save = False
             decision.save = True
-            decision.reason = decision.reason or "save due during an epoch that cannot be resumed mid-way"
+            decision.reason = (decision.reason or self._deferred_reason
+                               or "save due during an epoch that cannot be resumed mid-way")
+            self._deferred_reason = None
         if self._deferred_stop and not last:
             decision.save, decision.stop, decision.reason = True, True, self._deferred_stop
             self._deferred_stop = None
         if last:
             self.finished = True
             self._save_if_new(capture, "end of training", sync=True, finished=True)
+            if self._pending_signal is not None:  # e.g. Ctrl-C during the last epoch's validation
+                signum, self._pending_signal = self._pending_signal, None
+                self.uninstall_signal_handlers()
+                self.say(f"{signal.Signals(signum).name}: training had finished; saved epoch "
+                         f"{self.counters['epoch']}, step {self.counters['step']} to {self.url}")
+                self._raise_for(signum)
             return Decision()
         return self._act(decision, capture, at_epoch_end=True)
 
-    def end_of_stage(self, capture: Capture, *, reason: str, epoch_end: bool = True,
+    def end_stage(self, capture: Capture, *, reason: str, epoch_end: bool = True,
                      finished: bool = False) -> Decision:
         """A boundary after which training may go on in another stage (fastai's ``fine_tune`` runs two
         fits, each ending in the framework's own end-of-fit code): save now and wait until the write
@@ -373,7 +451,8 @@ class Checkpointer:
         if pending is not None:
             name = signal.Signals(pending).name
             self._save_if_new(capture, f"{name} received", sync=True)
-            say(f"{name}: saved epoch {self.counters['epoch']}, step {self.counters['step']} to {self.url}")
+            self.say(f"{name}: saved epoch {self.counters['epoch']}, step {self.counters['step']} "
+                     f"to {self.url}")
             self._pending_signal = None
             self.uninstall_signal_handlers()
             self._raise_for(pending)
@@ -382,7 +461,7 @@ class Checkpointer:
         if decision.stop:
             self.stopped = True
             self.stop_reason = decision.reason
-            say(f"stopping before the session ends: saved epoch {self.counters['epoch']}, step "
+            self.say(f"stopping before the session ends: saved epoch {self.counters['epoch']}, step "
                 f"{self.counters['step']} to {self.url}. In a new session run the same code again "
                 "(or %resume_training) to continue from here.")
         return decision
@@ -416,12 +495,18 @@ class Checkpointer:
         self._in_loop = False
 
     def _on_signal(self, signum, frame) -> None:
+        if os.getpid() != self._pid:
+            # a forked DataLoader worker inherited this handler: behave as it would without us
+            # (torch's worker loop ends quietly on KeyboardInterrupt), and print nothing
+            self._raise_for(signum)
         if self._pending_signal is not None:  # asked twice: the user insists, act now
+            self._pending_signal = None  # nothing stale left for the next training in this kernel
             self.uninstall_signal_handlers()
             self._raise_for(signum)
         self._pending_signal = signum
-        print(f"\nkeepalive: {signal.Signals(signum).name} received; saving at the end of this step "
-              "(send it again to stop at once)", file=sys.stderr, flush=True)
+        # shown even with quiet=True: the user pressed a key and must learn what happens now
+        report.say(f"{signal.Signals(signum).name} received; saving at the end of this step "
+                   "(send it again to stop at once)", stream="stderr")
 
     # ---------------------------------------------------------------------------------- close
     def close(self) -> None:
@@ -445,4 +530,4 @@ def _flush_all_at_exit() -> None:
             log.error("could not finish the last checkpoint of %s: %s", ckpt.url, exc)
 
 
-__all__ = ["Checkpointer", "CheckpointerViews", "RunViews", "default_dir", "resolve_run_url", "say"]
+__all__ = ["Checkpointer", "active_checkpointers", "default_dir", "resolve_run_url", "say"]

@@ -215,7 +215,7 @@ class HostSnapshot:
             elif t.nbytes:
                 np.copyto(slot.view(t.value.dtype).reshape(t.shape), t.value, casting="no")
         state_json = json.dumps(json_tree, separators=(",", ":"), allow_nan=True).encode()
-        return {STATE_FILE: state_json, TENSOR_FILE: [header, memoryview(buf)[:size]]}
+        return {STATE_FILE: state_json, TENSOR_FILE: [header, memoryview(buf)[:size]]}  # type: ignore[arg-type]
 
 
 def _host_buffer(size: int) -> np.ndarray:

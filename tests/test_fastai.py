@@ -17,8 +17,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "scripts"))
 
 from fastai.callback.core import Callback  # noqa: E402
 from fastai.callback.tracker import EarlyStoppingCallback, SaveModelCallback  # noqa: E402
-
 from fastai_setup import history, make_learner, weights  # noqa: E402
+
 from keepalive.callbacks.fastai import DriveCheckpoint  # noqa: E402
 from keepalive.errors import StateMismatchError  # noqa: E402
 from keepalive.state import from_files  # noqa: E402
@@ -123,7 +123,7 @@ def test_resume_is_bit_exact(tmp_path, capsys, mode, every, crashes, progress):
     # the resumed session trained only the remaining batches, each at the right schedule position
     first_epoch, first_iter = watch.seen[0][1], watch.seen[0][2]
     assert 0 < first_epoch * N_ITER + first_iter < 3 * N_ITER
-    for n_epoch, epoch, it, pct, lr, _ in watch.seen:
+    for n_epoch, epoch, it, pct, _lr, _ in watch.seen:
         assert abs(pct - (epoch * N_ITER + it) / (n_epoch * N_ITER)) < 1e-9
 
 
@@ -144,7 +144,8 @@ def test_fine_tune_resumes_in_the_right_phase(tmp_path, capsys):
     w3 = Watch()
     got, _ = session(tmp_path / "run", "fine_tune", every=4, epochs=2, extra=[w3], progress=True)
     out = capsys.readouterr().out
-    assert "fit 1 (fine_tune's frozen fit) had completed before the restart (the checkpoint is in fit 2): skipped" in out
+    assert ("fit 1 (fine_tune's frozen fit) had completed before the restart (the checkpoint is in fit 2): "
+            "skipped") in out
     assert "fit 2 (fine_tune's unfrozen fit) continues at epoch 0/2, batch 4/6" in out
     assert w3.seen[0][:3] == (2, 0, 4) and all(s[5] for s in w3.seen)
     assert len(w3.seen) == 2 * N_ITER - 4
@@ -152,7 +153,9 @@ def test_fine_tune_resumes_in_the_right_phase(tmp_path, capsys):
     # run again: both fits had completed; the end state is restored, nothing trains
     w4 = Watch()
     again, _ = session(tmp_path / "run", "fine_tune", every=4, epochs=2, extra=[w4], progress=True)
-    assert w4.seen == [] and "fit 2 (fine_tune's unfrozen fit, 2 epochs) had completed before the restart" in capsys.readouterr().out
+    assert w4.seen == []
+    out = capsys.readouterr().out
+    assert "fit 2 (fine_tune's unfrozen fit, 2 epochs) had completed before the restart" in out
     assert_same(ref, again)
 
 
@@ -326,9 +329,9 @@ def test_resume_with_other_parameter_groups_is_refused(tmp_path):
 
 
 # ------------------------------------------------------------------------- loaders and context
-def test_loader_that_cannot_be_positioned_saves_at_epoch_ends(tmp_path):
+def test_loader_that_cannot_be_positioned_saves_at_epoch_ends(tmp_path, capsys):
     """A torch DataLoader inside fastai DataLoaders: no mid-epoch checkpoints (a save that falls due
-    inside an epoch is taken at its end), and resuming at epoch ends is exact."""
+    inside an epoch is taken at its end; a warning says so), and resuming at epoch ends is exact."""
     from fastai.data.core import DataLoaders
     from fastai_setup import NoisyImages
 
@@ -340,6 +343,7 @@ def test_loader_that_cannot_be_positioned_saves_at_epoch_ends(tmp_path):
         return learn
 
     ref, _ = session(tmp_path / "ref", every=4, learner=learner())
+    assert "not a fastai DataLoader: checkpoints at epoch ends only" in capsys.readouterr().err
     session(tmp_path / "run", every=4, crash=11, learner=learner())
     assert all(s % N_ITER == 0 for s in steps_saved(tmp_path / "run"))
     got, _ = session(tmp_path / "run", every=4, learner=learner())
@@ -356,6 +360,15 @@ def test_dataset_without_batch_layout(tmp_path):
     session(tmp_path / "run", every=3, crash=10, lkw=lkw)
     got, _ = session(tmp_path / "run", every=3, lkw=lkw)
     assert_same(ref, got)
+
+
+def test_options_are_those_of_checkpoint_config(tmp_path):
+    from keepalive.config import CheckpointConfig
+
+    cb = DriveCheckpoint(config=CheckpointConfig(str(tmp_path / "run"), keep=1), every=2)
+    assert cb.url == str(tmp_path / "run") and (cb.core.config.keep, cb.core.config.every) == (1, 2)
+    with pytest.raises(TypeError, match="unexpected keyword argument.*model"):
+        DriveCheckpoint(str(tmp_path / "other"), model=None)
 
 
 def test_lr_find_validate_get_preds_are_not_fits(tmp_path, capsys):

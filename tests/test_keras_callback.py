@@ -227,7 +227,8 @@ def test_finished_and_early_stopped_runs_do_nothing_again(tmp_path, capsys):
     want = _state(m)
     m2 = _model(seed=8)
     es2 = keras.callbacks.EarlyStopping(monitor="loss", patience=0, min_delta=100.0)
-    h2 = m2.fit(x, y, batch_size=BATCH, epochs=6, verbose=0, callbacks=[es2, DriveCheckpoint(tmp_path / "es")])
+    h2 = m2.fit(x, y, batch_size=BATCH, epochs=6, verbose=0,
+                callbacks=[es2, DriveCheckpoint(tmp_path / "es")])
     out = capsys.readouterr().out
     assert "ended early at epoch 2" in out and "nothing to do" in out
     assert h2.epoch == [0, 1] and _same(_state(m2), want)

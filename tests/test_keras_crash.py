@@ -163,5 +163,6 @@ def test_torch_backend_sigkill_resume_is_bit_exact(tmp_path):
                                run_dir=str(tmp_path / "crash"), env=env, timeout=180)
     assert report.kills == 2 and "DONE" in report.final_output
     _assert_same(tmp_path / "ref.npz", tmp_path / "crash.npz")
-    print(f"\nkeras torch backend: kills at {[t.killed_after_step for t in report.trials if t.killed_after_step]}, "
+    kills = [t.killed_after_step for t in report.trials if t.killed_after_step]
+    print(f"\nkeras torch backend: kills at {kills}, "
           f"resumed at {[t.resumed_step for t in report.trials[1:]]}, bit-identical")

@@ -13,16 +13,17 @@ import sys
 
 import pytest
 
+from keepalive import notebook as context
 from keepalive import session
-from keepalive.magics import context
+from keepalive.magics import cells
 
 IPython = pytest.importorskip("IPython")
 
 
 @pytest.fixture(scope="module")
 def shell(tmp_path_factory):
-    from traitlets.config import Config
     from IPython.core.interactiveshell import InteractiveShell
+    from traitlets.config import Config
 
     saved_hooks = sys.displayhook, sys.excepthook
     old_dir = os.environ.get("IPYTHONDIR")
@@ -81,16 +82,16 @@ def test_free_names_of_a_training_cell():
             "def helper(a, *rest, k=1, **kw):\n"
             "    return a + k + undefined_global\n"
             "%time print(ok)\n")
-    assert context.free_names(cell) == ["DriveCheckpoint", "model", "opt", "EPOCHS", "loader", "F",
+    assert cells.free_names(cell) == ["DriveCheckpoint", "model", "opt", "EPOCHS", "loader", "F",
                                          "undefined_global"]   # line magics' arguments are text
-    assert context.missing_names(cell, {"model": 1, "opt": 1, "DriveCheckpoint": 1, "EPOCHS": 1,
+    assert cells.missing_names(cell, {"model": 1, "opt": 1, "DriveCheckpoint": 1, "EPOCHS": 1,
                                         "loader": 1, "F": 1}) == ["undefined_global"]
     # a name defined by an earlier statement of the same cell is not free; one read before it is
-    assert context.free_names("y = x\nx = 1\nz = x") == ["x"]
-    assert context.free_names("from m import *\nprint(a)") is None        # cannot tell
-    assert context.free_names("def broken(:") is None
-    assert context.free_names("%%time\nmodel.fit(data)\n") == ["model", "data"]
-    assert context.defined_names(SETUP) >= {"torch", "DataLoader", "TensorDataset", "DriveCheckpoint",
+    assert cells.free_names("y = x\nx = 1\nz = x") == ["x"]
+    assert cells.free_names("from m import *\nprint(a)") is None        # cannot tell
+    assert cells.free_names("def broken(:") is None
+    assert cells.free_names("%%time\nmodel.fit(data)\n") == ["model", "data"]
+    assert cells.defined_names(SETUP) >= {"torch", "DataLoader", "TensorDataset", "DriveCheckpoint",
                                             "model", "opt", "loader"}
 
 
@@ -99,11 +100,11 @@ def test_capture_without_load_ext_reads_the_history(shell):
     assert not context.is_registered()
     run(shell, "a = 1")
     run(shell, "b = a + 1")
-    res = run(shell, "from keepalive.magics.context import capture_context\nctx = capture_context()")
+    res = run(shell, "from keepalive.notebook import capture_context\nctx = capture_context()")
     assert res.success
     ctx = shell.user_ns["ctx"]
     assert ctx["recorded_by"] == "history"
-    assert ctx["cell"]["source"].startswith("from keepalive.magics.context import capture_context")
+    assert ctx["cell"]["source"].startswith("from keepalive.notebook import capture_context")
     assert ctx["cell"]["execution_count"] == shell.execution_count - 1
     sources = [c["source"] for c in ctx["setup_cells"]]
     assert sources[-2:] == ["a = 1", "b = a + 1"]
@@ -152,7 +153,7 @@ def test_split_cells_record_the_loop_cell(shell, ka_dir):
     ctx = CheckpointStore(str(ka_dir / "split")).list()[-1].manifest["metadata"]["context"]
     assert ctx["cell"]["source"] == loop
     assert ctx["setup_cells"][-1]["source"] == make
-    assert context.missing_names(ctx["cell"]["source"], {}) == ["ckpt", "loader", "opt", "torch", "model"]
+    assert cells.missing_names(ctx["cell"]["source"], {}) == ["ckpt", "loader", "opt", "torch", "model"]
 
 
 def test_replay_skips_what_must_not_run_again():

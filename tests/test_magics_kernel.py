@@ -152,7 +152,7 @@ def test_load_ext_status_dir_ls_help_and_unload(tmp_path):
         k.run_ok("%unload_ext keepalive")
         res = k.run("%keepalive status")
         assert res.status == "error" and "not found" in res.text
-        res = k.run_ok("from keepalive.magics import context\n"
+        res = k.run_ok("from keepalive import notebook as context\n"
                        "print('hooks', context.is_registered(), session.tracker().registered)")
         assert "hooks False False" in res.stdout
         res = k.run_ok("p._thread.join(2)\nprint('panel stopped', not p._thread.is_alive(), widget._PANELS)")

@@ -20,18 +20,44 @@ parallel workers would make which call sees which state depend on timing).
 Under ``DriveCheckpoint`` every pass of ``fit`` over the data is bound to its epoch when the pass
 starts; on its own (no DriveCheckpoint) every pass uses the order of ``data.epoch`` (set it yourself
 to change the order between ``fit`` calls).
+
+Data order under ``DriveCheckpoint``: which inputs resume exactly.
+
+* :class:`ResumableData` around NumPy arrays or a ``keras.utils.PyDataset``: every epoch's order is a
+  function of (seed, epoch), so any ``every=`` works and a resume starts in the middle of an epoch at
+  the saved batch (no skipped batch is loaded). Use it for ``every=<steps>`` or ``every="10min"`` and
+  for exact deadline stops.
+* Plain NumPy arrays with ``shuffle=True`` on the TensorFlow backend: Keras draws the order inside a
+  ``tf.data`` graph from TensorFlow's global seed (``keras.utils.set_random_seed``), fixed when
+  ``fit`` builds its pipeline; that order does not depend on anything a restart changes, so resuming
+  at an epoch boundary is exact provided the re-run sets the same seed before ``fit`` (a differing
+  seed is reported). Checkpoints are then written at epoch ends only (a step / time schedule that
+  comes due saves at the epoch end). Note that with a global seed Keras 3 draws *the same order in
+  every epoch* this way (the pipeline is rebuilt per epoch from the same seeds, cf.
+  tensorflow/tensorflow#29558); ``ResumableData`` reshuffles per epoch. Without a global seed the
+  order is random in every run anyway.
+* Plain arrays on the torch backend: Keras shuffles with a torch ``RandomSampler`` drawing from
+  torch's global generator, which is restored: exact at epoch boundaries.
+* ``tf.data.Dataset`` (its shuffle buffer and iterator state live inside TensorFlow), generators and
+  other PyDatasets (with ``shuffle=True`` Keras shuffles their batch order with Python's ``random``
+  when a pass starts, which the TensorFlow backend does ahead of time, before the previous epoch's
+  end is saved): epoch-end checkpoints, and the order after a resume is whatever the pipeline
+  produces then: not guaranteed to be the uninterrupted run's. Wrap arrays / PyDatasets in
+  :class:`ResumableData` for exactness anywhere. ``fit(steps_per_epoch=...)`` and PyDatasets with
+  ``workers > 1`` also mean epoch-end checkpoints.
 """
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Optional, Tuple
+from typing import Any, List, Mapping, Optional, Tuple
 
-import numpy as np
 import keras
+import numpy as np
 
 from ..dataorder import EpochOrder, mix
 
-__all__ = ["ResumableData", "default_data_seed"]
+__all__ = ["ResumableData", "bind_passes", "batch_samples", "default_data_seed", "resume_at",
+           "set_epoch_length", "unbind_passes"]
 
 
 def default_data_seed() -> int:
@@ -127,6 +153,10 @@ class ResumableData(keras.utils.PyDataset):
         """How many samples batch ``b`` holds (batches of a wrapped PyDataset count as 1)."""
         return 1 if self.source is not None else self.order.batch_len(b)
 
+    def samples_between(self, first: int, n: int) -> int:
+        """How many samples batches ``first`` .. ``first + n - 1`` of an epoch hold."""
+        return sum(self.samples_in(b) for b in range(first, first + n) if b < self.batches_per_epoch)
+
     def get(self, epoch: int, b: int) -> Any:
         """Batch ``b`` of epoch ``epoch`` (reads only that batch's samples)."""
         idx = self.order.batch(epoch, b)
@@ -174,3 +204,85 @@ class ResumableData(keras.utils.PyDataset):
             f"{self.order.n} samples"
         return (f"ResumableData({what}, batch_size={self.batch_size}, shuffle={self.order.shuffle}, "
                 f"seed={self.seed}, {self.batches_per_epoch} batches/epoch)")
+
+
+# ------------------------------------------------------------------------- fit's input pipeline
+def bind_passes(iterator: Any) -> Tuple[Optional[ResumableData], Any, Optional[str]]:
+    """With :class:`ResumableData` as ``fit``'s input, make every pass of fit's input pipeline (its
+    ``epoch_iterator``) yield the batches of the epoch and from the batch the data planned.
+
+    Returns ``(data, keras_adapter, problem)``: ``data`` None when the input is no ResumableData or
+    this fit cannot be bound (then ``problem`` says why, for a warning: checkpoints at epoch ends).
+    """
+    adapter: Any = getattr(iterator, "data_adapter", None)
+    ds = getattr(adapter, "py_dataset", None)
+    if not isinstance(ds, ResumableData):
+        return None, None, None
+    if getattr(adapter, "enqueuer", None) is not None or not hasattr(adapter, "_finite_generator") \
+            or not hasattr(adapter, "_standardize_batch") or not hasattr(iterator, "_num_batches"):
+        return None, None, ("this Keras version iterates ResumableData differently; checkpoints at "
+                            "epoch ends only")
+    if getattr(iterator, "steps_per_epoch", None):
+        return None, None, ("fit(steps_per_epoch=...) with ResumableData: checkpoints at epoch ends "
+                            "only; leave steps_per_epoch out to resume inside epochs")
+
+    def one_pass():
+        epoch, start = ds.next_pass()
+        for b in range(start, ds.batches_per_epoch):
+            yield adapter._standardize_batch(ds.get(epoch, b))
+
+    adapter._finite_generator = one_pass  # per instance: fit's input pipeline calls it per pass
+    return ds, adapter, None
+
+
+def resume_at(data: Optional[ResumableData], saved: Mapping[str, Any], epoch: int,
+              batch: int) -> Tuple[int, List[str]]:
+    """Where a resumed epoch starts: the checkpoint's ``batch`` if the input can start there (bound
+    ResumableData, which is given the saved seed and planned), else 0. Returns that batch and the
+    problems the user must hear (a resume that will not be exact)."""
+    if data is None:
+        if not batch:
+            return 0, []
+        return 0, [f"the checkpoint is at batch {batch} of epoch {epoch}, but this fit's data cannot "
+                   f"start inside an epoch (wrap it in ResumableData); epoch {epoch} restarts at its "
+                   "first batch"]
+    problems = []
+    per_epoch = data.batches_per_epoch
+    if saved.get("seed") is not None:
+        data.seed = int(saved["seed"])
+    if saved.get("batches_per_epoch") not in (None, per_epoch):
+        problems.append(f"the data now has {per_epoch} batches per epoch, the checkpoint was made "
+                        f"with {saved.get('batches_per_epoch')}")
+    if batch >= per_epoch:  # the data changed size since the save
+        problems.append(f"the checkpoint is at batch {batch} of epoch {epoch}, but the data now has "
+                        f"{per_epoch} batches per epoch; epoch {epoch} restarts at its first batch")
+        batch = 0
+    data.plan(epoch, batch)
+    return batch, problems
+
+
+def unbind_passes(adapter: Any) -> None:
+    """Undo :func:`bind_passes` (the Keras data adapter iterates as Keras does again)."""
+    adapter.__dict__.pop("_finite_generator", None)
+
+
+def set_epoch_length(iterator: Any, callbacks: List[Any], batches: int) -> None:
+    """A resumed epoch that starts at a later batch has fewer batches: fit's iterator and the
+    progress bar (cosmetic) count those."""
+    iterator._num_batches = batches
+    for cb in callbacks:
+        if isinstance(cb, keras.callbacks.ProgbarLogger) and getattr(cb, "target", None):
+            cb.target = batches
+
+
+def batch_samples(adapter: Any, first: int, n: int) -> int:
+    """How many samples batches ``first`` .. ``first + n - 1`` of a Keras data adapter hold (an
+    estimate for the ``samples`` counter; 0 when the adapter does not say)."""
+    try:
+        bs, nb = adapter.batch_size, adapter.num_batches
+        if not bs:
+            return 0
+        last = adapter.partial_batch_size if adapter.has_partial_batch else bs
+        return sum(last if nb and b == nb - 1 else bs for b in range(first, first + n))
+    except Exception:  # noqa: BLE001 - an estimate only
+        return 0

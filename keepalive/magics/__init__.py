@@ -12,7 +12,7 @@ Magics (each takes ``--help``):
   the newest unfinished run (or the one named) by re-executing the notebook cell that trained it.
 
 Loading registers the magics, hooks the cell events that record which cell creates a
-``DriveCheckpoint`` (:mod:`keepalive.magics.context`), starts idle tracking
+``DriveCheckpoint`` (:mod:`keepalive.notebook`), starts idle tracking
 (:class:`keepalive.session.IdleTracker`) and says when an unfinished run waits under the default
 checkpoint dir. Loading twice is harmless; ``%unload_ext keepalive`` undoes all of it.
 
@@ -26,16 +26,20 @@ import re
 import shlex
 import sys
 import time
-from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 
-from .. import session
+from .. import (
+    notebook,  # the cell recorder (IPython-free, used by the core too)
+    report,
+    session,
+    settings,
+)
 from .._version import __version__
-from ..units import format_duration
-from . import context
+from ..runs import Run, find_runs, locate
+from . import cells
 
 MAGIC_NAMES = ("keepalive", "resume_training")
 # setup-cell lines a replay leaves out: they only load keepalive or show something
@@ -44,121 +48,14 @@ _DISPLAY_ONLY = re.compile(r"^%(re)?load_ext\s+keepalive\s*$"
 
 
 # ------------------------------------------------------------------------------------ runs
-@dataclass
-class RunState:
-    """One run under a checkpoint dir, as far as its manifests tell (no data is read).
-
-    Checkpoints still waiting in the local spool (committed on this machine, not yet uploaded to a
-    Drive / bucket destination: :mod:`keepalive.spool`) count as the run's too, as they do when a
-    ``DriveCheckpoint`` resumes.
-    """
-
-    url: str
-    run: str
-    store: Any
-    newest: Any = None          # CheckpointInfo of the newest readable checkpoint
-    count: int = 0
-    broken: int = 0
-    error: Optional[str] = None
-    spool: Any = None           # the run's local spool store, when it has one
-    #: (CheckpointInfo, the store holding it), newest first
-    sources: List[Tuple[Any, Any]] = field(default_factory=list)
-
-    @property
-    def metadata(self) -> Dict[str, Any]:
-        return ((self.newest.manifest or {}).get("metadata") or {}) if self.newest else {}
-
-    @property
-    def finished(self) -> bool:
-        return bool(self.metadata.get("finished"))
-
-    @property
-    def unfinished(self) -> bool:
-        return self.newest is not None and not self.finished
-
-    @property
-    def created(self) -> float:
-        return (self.newest.created or 0.0) if self.newest else 0.0
-
-    def in_spool(self, info: Any) -> bool:
-        return any(i is info and st is self.spool for i, st in self.sources) and self.spool is not None
-
-    def where(self, info: Any = None) -> str:
-        n = info or self.newest
-        if n is None:
-            return "no committed checkpoint"
-        age = format_duration(max(0.0, time.time() - (n.created or time.time())))
-        spooled = "; in the local spool, not uploaded yet" if self.in_spool(n) else ""
-        return f"epoch {n.epoch}, step {n.step} ({n.name}, saved {age} ago{spooled})"
+#: one run under a checkpoint dir: its destination and this machine's spool (:mod:`keepalive.runs`)
+RunState = Run
 
 
-def _spool_of(store: Any) -> Any:
-    """The local spool of a destination run when one exists on this machine (else None)."""
-    try:
-        from ..spool import Spool
-
-        spool = Spool.for_destination(store)
-        return spool if os.path.isdir(spool.path) else None
-    except Exception:  # noqa: BLE001 - no spool module / unreadable: destination only
-        return None
-
-
-def _run_state(store: Any) -> RunState:
-    state = RunState(url=store.url, run=store.run, store=store)
-    sources: List[Tuple[Any, Any]] = []
-    try:
-        listed = store.list()
-        good = [c for c in listed if c.error is None]
-        state.broken = len(listed) - len(good)
-        sources += [(c, store) for c in good]
-    except Exception as exc:  # noqa: BLE001 - one unreadable run must not hide the others
-        state.error = str(exc)
-    spool = _spool_of(store)
-    if spool is not None:
-        try:
-            uploaded = {c.name for c, _ in sources}
-            sources += [(c, spool) for c in spool.list() if c.error is None and c.name not in uploaded]
-            state.spool = spool
-        except Exception:  # noqa: BLE001
-            pass
-    sources.sort(key=lambda cs: cs[0].sort_key(), reverse=True)
-    state.sources, state.count = sources, len(sources)
-    state.newest = sources[0][0] if sources else None
-    return state
-
-
-def _under(url: str, root: str) -> bool:
-    from ..backends import backend_for
-
-    try:
-        backend, path = backend_for(root)
-        base = backend.url(path).rstrip("/")
-    except Exception:  # noqa: BLE001
-        base = root.rstrip("/")
-    return url == base or url.startswith(base + "/")
-
-
-def scan_runs(root: str) -> List[RunState]:
+def scan_runs(root: str) -> List[Run]:
     """Every run at or below ``root`` (and runs for it that so far exist only in this machine's
     spool), the one with the newest checkpoint first; [] when there are none."""
-    from ..store import CheckpointStore, find_runs
-
-    out = [_run_state(CheckpointStore(url, keep=None)) for url in find_runs(root)]
-    known = {r.url for r in out}
-    try:
-        from ..spool import list_spools
-
-        for _folder, record in list_spools():
-            dest = record.get("destination")
-            if isinstance(dest, str) and dest not in known and _under(dest, root):
-                state = _run_state(CheckpointStore(dest, keep=None))
-                if state.newest is not None:
-                    out.append(state)
-                    known.add(state.url)
-    except Exception:  # noqa: BLE001 - spool listing is a bonus
-        pass
-    out.sort(key=lambda r: r.created, reverse=True)
-    return out
+    return sorted(find_runs(root), key=lambda r: r.created, reverse=True)
 
 
 def _first_line(source: str, width: int = 70) -> str:
@@ -177,7 +74,7 @@ def _excerpt(source: str, names: set, limit: int = 10) -> List[str]:
     src_lines = source.rstrip().splitlines()
     if len(src_lines) <= limit:
         return [f"      {ln}" for ln in src_lines]
-    wanted = [n for n in context.defining_lines(source, names) if 1 <= n <= len(src_lines)][:limit]
+    wanted = [n for n in cells.defining_lines(source, names) if 1 <= n <= len(src_lines)][:limit]
     out, last = [], 0
     for n in [1] + [n for n in wanted if n != 1]:
         if n > last + 1:
@@ -194,32 +91,13 @@ def _cell_label(cell: Dict[str, Any]) -> str:
     return f"[{n}]" if n is not None else "[?]"
 
 
-def _lease_note(state: RunState) -> str:
+def _lease_note(state: Run) -> str:
     """How far the last writer got past its newest checkpoint (from its lease's heartbeat)."""
-    try:
-        lease = state.store.lease.read() or {}
-        progress = lease.get("progress") or {}
-        step = progress.get("step")
-        if state.newest is not None and isinstance(step, int) and state.newest.step is not None \
-                and step > state.newest.step:
-            return f"; it had reached step {step}, so about {step - state.newest.step} step(s) will be redone"
-    except Exception:  # noqa: BLE001
-        pass
+    step = (state.writer_progress() or {}).get("step")
+    newest = state.newest
+    if newest is not None and isinstance(step, int) and newest.step is not None and step > newest.step:
+        return f"; it had reached step {step}, so about {step - newest.step} step(s) will be redone"
     return ""
-
-
-def _live_writer(state: RunState) -> Optional[Dict[str, Any]]:
-    """The lease of another live session writing the run now (None when there is none)."""
-    lease_obj = state.store.lease
-    try:
-        current = lease_obj.read()
-    except Exception:  # noqa: BLE001
-        return None
-    if not current or not lease_obj.is_live(current):
-        return None
-    if current.get("pid") == os.getpid() and current.get("host") == lease_obj.host:
-        return None
-    return current
 
 
 def unfinished_notice(root: Optional[str] = None) -> Optional[str]:
@@ -229,7 +107,7 @@ def unfinished_notice(root: Optional[str] = None) -> Optional[str]:
     if not runs:
         return None
     r = runs[0]
-    writer = _live_writer(r)
+    writer = r.live_writer()
     if writer is not None:
         return (f"keepalive: run '{r.run}' in {r.url} is being trained right now by another session "
                 f"(host {writer.get('host')}, pid {writer.get('pid')}); its newest checkpoint: {r.where()}.")
@@ -335,7 +213,7 @@ class KeepaliveMagics(Magics):
     """``%keepalive`` and ``%resume_training``."""
 
     # ------------------------------------------------------------------------------ %keepalive
-    @line_magic("keepalive")
+    @line_magic("keepalive")  # type: ignore[arg-type]  # IPython's decorator types are loose
     def keepalive(self, line: str = "") -> None:
         """%keepalive [status|dir|ls] ...: the session panel, the checkpoint dir, the runs. --help for more."""
         argv = _split(line) or ["status"]
@@ -360,7 +238,9 @@ class KeepaliveMagics(Magics):
         if args.mode == "json":
             import json
 
-            print(json.dumps(session.status_report(checkpoint_dir=args.dir), indent=2, default=str))
+            from .. import status
+
+            print(json.dumps(status.status_report(checkpoint_dir=args.dir), indent=2, default=str))
             return
         widget.show_status(self.shell, args.dir, mode=args.mode or "auto", interval=args.interval,
                            full_every=args.full_every, live=not args.once)
@@ -375,7 +255,7 @@ class KeepaliveMagics(Magics):
                   " (for this kernel; put the same `%keepalive dir` line in your setup cell)")
         else:
             current = session.default_checkpoint_dir()
-            if os.environ.get("KEEPALIVE_DIR"):
+            if settings.is_set("KEEPALIVE_DIR"):
                 why = "$KEEPALIVE_DIR"
             elif current.startswith("/content/drive/"):
                 why = "the mounted Google Drive"
@@ -420,7 +300,7 @@ class KeepaliveMagics(Magics):
             print(f"keepalive: no checkpoints: {exc}")
 
     # ------------------------------------------------------------------------ %resume_training
-    @line_magic("resume_training")
+    @line_magic("resume_training")  # type: ignore[arg-type]
     def resume_training(self, line: str = "") -> None:
         """%resume_training [PATH|RUN] [--replay] [--show]: continue the newest unfinished run. --help for more."""
         try:
@@ -428,6 +308,7 @@ class KeepaliveMagics(Magics):
         except _Exit:
             return None
         ip = self.shell
+        assert ip is not None  # a magic runs in a shell
         root = args.dir or session.default_checkpoint_dir()
         state = self._pick_run(args.target, root)
         if state is None:
@@ -455,10 +336,10 @@ class KeepaliveMagics(Magics):
             return None
         self._check_lease(state, args.takeover)
         print(f"keepalive: run '{state.run}' ({state.url}): newest valid checkpoint at {state.where(info)}")
-        with context.resuming(ctx):
+        with notebook.resuming(ctx):
             if args.replay:
                 self._replay(setup, source)
-            missing = context.missing_names(source, ip.user_ns, ip)
+            missing = cells.missing_names(source, ip.user_ns, ip)
             if missing:
                 raise UsageError(self._missing_message(state, cell, setup, missing))
             print(f"keepalive: re-running training cell {_cell_label(cell)}: {_first_line(source)}",
@@ -479,22 +360,17 @@ class KeepaliveMagics(Magics):
     # -- helpers
     def _pick_run(self, target: Optional[str], root: str) -> Optional[RunState]:
         from ..errors import NoCheckpointError
-        from ..store import open_location
 
         if target and ("/" in target or "://" in target or target.startswith(".") or os.path.exists(target)):
             try:
-                kind, what, _ = open_location(target)
+                where = locate(target)
             except NoCheckpointError as exc:
                 raise UsageError(f"nothing to resume at {target}: {exc}") from None
-            if kind == "checkpoint":
+            if where.kind == "checkpoint":
                 print(f"keepalive: {target} is one checkpoint; resuming its run, which starts from "
                       "the run's newest valid checkpoint")
-                runs = scan_runs(what.url)
-            elif kind == "run":
-                runs = scan_runs(what.url)
-            else:
-                runs = scan_runs(target)
-            return self._choose(runs, target, named=kind != "root")
+            runs = sorted(where.runs, key=lambda r: r.created, reverse=True)
+            return self._choose(runs, target, named=where.kind != "root")
         runs = scan_runs(root)
         if target:
             named = [r for r in runs if r.run == target]
@@ -536,19 +412,21 @@ class KeepaliveMagics(Magics):
 
     def _newest_valid(self, state: RunState):
         """The newest checkpoint that verifies (spooled ones included), saying which are damaged."""
-        for info, store in state.sources:
-            if store.verify(info).valid:
-                return info
-            print(f"keepalive: checkpoint {info.name} of run '{state.run}' is damaged ({info.error}); "
-                  "falling back to an older one", flush=True)
+        def damaged(info) -> None:
+            report.warn(f"checkpoint {info.name} of run '{state.run}' is damaged ({info.error}); "
+                        "falling back to an older one", stream="stdout")
+
+        info = state.newest_valid(on_corrupt=damaged)
+        if info is not None:
+            return info
         raise UsageError(f"cannot resume run '{state.run}': none of its {state.count} checkpoint(s) "
                          f"verifies. Nothing was run; the files stay as they are "
                          f"(inspect them with: !keepalive verify {state.url}).")
 
     def _check_lease(self, state: RunState, takeover: bool) -> None:
         # (a lease of this kernel is fine: the core hands it over to the new checkpointer)
-        lease_obj = state.store.lease
-        current = _live_writer(state)
+        lease_obj = state.destination.lease
+        current = state.live_writer()
         if current is None:
             return
         age = time.time() - float(current.get("heartbeat", 0))
@@ -566,6 +444,7 @@ class KeepaliveMagics(Magics):
 
     def _replay(self, setup: List[Dict[str, Any]], training_source: str) -> None:
         ip = self.shell
+        assert ip is not None  # a magic runs in a shell
         for cell in setup:
             src = cell.get("source") or ""
             skip = self._skip_reason(cell, src, training_source)
@@ -586,7 +465,7 @@ class KeepaliveMagics(Magics):
             return "the training cell itself"
         if cell.get("ok") is False:
             return "it failed in the original session"
-        code = context.python_source(src)
+        code = cells.python_source(src)
         for magic in ("resume_training", "unload_ext"):
             if f"run_line_magic('{magic}'" in code or f'run_line_magic("{magic}"' in code:
                 return f"%{magic}"
@@ -601,7 +480,7 @@ class KeepaliveMagics(Magics):
                  f"name(s) this kernel does not define: {', '.join(missing)}"]
         defined_by: Dict[str, List[Dict[str, Any]]] = {}
         for c in setup:
-            names = context.defined_names(c.get("source") or "")
+            names = cells.defined_names(c.get("source") or "")
             for n in missing:
                 if n in names:
                     defined_by.setdefault(n, []).append(c)
@@ -611,12 +490,12 @@ class KeepaliveMagics(Magics):
             for n in missing:
                 for c in defined_by.get(n, []):
                     key = id(c)
-                    names = [m for m in missing if any(x is c for x in defined_by.get(m, []))]
+                    defines = [m for m in missing if any(x is c for x in defined_by.get(m, []))]
                     if key in shown:
                         continue
                     shown.add(key)
-                    lines.append(f"  {_cell_label(c)} defines {', '.join(names)}:")
-                    lines.extend(_excerpt(c.get("source") or "", set(names)))
+                    lines.append(f"  {_cell_label(c)} defines {', '.join(defines)}:")
+                    lines.extend(_excerpt(c.get("source") or "", set(defines)))
         unknown = [n for n in missing if n not in defined_by]
         if unknown:
             lines.append(f"No recorded setup cell defines: {', '.join(unknown)}.")
@@ -627,7 +506,9 @@ class KeepaliveMagics(Magics):
     def _show(self, state: RunState, info, cell: Dict[str, Any], setup: List[Dict[str, Any]]) -> None:
         print(f"run '{state.run}' ({state.url}), newest valid checkpoint {info.name} "
               f"(epoch {info.epoch}, step {info.step})")
-        missing = context.missing_names(cell["source"], self.shell.user_ns, self.shell) or []
+        shell = self.shell
+        assert shell is not None
+        missing = cells.missing_names(cell["source"], shell.user_ns, shell) or []
         print(f"\nsetup cells ({len(setup)} recorded):")
         for c in setup:
             print(f"--- {_cell_label(c)}" + ("  (failed in its session)" if c.get("ok") is False else ""))
@@ -639,19 +520,20 @@ class KeepaliveMagics(Magics):
 
     @staticmethod
     def _checkpointer_ids() -> set:
-        core = sys.modules.get("keepalive.core")
-        return {id(c) for c in list(core._ACTIVE)} if core is not None else set()
+        from ..core import active_checkpointers
+
+        return {id(c) for c in active_checkpointers()}
 
     @staticmethod
     def _check_target(state: RunState, before: set) -> None:
-        core = sys.modules.get("keepalive.core")
-        if core is None:
-            return
-        new = [c for c in list(core._ACTIVE) if id(c) not in before]
-        if new and not any(c.store.url == state.store.url for c in new):
+        from ..core import active_checkpointers
+
+        new = [c for c in active_checkpointers() if id(c) not in before]
+        if new and not any(c.store.url == state.url for c in new):
             urls = ", ".join(sorted({c.store.url for c in new}))
-            print(f"keepalive: WARNING the training cell wrote to {urls}, not to the run you resumed "
-                  f"({state.store.url}): did the path or %keepalive dir / $KEEPALIVE_DIR change?")
+            report.warn(f"the training cell wrote to {urls}, not to the run you resumed "
+                        f"({state.url}): did the path or %keepalive dir / $KEEPALIVE_DIR change?",
+                        stream="stdout")
 
 
 def _storage_warning(root: str) -> Optional[str]:
@@ -674,7 +556,7 @@ def load_ipython_extension(ip: Any) -> None:
     """``%load_ext keepalive``: magics, cell recording, idle tracking, the unfinished-run notice."""
     again = any(s is ip for s in _loaded)
     ip.register_magics(KeepaliveMagics)
-    context.register(ip)
+    notebook.register(ip)
     try:
         session.tracker().register(ip)
     except Exception as exc:  # noqa: BLE001 - idle tracking is a convenience
@@ -699,7 +581,7 @@ def unload_ipython_extension(ip: Any) -> None:
     """``%unload_ext keepalive``: remove the magics and every hook and thread the extension added."""
     from . import widget
 
-    context.unregister(ip)
+    notebook.unregister(ip)
     try:
         session.tracker().unregister(ip)
     except Exception:  # noqa: BLE001

@@ -11,13 +11,12 @@ import random
 
 import numpy as np
 import torch
-from torch import nn
-
 from fastai.data.core import DataLoaders
 from fastai.learner import Learner
 from fastai.losses import CrossEntropyLossFlat
 from fastai.metrics import accuracy
 from fastai.torch_core import params, set_seed
+from torch import nn
 
 
 class PlainNoisyImages(torch.utils.data.Dataset):
@@ -50,8 +49,8 @@ def batch_noise(t):
 class Net(nn.Module):
     def __init__(self, width: int = 16, hidden: int = 32):
         super().__init__()
-        self.body = nn.Sequential(nn.Conv2d(3, width // 2, 3, padding=1), nn.BatchNorm2d(width // 2), nn.ReLU(),
-                                  nn.Conv2d(width // 2, width, 3, padding=1, stride=2), nn.ReLU(),
+        self.body = nn.Sequential(nn.Conv2d(3, width // 2, 3, padding=1), nn.BatchNorm2d(width // 2),
+                                  nn.ReLU(), nn.Conv2d(width // 2, width, 3, padding=1, stride=2), nn.ReLU(),
                                   nn.AdaptiveAvgPool2d(1), nn.Flatten())
         self.head = nn.Sequential(nn.Dropout(0.3), nn.Linear(width, hidden), nn.ReLU(), nn.Dropout(0.2),
                                   nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 4))

@@ -10,13 +10,12 @@ import sys
 import time
 
 import torch
-from safetensors.torch import save_file
-
+from childio import emit
 from fastai.callback.core import Callback
 from fastai.callback.tracker import EarlyStoppingCallback, SaveModelCallback
-
-from childio import emit
 from fastai_setup import history, make_learner, weights
+from safetensors.torch import save_file
+
 from keepalive.callbacks.fastai import DriveCheckpoint
 
 p = argparse.ArgumentParser()
@@ -39,9 +38,9 @@ p.add_argument("--break", dest="breaks", default="", help="negative control: dl_
 args = p.parse_args()
 torch.set_num_threads(1)
 if args.breaks == "dl_rng":
-    import keepalive.callbacks.fastai as _kf
+    import keepalive.callbacks._fastai_data as _fastai_data
 
-    _kf._set_dl_rngs = lambda learn, states: None
+    _fastai_data.set_dl_rngs = lambda learn, states: None
 
 
 class AtomicSaveModel(SaveModelCallback):

@@ -40,8 +40,8 @@ def emit(line):
         sys.stdout.flush()
 
 
-import numpy as np  # noqa: E402
 import keras  # noqa: E402
+import numpy as np  # noqa: E402
 
 if keras.backend.backend() == "tensorflow":
     import tensorflow as tf

@@ -30,15 +30,16 @@ Nothing here imports a framework; everything is cheap (no parsing at record time
 """
 from __future__ import annotations
 
-import ast
-import builtins
 import contextlib
 import itertools
 import os
 import sys
 import time
 import uuid
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Set
+from typing import Any, Dict, Iterator, List, Mapping, Optional
+
+from . import settings
+from .session import ipython_shell as _session_shell
 
 #: setup cells kept in a record: at most this many characters of source in all, and this many cells
 MAX_SETUP_CHARS = 256 * 1024
@@ -52,14 +53,7 @@ _override: List[Dict[str, Any]] = []       # contexts pinned by %resume_training
 _registered: List[Any] = []                # shells whose events we hook
 
 
-def _get_ipython():
-    mod = sys.modules.get("IPython")
-    if mod is None:
-        return None
-    try:
-        return mod.get_ipython()
-    except Exception:  # noqa: BLE001
-        return None
+ipython_shell = _session_shell  # the running IPython shell or None (never imports IPython)
 
 
 # ------------------------------------------------------------------------------------ recording
@@ -154,7 +148,7 @@ def current_cell_key() -> Optional[str]:
         return _override[-1].get("cell_key")
     if _stack:
         return _stack[-1]["key"]
-    ip = _get_ipython()
+    ip = ipython_shell()
     if ip is None:
         return None
     return f"{_TOKEN}:hist:{len(_history(ip)) - 1}"
@@ -163,12 +157,12 @@ def current_cell_key() -> Optional[str]:
 def capture_context(ip: Any = None) -> Optional[Dict[str, Any]]:
     """The running cell and the cells executed before it, as a JSON-able dict; None outside IPython
     (or when no cell is known)."""
-    mode = os.environ.get("KEEPALIVE_RECORD_CELLS", "all").strip().lower()
+    mode = settings.get("KEEPALIVE_RECORD_CELLS")
     if mode in ("none", "0", "off", "no", "false"):
         return None
     if _override:
         return dict(_override[-1])
-    ip = ip if ip is not None else _get_ipython()
+    ip = ip if ip is not None else ipython_shell()
     if ip is None:
         return None
     hist = _history(ip)
@@ -199,7 +193,7 @@ def capture_context(ip: Any = None) -> Optional[Dict[str, Any]]:
     total = 0
     kept: List[Dict[str, Any]] = []
     for cell in reversed(setup):
-        total += len(cell["source"])
+        total += len(str(cell["source"]))
         if total > MAX_SETUP_CHARS or len(kept) >= MAX_SETUP_CELLS:
             left_out = len(setup) - len(kept)
             break
@@ -227,146 +221,15 @@ def capture_context(ip: Any = None) -> Optional[Dict[str, Any]]:
 
 
 # ----------------------------------------------------------------------------- name analysis
-def python_source(raw: str, ip: Any = None) -> str:
-    """The Python code IPython runs for ``raw`` (magics become ``get_ipython()`` calls). A cell magic
-    such as ``%%time`` whose body is Python gives the body, so its names can be checked."""
-    text = raw
-    stripped = raw.lstrip()
-    if stripped.startswith("%%"):
-        body = stripped.split("\n", 1)[1] if "\n" in stripped else ""
-        text = body
-    ip = ip if ip is not None else _get_ipython()
-    if ip is not None:
-        try:
-            return ip.transform_cell(text)
-        except Exception:  # noqa: BLE001
-            return text
-    try:
-        from IPython.core.inputtransformer2 import TransformerManager
-
-        return TransformerManager().transform_cell(text)
-    except Exception:  # noqa: BLE001
-        return text
-
-
-class _Names(ast.NodeVisitor):
-    def __init__(self) -> None:
-        self.loaded: List[str] = []
-        self.defined: Set[str] = set()
-        self.star = False
-
-    def visit_Name(self, node: ast.Name) -> None:
-        if isinstance(node.ctx, ast.Load):
-            self.loaded.append(node.id)
-        else:
-            self.defined.add(node.id)
-
-    def _def(self, node) -> None:
-        self.defined.add(node.name)
-        self.generic_visit(node)
-
-    visit_FunctionDef = visit_AsyncFunctionDef = visit_ClassDef = _def
-
-    def visit_arg(self, node: ast.arg) -> None:
-        self.defined.add(node.arg)
-        self.generic_visit(node)
-
-    def visit_Import(self, node) -> None:
-        for alias in node.names:
-            if alias.name == "*":
-                self.star = True
-            else:
-                self.defined.add(alias.asname or alias.name.split(".")[0])
-
-    visit_ImportFrom = visit_Import
-
-    def visit_ExceptHandler(self, node) -> None:
-        if node.name:
-            self.defined.add(node.name)
-        self.generic_visit(node)
-
-    def visit_Global(self, node) -> None:
-        self.defined.update(node.names)
-
-    visit_Nonlocal = visit_Global
-
-    def generic_visit(self, node) -> None:
-        for attr in ("name", "rest"):  # match patterns: MatchAs / MatchStar / MatchMapping
-            if type(node).__name__.startswith("Match") and isinstance(getattr(node, attr, None), str):
-                self.defined.add(getattr(node, attr))
-        super().generic_visit(node)
-
-
-def _parse(code: str) -> Optional[ast.Module]:
-    try:
-        return ast.parse(code)
-    except (SyntaxError, ValueError):
+def script_context() -> Optional[Dict[str, Any]]:
+    """Outside a notebook: the script that runs (``python train.py``), or None."""
+    main = sys.modules.get("__main__")
+    script = getattr(main, "__file__", None)
+    if not script:
         return None
+    return {"kind": "script", "path": os.path.abspath(script), "argv": list(sys.argv)}
 
 
-def defined_names(raw: str, ip: Any = None) -> Set[str]:
-    """Names a cell assigns, defines or imports (anywhere in it)."""
-    tree = _parse(python_source(raw, ip))
-    if tree is None:
-        return set()
-    v = _Names()
-    v.visit(tree)
-    return v.defined
-
-
-def defining_lines(raw: str, names: Set[str], ip: Any = None) -> List[int]:
-    """1-based numbers of the lines of ``raw`` whose top-level statements define any of ``names``."""
-    tree = _parse(python_source(raw, ip))
-    if tree is None:
-        return []
-    # IPython drops leading blank lines, and python_source a cell magic's first line
-    src_lines = raw.splitlines()
-    offset = 0
-    while offset < len(src_lines) and not src_lines[offset].strip():
-        offset += 1
-    if raw.lstrip().startswith("%%"):
-        offset += 1
-        while offset < len(src_lines) and not src_lines[offset].strip():
-            offset += 1
-    out: List[int] = []
-    for stmt in tree.body:
-        v = _Names()
-        v.visit(stmt)
-        if v.defined & names:
-            end = getattr(stmt, "end_lineno", None) or stmt.lineno
-            out.extend(range(stmt.lineno + offset, end + offset + 1))
-    return out
-
-
-def free_names(raw: str, ip: Any = None) -> Optional[List[str]]:
-    """Names a cell reads that it does not define before (top-level statements in order), builtins
-    excluded; None when the cell does not parse or star-imports (then nothing can be said)."""
-    tree = _parse(python_source(raw, ip))
-    if tree is None:
-        return None
-    seen: Set[str] = set()
-    free: List[str] = []
-    for stmt in tree.body:
-        v = _Names()
-        v.visit(stmt)
-        if v.star:
-            return None
-        for name in v.loaded:
-            if name not in seen and name not in v.defined and name not in free:
-                free.append(name)
-        seen |= v.defined
-    bi = set(dir(builtins)) | {"get_ipython", "display", "__IPYTHON__", "In", "Out", "exit", "quit"}
-    return [n for n in free if n not in bi and not (n.startswith("__") and n.endswith("__"))]
-
-
-def missing_names(raw: str, namespace: Mapping[str, Any], ip: Any = None) -> Optional[List[str]]:
-    """The free names of ``raw`` that ``namespace`` lacks (None: could not tell)."""
-    names = free_names(raw, ip)
-    if names is None:
-        return None
-    return [n for n in names if n not in namespace]
-
-
-__all__ = ["capture_context", "current_cell_key", "pre_run_cell", "post_run_cell", "register",
-           "unregister", "is_registered", "resuming", "python_source", "defined_names", "free_names",
-           "missing_names", "defining_lines", "MAX_SETUP_CHARS", "MAX_SETUP_CELLS"]
+__all__ = ["capture_context", "current_cell_key", "script_context", "pre_run_cell", "post_run_cell",
+           "register", "unregister", "is_registered", "resuming", "ipython_shell", "MAX_SETUP_CHARS",
+           "MAX_SETUP_CELLS"]

@@ -1,0 +1,253 @@
+"""A fastai ``Learner``'s state as plain trees, and back (for the fastai ``DriveCheckpoint``).
+
+``objects``: the model, the optimizer (fastai's ``Optimizer``: per-parameter state and the
+hyper-parameters of each group; an ``OptimWrapper``: the torch optimizer's ``state_dict``) and the
+mixed-precision ``GradScaler``. Beside them, what fastai keeps in callbacks and loaders: the freeze
+state, each ``DataLoader``'s ``random.Random`` (restored by :mod:`._fastai_data`, when an epoch's data
+begins), the ``Recorder`` history (losses, learning rates, metric values, the smoothed loss), the
+``ParamScheduler``'s record, and the tracker callbacks' (``SaveModelCallback``, ``EarlyStoppingCallback``,
+``ReduceLROnPlateau``) best value, patience counter and last saved file. fastcore ``L`` and ``Path``
+values become lists and strings in the tree. Nothing is loaded before :func:`check_fits` passes. Also
+the words for a position in the run (fit call, fine_tune phase, epoch, batch).
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import FrameType
+from typing import Any, Callable, Dict, Optional
+
+import numpy as np
+import torch
+from fastai.callback.schedule import ParamScheduler
+from fastai.callback.tracker import TrackerCallback
+from fastai.learner import Learner
+from fastai.optimizer import Optimizer, OptimWrapper
+from fastcore.foundation import L
+
+from ..errors import StateMismatchError
+from ._fastai_data import dl_rngs
+from .torchstate import check_module, check_optimizer, own
+
+__all__ = ["capture_objects", "check_fits", "restore", "capture_callbacks", "describe", "phase_words",
+           "fine_tune_phase"]
+
+_TRACKER_ATTRS = ("best", "wait", "new_best", "last_saved_path")
+
+
+# --------------------------------------------------------------------------------- conversions
+def _plain(x: Any) -> Any:
+    """fastcore ``L`` and ``Path`` values as lists and strings, recursively (for the state tree)."""
+    if isinstance(x, L):
+        return [_plain(v) for v in x]
+    if isinstance(x, Path):
+        return str(x)
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_plain(v) for v in x)
+    return x
+
+
+def _float_array(values: Any) -> np.ndarray:
+    try:
+        return np.asarray([float(v) for v in values], dtype=np.float64)
+    except (TypeError, ValueError):
+        return np.asarray([], dtype=np.float64)
+
+
+# ------------------------------------------------------------------------------------ objects
+def capture_objects(learn: Learner) -> Dict[str, Any]:
+    opt = learn.opt
+    if isinstance(opt, Optimizer):
+        sd = opt.state_dict()
+        opt_state = {"state": list(sd["state"]), "hypers": [dict(h) for h in sd["hypers"]]}
+    else:
+        opt_state = opt.state_dict()
+    objects = {"model": learn.model.state_dict(), "optimizer": _plain(opt_state)}
+    scaler = getattr(learn, "scaler", None)
+    if scaler is not None:
+        objects["scaler"] = scaler.state_dict()
+    return objects
+
+
+def check_fits(learn: Learner, tree: Dict[str, Any], where: str) -> None:
+    """Refuse, before anything is changed, a checkpoint (at ``where``) that does not fit the learner."""
+    framework = tree.get("keepalive", {}).get("framework")
+    if framework != "fastai":
+        raise StateMismatchError(f"checkpoint {where} was written by keepalive's {framework!r} adapter, not "
+                                 "the fastai one; use another run (path or run=)")
+    objects = tree.get("objects", {})
+    if "model" not in objects or "optimizer" not in objects:
+        raise StateMismatchError(f"checkpoint {where} holds no model/optimizer state")
+    check_module("model", learn.model, objects["model"], where)
+    opt, saved = learn.opt, objects["optimizer"]
+    if isinstance(opt, Optimizer):
+        _check_fastai_optimizer(opt, saved)
+    elif isinstance(opt, OptimWrapper):
+        check_optimizer("optimizer", opt.opt, saved)
+
+
+def _check_fastai_optimizer(opt: Optimizer, saved: Dict[str, Any]) -> None:
+    groups, state = saved.get("hypers", []), saved.get("state", [])
+    if len(groups) != len(opt.param_lists):
+        raise StateMismatchError(f"optimizer: the checkpoint has {len(groups)} parameter group(s), the "
+                                 f"learner {len(opt.param_lists)} (another splitter or model). Nothing "
+                                 "was loaded.")
+    params = [p for p, *_ in opt.all_params()]
+    if len(state) != len(params):
+        raise StateMismatchError(f"optimizer: the checkpoint has state for {len(state)} parameters, the "
+                                 f"learner has {len(params)}. Nothing was loaded.")
+    for i, (s, p) in enumerate(zip(state, params)):
+        for k, v in (s or {}).items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and tuple(v.shape) != tuple(p.shape):
+                raise StateMismatchError(f"optimizer: state '{k}' of parameter {i} has shape "
+                                         f"{tuple(v.shape)} in the checkpoint, the parameter "
+                                         f"{tuple(p.shape)}. Nothing was loaded.")
+
+
+def restore(learn: Learner, tree: Dict[str, Any], warn: Optional[Callable[[str, str], Any]] = None) -> None:
+    """A checked tree's objects and callbacks' state into the learner (not the RNGs: the caller knows
+    when). ``warn(message, key)`` (inside a fit) is told when a tracker's saved file did not survive."""
+    _load_objects(learn, tree["objects"], tree["fastai"].get("frozen_idx"))
+    _restore_callbacks(learn, tree["fastai"], warn)
+
+
+def _load_objects(learn: Learner, objects: Dict[str, Any], frozen_idx: Optional[int]) -> None:
+    learn.model.load_state_dict(objects["model"])
+    opt, saved = learn.opt, objects["optimizer"]
+    if isinstance(opt, Optimizer):
+        params = [p for p, *_ in opt.all_params()]
+        state = [{k: (v.to(p.device, copy=True) if isinstance(v, torch.Tensor) else own(v))
+                  for k, v in s.items()} for s, p in zip(saved["state"], params)]
+        opt.load_state_dict({"state": state, "hypers": L([dict(h) for h in saved["hypers"]])})
+    else:
+        opt.load_state_dict(own(saved))
+    if frozen_idx is not None and getattr(opt, "frozen_idx", 0) != frozen_idx and hasattr(opt, "freeze_to"):
+        opt.freeze_to(frozen_idx)
+    scaler = getattr(learn, "scaler", None)
+    if scaler is not None and objects.get("scaler"):
+        scaler.load_state_dict(objects["scaler"])
+
+
+# -------------------------------------------------------------------------------- callbacks
+def _trackers(learn: Learner) -> Dict[str, TrackerCallback]:
+    """The tracker callbacks by class name (``Name#1``, ``Name#2`` for further ones of a class)."""
+    out: Dict[str, TrackerCallback] = {}
+    for cb in learn.cbs:
+        if isinstance(cb, TrackerCallback):
+            name = type(cb).__name__
+            key, n = name, 1
+            while key in out:
+                key, n = f"{name}#{n}", n + 1
+            out[key] = cb
+    return out
+
+
+def _scheduler(learn: Learner) -> Optional[ParamScheduler]:
+    return next((cb for cb in learn.cbs if isinstance(cb, ParamScheduler)
+                 and getattr(cb, "hps", None) is not None), None)
+
+
+def capture_callbacks(learn: Learner) -> Dict[str, Any]:
+    """Freeze state, loaders' RNGs, Recorder, trackers and the ParamScheduler's record."""
+    out: Dict[str, Any] = {
+        "frozen_idx": getattr(learn.opt, "frozen_idx", None),
+        "dl_rngs": dl_rngs(learn),  # restored by the caller, when the data of an epoch begins
+        "recorder": _capture_recorder(learn),
+        "trackers": {key: {a: _plain(cb.__dict__[a]) for a in _TRACKER_ATTRS if a in cb.__dict__}
+                     for key, cb in _trackers(learn).items()},
+    }
+    sched = _scheduler(learn)
+    if sched is not None:
+        out["scheduler_hps"] = {k: _float_array(v) for k, v in sched.hps.items()}
+    return out
+
+
+def _capture_recorder(learn: Learner) -> Optional[Dict[str, Any]]:
+    rec = getattr(learn, "recorder", None)
+    if rec is None or not hasattr(rec, "lrs"):
+        return None
+    losses = [torch.as_tensor(v).detach().reshape(()).cpu() for v in rec.losses]
+    out = {
+        "lrs": _float_array(rec.lrs),
+        "iters": [int(i) for i in rec.iters],
+        "losses": torch.stack(losses) if losses else torch.zeros(0),
+        "values": [_plain(list(v)) for v in rec.values],
+        "metric_names": _plain(list(getattr(rec, "metric_names", []))) or None,
+        "smooth_count": int(rec.smooth_loss.count),
+        "smooth_val": torch.as_tensor(rec.smooth_loss.val).detach().clone(),
+        "smooth_loss": (torch.as_tensor(learn.smooth_loss).detach().clone()
+                        if getattr(learn, "smooth_loss", None) is not None else None),
+    }
+    hps = getattr(rec, "hps", None)
+    if isinstance(hps, dict):
+        out["hps"] = {k: _float_array(v) for k, v in hps.items()}
+    return out
+
+
+def _restore_callbacks(learn: Learner, saved: Dict[str, Any],
+                       warn: Optional[Callable[[str, str], Any]]) -> None:
+    rec, rs = getattr(learn, "recorder", None), saved.get("recorder")
+    if rec is not None and rs:
+        rec.lrs = list(rs["lrs"])
+        rec.iters = [int(i) for i in rs["iters"]]
+        rec.losses = list(own(rs["losses"]).unbind(0)) if len(rs["losses"]) else []
+        rec.values = [L(v) for v in rs["values"]]
+        if rs.get("metric_names") is not None:
+            rec.metric_names = L(rs["metric_names"])
+        rec.smooth_loss.count = int(rs["smooth_count"])
+        rec.smooth_loss.val = own(rs["smooth_val"])
+        if rs.get("smooth_loss") is not None:
+            learn.smooth_loss = own(rs["smooth_loss"])
+        if rs.get("hps") is not None:
+            rec.hps = {k: list(v) for k, v in rs["hps"].items()}
+    live = _trackers(learn)
+    for key, state in (saved.get("trackers") or {}).items():
+        cb = live.get(key)
+        if cb is None:
+            continue
+        for attr, value in state.items():
+            cb.__dict__[attr] = Path(value) if attr == "last_saved_path" and value is not None else own(value)
+        saved_path = cb.__dict__.get("last_saved_path")
+        if warn is not None and saved_path is not None and not Path(saved_path).exists():
+            warn(f"{type(cb).__name__}'s file {saved_path} did not survive the restart (keep learn.path "
+                 "on persistent storage, e.g. Drive); its best value is restored, but the file it loads "
+                 "at the end of the fit is rewritten only by a better epoch", f"tracker-file:{key}")
+    hps: Any = saved.get("scheduler_hps")
+    for cb in learn.cbs if hps is not None else ():
+        live_hps = getattr(cb, "hps", None) if isinstance(cb, ParamScheduler) else None
+        if live_hps is not None and set(live_hps) == set(hps):
+            cb.hps = {k: list(v) for k, v in hps.items()}
+
+
+# ---------------------------------------------------------------------------------- positions
+def fine_tune_phase(learn: Learner) -> Optional[int]:
+    """1 or 2 when this fit is called by ``learn.fine_tune`` (frozen / unfrozen fit), else None."""
+    code = getattr(getattr(Learner, "fine_tune", None), "__code__", None)
+    phase = 1 if getattr(learn.opt, "frozen_idx", 0) > 0 else 2
+    frame: Optional[FrameType] = sys._getframe(1)
+    while frame is not None and code is not None:
+        if frame.f_code is code and frame.f_locals.get("self") is learn:
+            return phase
+        frame = frame.f_back
+    return None
+
+
+def phase_words(phase: Optional[int], more: str = "") -> str:
+    """`` (fine_tune's frozen fit, ...)`` for fine_tune's fits 1 / 2 and ``more``; empty if neither."""
+    names = {1: "fine_tune's frozen fit", 2: "fine_tune's unfrozen fit"}
+    words = [w for w in (names.get(phase or 0), more) if w]
+    return f" ({', '.join(words)})" if words else ""
+
+
+def describe(tree: Dict[str, Any]) -> str:
+    """Where a checkpoint is, in words (for the "resuming run ..." line)."""
+    pos = (tree.get("fastai") or {}).get("position")
+    if not pos:
+        return ""
+    where = f"fit {pos['fit']}{phase_words(pos.get('phase'))}"
+    if pos.get("done"):
+        return f"end of {where}"
+    where += f", epoch {pos['epoch']}/{pos['n_epoch']}"
+    return where + (f", batch {pos['batch']}/{pos['n_iter']}" if pos.get("batch") else "")

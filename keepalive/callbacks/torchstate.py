@@ -1,0 +1,124 @@
+"""State helpers shared by the adapters of torch-based frameworks (plain torch, fastai, and later
+Hugging Face and Lightning): fit checks for modules and optimizers, owned copies of loaded tensors,
+per-batch worker seeding. It is no adapter itself; adapters import it, never each other.
+"""
+from __future__ import annotations
+
+import random
+from typing import Any, Dict, List
+
+import numpy as np
+import torch
+
+from ..adapter import check_fits
+from ..errors import StateMismatchError
+
+__all__ = ["RandomState", "check_module", "check_optimizer", "hyperparameters", "own", "seed_worker_rngs"]
+
+
+def check_module(name: str, module: torch.nn.Module, saved: Dict[str, Any], where: str = "") -> None:
+    """A module's ``state_dict`` against a saved one: same keys, same shapes (else nothing loads)."""
+    check_fits(name, module.state_dict(), saved, where=where or "")
+
+
+def check_optimizer(name: str, opt: torch.optim.Optimizer, saved: Dict[str, Any]) -> None:
+    """A torch optimizer's saved state against the live one's parameter groups and shapes."""
+    groups = saved.get("param_groups", [])
+    if len(groups) != len(opt.param_groups):
+        raise StateMismatchError(f"{name}: the checkpoint has {len(groups)} parameter group(s), the "
+                                 f"optimizer {len(opt.param_groups)}. Nothing was loaded.")
+    params: List[Any] = []
+    for i, (g_saved, g_live) in enumerate(zip(groups, opt.param_groups)):
+        if len(g_saved["params"]) != len(g_live["params"]):
+            raise StateMismatchError(f"{name}: parameter group {i} has {len(g_saved['params'])} "
+                                     f"parameters in the checkpoint, {len(g_live['params'])} in the "
+                                     "optimizer. Nothing was loaded.")
+        params.extend(zip(g_saved["params"], g_live["params"]))
+    state = saved.get("state", {})
+    for saved_id, p in params:
+        for k, v in (state.get(saved_id) or {}).items():
+            if hasattr(v, "shape") and v.dim() > 0 and tuple(v.shape) != tuple(p.shape):
+                raise StateMismatchError(f"{name}: state '{k}' of parameter {saved_id} has shape "
+                                         f"{tuple(v.shape)} in the checkpoint, the parameter "
+                                         f"{tuple(p.shape)}. Nothing was loaded.")
+
+
+def own(x: Any) -> Any:
+    """A deep copy whose tensors own their memory (loaded tensors are views on the file buffer)."""
+    if isinstance(x, torch.Tensor):
+        return x.clone()
+    if isinstance(x, np.ndarray):
+        return x.copy()
+    if isinstance(x, dict):
+        return {k: own(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(own(v) for v in x)
+    return x
+
+
+def seed_worker_rngs(seed: int) -> None:
+    """Seed python, numpy and torch in a DataLoader worker (per batch: independent of which worker
+    fetched which batch before, which a resume changes)."""
+    random.seed(seed)
+    np.random.seed(seed % (1 << 32))
+    torch.manual_seed(seed)
+
+
+def hyperparameters(opt: torch.optim.Optimizer) -> List[Dict[str, Any]]:
+    """The scalar settings of each parameter group (lr, weight_decay, momentum, ...)."""
+    return [{k: v for k, v in group.items() if k != "params" and isinstance(v, (int, float, bool, str))
+             and not k.startswith("initial_")} for group in opt.param_groups]
+
+
+class RandomState:
+    """A private random generator as an object with ``state_dict`` / ``load_state_dict``."""
+
+    def __init__(self, gen: Any):
+        self.gen = gen
+
+    @staticmethod
+    def wraps(obj: Any) -> bool:
+        return isinstance(obj, (random.Random, np.random.Generator, np.random.RandomState,
+                                torch.Generator))
+
+    def state_dict(self) -> Dict[str, Any]:
+        g = self.gen
+        if isinstance(g, torch.Generator):
+            return {"torch": g.get_state()}
+        if isinstance(g, np.random.Generator):
+            return {"numpy_generator": _ints_as_text(g.bit_generator.state)}
+        if isinstance(g, np.random.RandomState):
+            name, keys, pos, has_gauss, gauss = g.get_state()
+            return {"numpy_legacy": [name, np.asarray(keys), int(pos), int(has_gauss), float(gauss)]}
+        version, internal, gauss = g.getstate()
+        return {"python": [version, np.asarray(internal, dtype=np.uint64), gauss]}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        g = self.gen
+        if "torch" in state:
+            g.set_state(state["torch"].clone())
+        elif "numpy_generator" in state:
+            g.bit_generator.state = _text_as_ints(state["numpy_generator"])
+        elif "numpy_legacy" in state:
+            name, keys, pos, has_gauss, gauss = state["numpy_legacy"]
+            g.set_state((name, np.asarray(keys, dtype=np.uint32), int(pos), int(has_gauss), float(gauss)))
+        else:
+            version, internal, gauss = state["python"]
+            g.setstate((int(version), tuple(int(v) for v in internal), gauss))
+
+
+def _ints_as_text(x: Any) -> Any:
+    """numpy bit-generator states hold 128-bit ints: kept as text (JSON readers cap integers)."""
+    if isinstance(x, dict):
+        return {k: _ints_as_text(v) for k, v in x.items()}
+    if isinstance(x, int) and not isinstance(x, bool):
+        return {"int": str(x)}
+    return x
+
+
+def _text_as_ints(x: Any) -> Any:
+    if isinstance(x, dict):
+        if set(x) == {"int"}:
+            return int(x["int"])
+        return {k: _text_as_ints(v) for k, v in x.items()}
+    return x

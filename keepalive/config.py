@@ -1,0 +1,96 @@
+"""The options every ``DriveCheckpoint`` takes, documented once.
+
+Each adapter (``keepalive.callbacks.torch`` / ``keras`` / ``fastai`` / ...) accepts these as keyword
+arguments, or a ready :class:`CheckpointConfig` as ``config=``:
+
+>>> from keepalive.config import CheckpointConfig
+>>> cfg = CheckpointConfig("runs/mnist", every="10min", keep=5)
+>>> cfg.every, cfg.keep, cfg.on_deadline
+('10min', 5, 'save_and_stop')
+>>> CheckpointConfig.from_arguments("runs/x", None, {"keep": 2, "model": "m"})[1]
+{'model': 'm'}
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
+
+__all__ = ["CheckpointConfig"]
+
+
+@dataclass
+class CheckpointConfig:
+    """Where, when and how a training run is checkpointed.
+
+    Args:
+        path: the run folder: a local path, a mounted Drive folder (``/content/drive/MyDrive/runs/x``)
+            or an fsspec URL (``gs://b/runs/x``, ``s3://...``). Default: ``$KEEPALIVE_DIR``, else the
+            mounted Drive's ``MyDrive/keepalive``, else ``./keepalive-checkpoints``, plus ``run``.
+        run: the run's name below the default folder when no ``path`` is given (default ``default``).
+        every: when to save: ``"epoch"`` (default), an int (optimizer steps) or a duration
+            (``"90s"``, ``"10min"``, ``"1h"``). Saves inside an epoch happen only where the loop can be
+            resumed there; otherwise a due save waits for the epoch end.
+        keep: how many recent checkpoints stay (default 3; None keeps all).
+        keep_every: also keep every Nth checkpoint.
+        on_deadline: what to do when the session's time limit approaches (see ``keepalive status``):
+            ``"save_and_stop"`` (default), ``"save"`` or ``"ignore"``.
+        deadline_margin: how long before the deadline to act (a duration; default: at least twice the
+            measured save time, and one minute).
+        takeover: take the run over from another live session that holds its writer lease.
+        background: write checkpoints in a background thread (default); the loop waits only for the
+            copy to host memory.
+        storage_options: fsspec options for the destination (credentials, endpoint).
+        quiet: no news lines (resumed, saved, stopped). Warnings about what cannot be restored exactly
+            are still shown.
+        spool: ``"auto"`` (default) commits remote / Drive checkpoints to a local spool first and
+            uploads them in the background (and switches to it when a local destination fails);
+            ``True`` / ``False`` force it.
+        flush_timeout: how long the end of training waits for uploads (default 120 s).
+        drive_flush: on Colab, call ``drive.flush_and_unmount()`` at the end of the run.
+        remaining_fn: seconds left in the session (default: from :mod:`keepalive.session`).
+    """
+
+    path: Union[str, "os.PathLike[str]", None] = None
+    run: Optional[str] = None
+    every: Union[str, int, None] = "epoch"
+    keep: Optional[int] = 3
+    keep_every: Optional[int] = None
+    on_deadline: str = "save_and_stop"
+    deadline_margin: Union[str, float, None] = None
+    takeover: bool = False
+    background: bool = True
+    storage_options: Optional[dict] = None
+    quiet: bool = False
+    spool: Union[str, bool, None] = "auto"
+    flush_timeout: Optional[float] = None
+    drive_flush: Optional[bool] = None
+    remaining_fn: Optional[Callable[[], Optional[float]]] = None
+
+    @classmethod
+    def field_names(cls) -> Tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_arguments(cls, path: Any, config: Optional["CheckpointConfig"],
+                       options: Mapping[str, Any]) -> Tuple["CheckpointConfig", Dict[str, Any]]:
+        """A config from an adapter's ``path``, ``config=`` and keyword arguments, and the keyword
+        arguments that are not options (an adapter's own, e.g. the torch adapter's objects)."""
+        names = set(cls.field_names())
+        mine = {k: v for k, v in options.items() if k in names}
+        rest = {k: v for k, v in options.items() if k not in names}
+        base = config if config is not None else cls()
+        if path is not None:
+            mine["path"] = path
+        return dataclasses.replace(base, **mine), rest
+
+    @classmethod
+    def strict(cls, path: Any, config: Optional["CheckpointConfig"], options: Mapping[str, Any],
+               adapter: str) -> "CheckpointConfig":
+        """Like :meth:`from_arguments`, for adapters that take no other keyword arguments."""
+        cfg, rest = cls.from_arguments(path, config, options)
+        if rest:
+            raise TypeError(f"{adapter}() got unexpected keyword argument(s) {sorted(rest)}; the "
+                            f"options are {', '.join(cls.field_names())}")
+        return cfg
