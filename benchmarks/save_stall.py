@@ -148,7 +148,8 @@ def main() -> int:
     if cold:
         print(f"{'cold page cache: torch.load(mmap)':38s} {torch_cold:8.3f} {gb / torch_cold:7.2f}")
         print(f"{'cold page cache: keepalive resume':38s} {ours_cold:8.3f} {gb / ours_cold:7.2f}")
-    print(f"ratio stall / torch.save  = {stall / torch_save:.3f}  (goal <= 0.15; first save {first_stall / torch_save:.3f})")
+    print(f"ratio stall / torch.save  = {stall / torch_save:.3f}  "
+          f"(goal <= 0.15; first save {first_stall / torch_save:.3f})")
     print(f"ratio resume / torch.load = {ours_resume / torch_load:.3f} loaded, "
           f"{ours_step / torch_step:.3f} to the first step"
           + (f", {ours_cold / torch_cold:.3f} from a cold cache" if cold else "") + "  (goal <= 1.2)")

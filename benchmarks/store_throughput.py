@@ -33,8 +33,6 @@ import tempfile
 import time
 import zlib
 
-import numpy as np
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from keepalive.state import HostSnapshot  # noqa: E402

@@ -97,7 +97,8 @@ def measure(name: str, size: str, epochs: int, workdir: str, threads: int = 0, p
         if not r.get("checkpoints") or e in skip:
             continue
         members = [recs.get(e + k) for k in range(period)]
-        if any(m is None or m["epoch"] in skip or (k and m.get("checkpoints")) for k, m in enumerate(members)):
+        if any(m is None or m["epoch"] in skip or (k and m.get("checkpoints"))
+               for k, m in enumerate(members)):
             continue
         groups.append(members)
     if not groups:
@@ -143,7 +144,8 @@ def main() -> None:
         rows.append(measure(name, args.size, args.epochs, workdir, args.threads, args.period))
         r = rows[-1]
         print(f"  epoch {r['epoch_s']:.2f} s, blocking {1000 * r['blocking_s']:.1f} ms "
-              f"({r['blocking_pct']:.2f} %), end to end {r['wall_pct']:+.1f} % wall, {r['cpu_pct']:+.1f} % CPU "
+              f"({r['blocking_pct']:.2f} %), end to end {r['wall_pct']:+.1f} % wall, "
+              f"{r['cpu_pct']:+.1f} % CPU "
               f"({r['groups']} groups), run {r['wall_s']:.0f} s", file=sys.stderr, flush=True)
     print(f"\ncheckpoint overhead per epoch, synthetic data size {args.size}, a checkpoint every "
           f"{args.period} epochs (device {rows[0]['device'] if rows else '?'}, {os.cpu_count()} CPUs"
@@ -152,7 +154,8 @@ def main() -> None:
           f"{'share':>7} {'write s':>8} {'wall':>8} {'cpu':>8}")
     for r in rows:
         print(f"{r['workload']:<24} {r['params']:>10,} {r['checkpoint_mb']:>6.1f} {r['epoch_s']:>8.3f} "
-              f"{1000 * r['blocking_s']:>7.1f}ms {1000 * r['bookkeeping_s']:>7.1f}ms {r['blocking_pct']:>6.2f}% "
+              f"{1000 * r['blocking_s']:>7.1f}ms {1000 * r['bookkeeping_s']:>7.1f}ms "
+              f"{r['blocking_pct']:>6.2f}% "
               f"{r['write_s']:>8.3f} {r['wall_pct']:>+7.1f}% {r['cpu_pct']:>+7.1f}%")
     print("epoch s: median clean epoch; blocking: time inside the checkpointer in an epoch ending in a "
           "checkpoint (per-step: in a clean epoch); share: blocking / that epoch's time;\n"

@@ -12,7 +12,6 @@ import random
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -73,7 +72,7 @@ def run_to_completion(cmd: List[str], *, total_steps: int, kills: int, rng: rand
                 try:
                     line = q.get(timeout=max(0.01, deadline - time.monotonic()))
                 except queue.Empty:
-                    raise AssertionError(f"child timed out; output:\n{''.join(lines[-40:])}")
+                    raise AssertionError(f"child timed out; output:\n{''.join(lines[-40:])}") from None
                 if line is None:
                     break
                 lines.append(line)

@@ -2,9 +2,10 @@
 
 * every workload trains a tiny synthetic run (the Keras ones in this process through the Python API,
   the fastai one in the crash test's subprocesses) and writes its per-epoch results;
-* ``keepalive bench run mnist_mlp`` and ``keepalive bench run dogs_cats_resnet`` are SIGKILLed in the
-  middle of their training, re-run until they complete, and their final checkpoint (weights and
-  optimizer state) compared bit for bit with an uninterrupted run;
+* ``mnist_mlp`` and ``dogs_cats_resnet`` (tiny synthetic runs of ``tests/scripts/bench_run.py``, which
+  prints the ``STEP`` / ``COMMITTED`` lines from ``workloads.run``'s ``on_step`` / ``on_commit`` hooks)
+  are SIGKILLed in the middle of their training, re-run until they complete, and their final
+  checkpoint (weights and optimizer state) compared bit for bit with an uninterrupted run;
 * the CLI (list / run / report, ``--help``), the results files, and the data helpers.
 
 No dataset or weights are downloaded: synthetic data, ``pretrained=False``. The fastai child gets the
@@ -27,6 +28,7 @@ from keepalive.workloads import common
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 SHIMS = os.path.join(HERE, "shims")
+BENCH_RUN = os.path.join(HERE, "scripts", "bench_run.py")
 KERAS = [n for n in workloads.names() if workloads.describe(n)["framework"] == "keras"]
 ENV = dict(os.environ, KEEPALIVE_PROGRESS="0", TF_CPP_MIN_LOG_LEVEL="3", TF_ENABLE_ONEDNN_OPTS="0",
            KERAS_BACKEND="tensorflow",
@@ -66,7 +68,8 @@ def test_importing_registry_and_cli_imports_no_framework():
             "from keepalive.workloads import common\n"
             "rows = [w.describe(n) for n in w.names()]\n"
             "keepalive.cli.build_parser()\n"
-            "heavy = [m for m in ('tensorflow', 'keras', 'torch', 'fastai', 'torchvision') if m in sys.modules]\n"
+            "heavy = [m for m in ('tensorflow', 'keras', 'torch', 'fastai', 'torchvision')\n"
+            "         if m in sys.modules]\n"
             "print(len(rows), heavy)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -233,6 +236,37 @@ def test_keras_workload_trains_tiny(name, tmp_path, keras_backend):
     assert ckpts and ckpts[-1].epoch == 2 and ckpts[-1].step == 2 * doc["steps_per_epoch"]
 
 
+def test_run_hooks_see_every_step_and_commit(tmp_path, keras_backend):
+    """``workloads.run(on_step=..., on_commit=...)``: the public hooks the crash tests print from."""
+    steps, commits = [], []
+    doc = workloads.run("mnist_mlp", str(tmp_path / "mlp"), synthetic=True, size="tiny", epochs=2, threads=1,
+                        quiet=True, on_step=steps.append, on_commit=commits.append)
+    per_epoch = doc["steps_per_epoch"]
+    assert steps == list(range(1, 2 * per_epoch + 1))
+    assert sorted(commits) == [per_epoch, 2 * per_epoch]  # a checkpoint per epoch, all committed
+
+
+def test_bench_run_through_the_cli(tmp_path, keras_backend, capsys):
+    argv = ["bench", "run", "mnist_mlp", "--synthetic", "--size", "tiny", "--epochs", "1", "--threads", "1",
+            "--dir", str(tmp_path)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "bench: mnist_mlp (synthetic data, size tiny)" in out and "1/1 epochs completed" in out
+    assert common.read_results(str(tmp_path / "mnist_mlp-synthetic-tiny"))["completed"]
+    with pytest.raises(SystemExit) as exc:  # the crash-test plumbing lives in tests/scripts now
+        main(argv + ["--markers"])
+    assert exc.value.code == 2
+
+
+def test_bench_threads_setting(monkeypatch):
+    monkeypatch.delenv("KEEPALIVE_BENCH_THREADS", raising=False)
+    assert common.threads_from_env(None) is None and common.threads_from_env(3) == 3
+    monkeypatch.setenv("KEEPALIVE_BENCH_THREADS", "2")
+    assert common.threads_from_env(None) == 2 and common.threads_from_env(4) == 4
+    monkeypatch.setenv("KEEPALIVE_BENCH_THREADS", "0")
+    assert common.threads_from_env(None) is None
+
+
 def test_completed_run_is_not_trained_again(tmp_path, keras_backend, capsys):
     run_dir = str(tmp_path / "mlp")
     first = workloads.run("mnist_mlp", run_dir, synthetic=True, size="tiny", epochs=1, threads=1, quiet=True)
@@ -243,9 +277,8 @@ def test_completed_run_is_not_trained_again(tmp_path, keras_backend, capsys):
 
 
 # ----------------------------------------------------------------------------- crash tests
-def _bench_cmd(name, bench_dir, *extra):
-    return [sys.executable, "-m", "keepalive", "bench", "run", name, "--synthetic", "--size", "tiny",
-            "--dir", str(bench_dir), "--markers", "--threads", "1", *extra]
+def _bench_cmd(name, run_dir, *extra):
+    return [sys.executable, BENCH_RUN, name, str(run_dir), "--threads", "1", *extra]
 
 
 def _final_state(run_dir):
@@ -276,11 +309,11 @@ def _assert_same(a, b):
 
 
 def _crash_and_compare(tmp_path, name, steps, kill_after, extra, env):
-    run = f"{name}-synthetic-tiny"
-    ref = run_to_completion(_bench_cmd(name, tmp_path / "ref", *extra), total_steps=steps, kills=0,
+    run = f"{name}-synthetic-tiny"  # the folder `keepalive bench run NAME --synthetic --size tiny` uses
+    ref = run_to_completion(_bench_cmd(name, tmp_path / "ref" / run, *extra), total_steps=steps, kills=0,
                             rng=random.Random(0), env=env, timeout=240)
     assert "DONE" in ref.final_output, ref.final_output[-3000:]
-    report = run_to_completion(_bench_cmd(name, tmp_path / "crash", *extra), total_steps=steps,
+    report = run_to_completion(_bench_cmd(name, tmp_path / "crash" / run, *extra), total_steps=steps,
                                kills=len(kill_after), rng=Scripted(kill_after),
                                run_dir=str(tmp_path / "crash" / run), env=env, timeout=240)
     assert report.kills == len(kill_after) and "DONE" in report.final_output
@@ -301,7 +334,7 @@ def _crash_and_compare(tmp_path, name, steps, kill_after, extra, env):
 
 
 def test_keras_workload_sigkill_resume_is_bit_exact(tmp_path, keras_backend, capsys):
-    """``keepalive bench run mnist_mlp`` (4 epochs of 4 steps, checkpoints every epoch) killed twice."""
+    """``mnist_mlp`` (4 epochs of 4 steps, checkpoints every epoch) killed twice."""
     # the second kill (after step 11) always resumes: the save at step 8 waited for step 4's write
     doc = _crash_and_compare(tmp_path, "mnist_mlp", 16, [6, 11], ["--epochs", "4", "--deterministic"], ENV)
     assert doc["records"][0]["framework"].startswith("keras 3")
@@ -320,13 +353,14 @@ def test_keras_workload_sigkill_resume_is_bit_exact(tmp_path, keras_backend, cap
 
 
 def test_fastai_workload_sigkill_resume_is_bit_exact(tmp_path):
-    """``keepalive bench run dogs_cats_resnet``: fine_tune (1 frozen + 2 unfrozen epochs of 4 steps),
+    """``dogs_cats_resnet``: fine_tune (1 frozen + 2 unfrozen epochs of 4 steps),
     checkpoints every 3 steps (inside epochs), killed in the unfrozen fit twice; TTA at the end."""
     pytest.importorskip("fastai")
     env = dict(ENV, PYTHONPATH=os.pathsep.join([SHIMS, ENV["PYTHONPATH"]]))
     # killed after step 6 (resumes at 4, the end of the frozen fit, saved synchronously), then after
     # step 11 (resumes inside the second unfrozen epoch: the save at step 10 waited for step 7's write)
-    doc = _crash_and_compare(tmp_path, "dogs_cats_resnet", 12, [6, 11], ["--epochs", "2", "--every", "3"], env)
+    doc = _crash_and_compare(tmp_path, "dogs_cats_resnet", 12, [6, 11], ["--epochs", "2", "--every", "3"],
+                             env)
     print(doc["_summary"])
     assert [r["phase"] for r in doc["records"]] == ["frozen", "unfrozen", "unfrozen"]
     assert 0.0 <= doc["final"]["tta_error_rate"] <= 1.0 and "error_rate" in doc["final"]

@@ -25,7 +25,10 @@ from __future__ import annotations
 
 import importlib
 from types import ModuleType
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List, Optional
+
+#: the type of the ``on_step`` / ``on_commit`` hooks of :func:`run`: called with a step number
+StepHook = Callable[[int], None]
 
 #: name -> module (in the order of the benchmark table)
 REGISTRY: Dict[str, str] = {
@@ -63,10 +66,20 @@ def describe(name: str) -> Dict[str, Any]:
             "optimizer": getattr(m, "OPTIMIZER", None), "notes": getattr(m, "NOTES", "")}
 
 
-def run(name: str, dir: str, **kwargs: Any) -> Dict[str, Any]:
-    """Train workload ``name`` with checkpoints in ``dir`` (see the module's ``run``); returns the
-    results document also written to ``dir/results.json``."""
-    return get(name).run(dir, **kwargs)
+def run(name: str, dir: str, *, on_step: Optional[StepHook] = None,
+        on_commit: Optional[StepHook] = None, **kwargs: Any) -> Dict[str, Any]:
+    """Train workload ``name`` with checkpoints in ``dir`` (see the module's ``run`` for ``kwargs``);
+    returns the results document also written to ``dir/results.json``.
+
+    Two hooks follow the training from outside, for your own logging or monitoring (the crash tests
+    use them to kill a run at a chosen step):
+
+    * ``on_step(step)``: after every optimizer step, with the number of steps done so far (a resumed
+      run counts on from its checkpoint), on the training thread: keep it quick;
+    * ``on_commit(step)``: each time a checkpoint is durably committed, with its step, on the
+      checkpoint writer's thread (a run without checkpoints never calls it).
+    """
+    return get(name).run(dir, on_step=on_step, on_commit=on_commit, **kwargs)
 
 
-__all__ = ["REGISTRY", "names", "get", "describe", "run"]
+__all__ = ["REGISTRY", "names", "get", "describe", "run", "StepHook"]

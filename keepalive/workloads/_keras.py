@@ -15,10 +15,11 @@ from __future__ import annotations
 import os
 from typing import Any, Dict, Optional
 
+# TensorFlow reads its own variable at import: quiet its C++ start-up lines unless the user chose
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import numpy as np  # noqa: E402
 import keras  # noqa: E402
+import numpy as np  # noqa: E402
 
 from . import common  # noqa: E402
 
@@ -83,9 +84,9 @@ def device_facts() -> Dict[str, Any]:
     return {"device": device, "versions": versions}
 
 
-def make_timer(recorder: common.RunRecorder, data: Any, markers: common.Markers,
+def make_timer(recorder: common.RunRecorder, data: Any, on_step: Optional[common.StepHook] = None,
                ckpt: Any = None) -> keras.callbacks.Callback:
-    """The callback that feeds the recorder (and prints the crash-test markers)."""
+    """The callback that feeds the recorder and calls ``on_step(step)`` after each optimizer step."""
 
     class EpochTimer(keras.callbacks.Callback):
         def __init__(self):
@@ -102,7 +103,8 @@ def make_timer(recorder: common.RunRecorder, data: Any, markers: common.Markers,
         def on_train_batch_end(self, batch, logs=None):
             recorder.step(data.samples_in(data.start + int(batch)))
             self.step = ckpt.step if ckpt is not None else self.step + 1
-            markers.emit(f"STEP {self.step}")
+            if on_step is not None:
+                on_step(self.step)
 
         def on_epoch_end(self, epoch, logs=None):
             recorder.epoch_logs(logs)
@@ -116,8 +118,8 @@ def make_timer(recorder: common.RunRecorder, data: Any, markers: common.Markers,
 def run_keras(spec: Any, run_dir: str, *, epochs: Optional[int] = None, synthetic: bool = False,
               size: Optional[str] = None, every: Any = "epoch", checkpoint: bool = True, keep: int = 3,
               seed: int = 0, deterministic: bool = False, threads: Optional[int] = None,
-              markers: bool = False, verbose: int = 0, quiet: bool = False,
-              write_results: bool = True) -> Dict[str, Any]:
+              on_step: Optional[common.StepHook] = None, on_commit: Optional[common.StepHook] = None,
+              verbose: int = 0, quiet: bool = False, write_results: bool = True) -> Dict[str, Any]:
     """Train the Keras workload ``spec`` (its module) in ``run_dir``; the results document.
 
     Args:
@@ -128,7 +130,8 @@ def run_keras(spec: Any, run_dir: str, *, epochs: Optional[int] = None, syntheti
         seed: Keras' global seed (weights, dropout, the data order of a new run).
         deterministic: TensorFlow op determinism (torch backend: deterministic algorithms).
         threads: framework CPU threads (default: ``$KEEPALIVE_BENCH_THREADS``, else its own).
-        markers: print ``STEP n`` / ``COMMITTED n`` lines (crash tests).
+        on_step: called with the optimizer step count after every training step (training thread).
+        on_commit: called with the step of each checkpoint once it is committed (writer thread).
         verbose: ``model.fit``'s verbosity; quiet: no per-epoch line.
         write_results: write ``results.json`` / ``results.csv`` in ``run_dir``.
     """
@@ -160,15 +163,14 @@ def run_keras(spec: Any, run_dir: str, *, epochs: Optional[int] = None, syntheti
     recorder = common.RunRecorder(run_dir, meta, facts, write=write_results)
     if quiet:
         recorder.printer = None
-    mk = common.Markers(markers)
     callbacks = []
     ckpt = None
     if checkpoint:
         ckpt = DriveCheckpoint(run_dir, every=every, keep=keep, quiet=quiet)
         recorder.attach(ckpt.core)
-        mk.attach(ckpt.core)
+        common.commit_hook(ckpt.core, on_commit)
         callbacks.append(ckpt)
-    callbacks.append(make_timer(recorder, train, mk, ckpt))
+    callbacks.append(make_timer(recorder, train, on_step, ckpt))
     callbacks += list(spec.extra_callbacks(data)) if hasattr(spec, "extra_callbacks") else []
     model.fit(train, epochs=epochs, validation_data=val, validation_batch_size=batch_size,
               callbacks=callbacks, verbose=verbose)

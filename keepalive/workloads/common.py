@@ -19,19 +19,17 @@ from __future__ import annotations
 import csv
 import io
 import json
-import logging
 import os
 import platform as _platform
 import statistics
-import sys
 import threading
 import time
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence
 
+from .. import report, settings
 from .. import session as _session
 from .._version import __version__
-
-log = logging.getLogger("keepalive.workloads")
+from . import StepHook
 
 SIZES = ("tiny", "small", "full")
 RESULTS_JSON = "results.json"
@@ -76,7 +74,7 @@ def synthetic_images(n: int, shape: tuple, n_classes: int, seed: int, noise: flo
     import numpy as np
 
     rs = np.random.RandomState(seed)
-    templates = rs.uniform(0, 255, size=(n_classes,) + tuple(shape)).astype(np.float32)
+    templates: np.ndarray = rs.uniform(0, 255, size=(n_classes,) + tuple(shape)).astype(np.float32)
     # smooth the templates a little along the first two axes, so that convolutions have shapes to find
     for axis in (1, 2):
         if len(shape) >= axis:
@@ -141,31 +139,18 @@ def framework_label(framework: str, versions: Mapping[str, str]) -> str:
 
 
 def threads_from_env(threads: Optional[int]) -> Optional[int]:
-    """``threads`` or ``$KEEPALIVE_BENCH_THREADS``; None leaves the framework default."""
+    """``threads`` or ``KEEPALIVE_BENCH_THREADS`` (through :mod:`keepalive.settings`); None leaves the
+    framework's default."""
     if threads is None:
-        env = os.environ.get("KEEPALIVE_BENCH_THREADS")
-        threads = int(env) if env else None
+        threads = settings.get("KEEPALIVE_BENCH_THREADS")
     return threads if threads and threads > 0 else None
 
 
-class Markers:
-    """``STEP n`` after each optimizer step and ``COMMITTED n`` after each checkpoint commit, one whole
-    line per write (the writer thread's lines never split the training thread's): what the crash tests
-    read to kill a run at a chosen step (``keepalive bench run --markers``)."""
-
-    def __init__(self, enabled: bool):
-        self.enabled = enabled
-        self._lock = threading.Lock()
-
-    def emit(self, line: str) -> None:
-        if self.enabled:
-            with self._lock:
-                sys.stdout.write(line + "\n")
-                sys.stdout.flush()
-
-    def attach(self, core: Any) -> None:
-        if self.enabled and core is not None:
-            core.writer.on_commit.append(lambda r: self.emit(f"COMMITTED {r.info.step}"))
+def commit_hook(core: Any, on_commit: Optional[StepHook]) -> None:
+    """Call ``on_commit(step)`` (from the writer thread) once each checkpoint of ``core`` is
+    committed; nothing when either is None."""
+    if on_commit is not None and core is not None:
+        core.writer.on_commit.append(lambda result: on_commit(int(result.info.step)))
 
 
 # --------------------------------------------------------------------------------- results IO
@@ -202,6 +187,7 @@ def read_results(run_dir: str) -> Optional[Dict[str, Any]]:
     """The results document of a run folder (falling back to the backup when the main file is torn),
     or None when there is none."""
     backend, root = _backend(run_dir)
+    problems = []
     for name in (RESULTS_JSON, RESULTS_BACKUP):
         path = backend.join(root, name)
         try:
@@ -209,11 +195,16 @@ def read_results(run_dir: str) -> Optional[Dict[str, Any]]:
                 continue
             doc = json.loads(backend.read_bytes(path).decode())
         except (OSError, ValueError) as exc:
-            log.warning("cannot read %s (%s)", path, exc)
+            # a kill while writing tears one of the two files: the other one is complete
+            report.debug(f"cannot read {path} ({exc}); trying the other results file")
+            problems.append(f"{name}: {exc}")
             continue
         if isinstance(doc, dict) and "records" in doc:
             doc["run_dir"] = str(run_dir)  # where it is now (a run folder can be moved or copied)
             return doc
+    if problems:
+        report.warn(f"the results in {run_dir} cannot be read ({'; '.join(problems)}): they start afresh",
+                    key=f"workloads-results-read:{run_dir}")
     return None
 
 
@@ -249,7 +240,7 @@ def _metric_columns(docs: Iterable[Mapping[str, Any]]) -> List[str]:
     return cols
 
 
-def results_csv(docs: List[Mapping[str, Any]]) -> str:
+def results_csv(docs: Sequence[Mapping[str, Any]]) -> str:
     """One row per epoch record (the metrics as extra columns)."""
     metrics = _metric_columns(docs)
     out = io.StringIO()
@@ -297,13 +288,13 @@ class RunRecorder:
         self._saves: Dict[int, int] = {}  # step of a save -> epoch (1-based) it belongs to
         self._writes: Dict[int, List[float]] = {}  # epoch -> [seconds, bytes, count]
         self.core: Any = None
-        self.printer: Optional[Callable[[str], None]] = print
+        self.printer: Optional[Callable[[str], None]] = report.say  # None: no per-epoch line
 
     # ----------------------------------------------------------------------------- hooks
     def attach(self, core: Any) -> None:
         """Time the checkpointer's boundaries (what it costs the training loop) and its writes."""
         self.core = core
-        for name in ("step_boundary", "epoch_boundary", "end_of_stage"):
+        for name in ("step_boundary", "epoch_boundary", "end_stage"):
             setattr(core, name, self._timed(getattr(core, name)))
         load = core.load
 
@@ -352,14 +343,17 @@ class RunRecorder:
             w[2] += 1
 
     # ------------------------------------------------------------------------------ epochs
-    def epoch_begin(self, epoch0: int, start_batch: int = 0) -> None:
-        """Epoch ``epoch0`` (0-based, over the whole run) starts; closes the previous one."""
+    def epoch_begin(self, epoch0: int, start_batch: int = 0,
+                    extra: Optional[Mapping[str, Any]] = None) -> None:
+        """Epoch ``epoch0`` (0-based, over the whole run) starts; closes the previous one. ``extra``:
+        more fields for its record (e.g. fastai's ``phase``: frozen / unfrozen)."""
         self.finish_epoch()
         epoch = int(epoch0) + 1
         # epochs from here on are (re)done in this session: drop what an earlier session recorded
         self.doc["records"] = [r for r in self.doc["records"] if r["epoch"] < epoch]
         self._open = {"epoch": epoch, "session": self.session_no, "start_batch": int(start_batch),
                       "steps": 0, "samples": 0, "metrics": {}}
+        self._open.update(extra or {})
         self._ckpt = 0.0
         self._cpu0 = time.process_time()
         self._t0 = time.perf_counter()
@@ -441,7 +435,8 @@ class RunRecorder:
         try:
             write_results(self.run_dir, self.doc)
         except Exception as exc:  # noqa: BLE001 - timings must never stop a training
-            log.warning("could not write the results to %s: %s", self.run_dir, exc)
+            report.warn(f"could not write the results to {self.run_dir}: {exc}",
+                        key=f"workloads-results-write:{self.run_dir}")
 
 
 def summarize(doc: Mapping[str, Any]) -> Dict[str, Any]:
@@ -532,6 +527,6 @@ def format_report(doc: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["SIZES", "resolve_size", "pick", "subset", "facts", "Markers", "RunRecorder", "summarize",
+__all__ = ["SIZES", "resolve_size", "pick", "subset", "facts", "RunRecorder", "summarize",
            "write_results", "read_results", "find_results", "results_csv", "format_report",
-           "format_epoch", "threads_from_env"]
+           "format_epoch", "threads_from_env", "StepHook", "commit_hook"]

@@ -78,8 +78,8 @@ def synthetic_folder(size: str = "tiny", root: Optional[str] = None) -> str:
                 img = base + 40 * pattern[..., None] + rs.normal(0, 35, (px, px, 3))
                 Image.fromarray(np.clip(img, 0, 255).astype(np.uint8)).save(
                     os.path.join(folder, f"{cls[:-1]}.{i}.png"))
-    with open(os.path.join(work, "DONE"), "w") as f:
-        f.write(f"synthetic dogs-vs-cats, size {size}, version {DATA_VERSION}\n")
+    with open(os.path.join(work, "DONE"), "w") as done:
+        done.write(f"synthetic dogs-vs-cats, size {size}, version {DATA_VERSION}\n")
     try:
         os.rename(work, final)
     except OSError:  # made meanwhile by another process: use that one
@@ -97,8 +97,19 @@ def load_data(synthetic: bool = False, size: Optional[str] = None, *, workers: O
     lists its files in depends on the file system, and after a reset the data is extracted again on
     a new VM - a resumed run must number the images as the first session did.
     """
-    from fastai.vision.all import (CategoryBlock, DataBlock, GrandparentSplitter, ImageBlock, L, Resize,
-                                   URLs, aug_transforms, get_image_files, parent_label, untar_data)
+    from fastai.vision.all import (
+        CategoryBlock,
+        DataBlock,
+        GrandparentSplitter,
+        ImageBlock,
+        L,
+        Resize,
+        URLs,
+        aug_transforms,
+        get_image_files,
+        parent_label,
+        untar_data,
+    )
 
     size = common.resolve_size(synthetic, size)
     cfg = common.pick(SIZES, size)
@@ -120,8 +131,8 @@ def load_data(synthetic: bool = False, size: Optional[str] = None, *, workers: O
 
 def build_model(dls: Any = None, arch: str = "resnet34", pretrained: bool = True, cbs: Any = None):
     """The ``Learner``: ``vision_learner(dls, resnet34, pretrained=..., metrics=error_rate)``."""
-    from fastai.vision.all import error_rate, vision_learner
     from fastai.vision import models
+    from fastai.vision.all import error_rate, vision_learner
 
     return vision_learner(dls, getattr(models, arch), pretrained=pretrained, metrics=error_rate, cbs=cbs)
 
@@ -143,7 +154,7 @@ def device_facts() -> Dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------- run
-def _timer(recorder: common.RunRecorder, markers: common.Markers, ckpt: Any):
+def _timer(recorder: common.RunRecorder, on_step: Optional[common.StepHook], ckpt: Any):
     from fastai.callback.core import Callback
     from fastai.torch_core import find_bs
 
@@ -160,15 +171,15 @@ def _timer(recorder: common.RunRecorder, markers: common.Markers, ckpt: Any):
                 epoch, start = ckpt.counters["epoch"], ckpt.counters.get("batch", 0)
             else:
                 epoch, start = self.offset + self.learn.epoch, 0
-            recorder.epoch_begin(epoch, start_batch=start)
-            recorder._open["phase"] = "frozen" if getattr(self.learn.opt, "frozen_idx", 0) else "unfrozen"
+            phase = "frozen" if getattr(self.learn.opt, "frozen_idx", 0) else "unfrozen"
+            recorder.epoch_begin(epoch, start_batch=start, extra={"phase": phase})
 
         def after_batch(self):
             if self.learn.training:
                 yb = self.learn.yb
                 recorder.step(find_bs(yb) if len(yb) else find_bs(self.learn.xb))
-                if ckpt is not None:
-                    markers.emit(f"STEP {ckpt.counters['step'] + 1}")
+                if ckpt is not None and on_step is not None:
+                    on_step(ckpt.counters["step"] + 1)
 
         def after_epoch(self):
             rec = self.learn.recorder
@@ -184,7 +195,8 @@ def _timer(recorder: common.RunRecorder, markers: common.Markers, ckpt: Any):
 
 def run(dir: str, epochs: Optional[int] = None, synthetic: bool = False, size: Optional[str] = None, *,
         every: Any = "epoch", checkpoint: bool = True, keep: int = 3, seed: int = 0,
-        deterministic: bool = False, threads: Optional[int] = None, markers: bool = False,
+        deterministic: bool = False, threads: Optional[int] = None,
+        on_step: Optional[common.StepHook] = None, on_commit: Optional[common.StepHook] = None,
         verbose: int = 0, quiet: bool = False, write_results: bool = True,
         pretrained: Optional[bool] = None, freeze_epochs: int = FREEZE_EPOCHS, workers: Optional[int] = None,
         fp16: Optional[bool] = None, tta: bool = True) -> Dict[str, Any]:
@@ -192,7 +204,9 @@ def run(dir: str, epochs: Optional[int] = None, synthetic: bool = False, size: O
 
     ``epochs``: fine_tune's unfrozen epochs (default 6; ``freeze_epochs`` frozen ones come first).
     ``pretrained``: default True for real data, False for synthetic data (no download). ``fp16``:
-    default: where CUDA is available. ``verbose``: 1 shows fastai's progress bars.
+    default: where CUDA is available. ``verbose``: 1 shows fastai's progress bars. ``on_step(step)``:
+    called after every optimizer step of a checkpointed run; ``on_commit(step)``: once each checkpoint
+    is committed (from the writer thread).
     """
     import torch
     from fastai.torch_core import set_seed
@@ -241,15 +255,14 @@ def run(dir: str, epochs: Optional[int] = None, synthetic: bool = False, size: O
     recorder = common.RunRecorder(dir, meta, facts, write=write_results)
     if quiet:
         recorder.printer = None
-    mk = common.Markers(markers)
     cbs = []
     ckpt = None
     if checkpoint:
         ckpt = DriveCheckpoint(dir, every=every, keep=keep, quiet=quiet)
         recorder.attach(ckpt.core)
-        mk.attach(ckpt.core)
+        common.commit_hook(ckpt.core, on_commit)
         cbs.append(ckpt)
-    cbs.append(_timer(recorder, mk, ckpt))
+    cbs.append(_timer(recorder, on_step, ckpt))
     learn.fine_tune(epochs, freeze_epochs=freeze_epochs, cbs=cbs)
     recorder.finish_epoch()  # the last epoch ends after the end-of-fit checkpoint
     completed = True if ckpt is None else (ckpt.finished and not ckpt.stopped)

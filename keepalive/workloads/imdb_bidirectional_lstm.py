@@ -29,8 +29,8 @@ SIZES = {"tiny": (128, 32, 500), "small": (3200, 500, 5000), "full": (25000, 250
 
 def load_data(synthetic: bool = False, size: Optional[str] = None) -> Dict[str, Any]:
     """Padded int32 sequences (N, 100), float32 0/1 labels; ``config`` carries ``max_features``."""
-    import numpy as np
     import keras
+    import numpy as np
 
     size = common.resolve_size(synthetic, size)
     n_train, n_test, vocab = common.pick(SIZES, size)

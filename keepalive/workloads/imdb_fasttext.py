@@ -70,8 +70,8 @@ def add_bigram_features(x_train, x_test, max_features: int, ngram_range: int = N
 def load_data(synthetic: bool = False, size: Optional[str] = None) -> Dict[str, Any]:
     """Padded int32 sequences (N, 400) with bigram tokens, int labels; ``config`` carries the grown
     ``max_features`` for :func:`build_model`."""
-    import numpy as np
     import keras
+    import numpy as np
 
     size = common.resolve_size(synthetic, size)
     n_train, n_test, vocab, mean_len = common.pick(SIZES, size)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Dict, List, Optional
 
+from .. import report
 from . import common
 
 NAME = "lstm_text_generation"
@@ -77,12 +78,11 @@ def load_data(synthetic: bool = False, size: Optional[str] = None) -> Dict[str, 
         chars = list(ALPHABET)
         note = f"synthetic text ({n_chars} chars, {len(chars)} symbols)"
     else:
-        import io
 
         import keras
 
         path = keras.utils.get_file("nietzsche.txt", origin=URL)
-        with io.open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8") as f:
             text = f.read().lower()
         if size != "full":
             text = text[:n_chars]
@@ -146,7 +146,7 @@ def after_training(model, data: Dict[str, Any], synthetic: bool = False) -> Dict
     if synthetic:
         return {}
     text = generate(model, data["text"], data["chars"])
-    print(f"generated (diversity 0.5): {text!r}", flush=True)
+    report.say(f"generated (diversity 0.5): {text!r}")
     return {"sample_text": text}
 
 

@@ -65,8 +65,8 @@ def run(dir: str, epochs: Optional[int] = None, synthetic: bool = False, size: O
     """Train with checkpoints in ``dir`` (re-run to resume); per-epoch timings in ``dir/results.*``.
 
     Keyword arguments: ``every`` (checkpoint schedule, default ``"epoch"``), ``checkpoint`` (False:
-    timings only), ``keep``, ``seed``, ``deterministic``, ``threads``, ``markers``, ``verbose``,
-    ``quiet``."""
+    timings only), ``keep``, ``seed``, ``deterministic``, ``threads``, ``on_step``, ``on_commit``,
+    ``verbose``, ``quiet`` (see :func:`keepalive.workloads.run`)."""
     from ._keras import run_keras
 
     return run_keras(sys.modules[__name__], dir, epochs=epochs, synthetic=synthetic,
