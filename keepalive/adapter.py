@@ -96,17 +96,28 @@ class CheckpointAdapter(RunViews):
 # ----------------------------------------------------------------------------------- fit check
 def shape_of(x: Any) -> Any:
     """An array's shape as a tuple of ints, else the value's type name."""
-    shape = getattr(x, "shape", None)
-    if shape is not None:
-        try:
+    try:
+        shape = getattr(x, "shape", None)
+        if shape is not None:
             return tuple(int(d) for d in shape)
-        except TypeError:
-            pass
+    except (TypeError, RuntimeError):  # torch's lazy parameters have no shape before their first use
+        pass
     return type(x).__name__
 
 
 def _is_array(x: Any) -> bool:
-    return hasattr(x, "shape") and hasattr(x, "dtype")
+    try:
+        return hasattr(x, "shape") and hasattr(x, "dtype")
+    except RuntimeError:
+        return True  # an uninitialised (lazy) tensor
+
+
+def _shape_known(x: Any) -> bool:
+    try:
+        x.shape  # noqa: B018 - reading it is the test
+        return True
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def check_fits(name: str, live: Any, saved: Any, *, where: str, names: Optional[Sequence[str]] = None,
@@ -155,7 +166,8 @@ def _compare(name: str, live: Any, saved: Any, path: List[str], where: str,
             label = names[i] if names is not None and i < len(names) else str(i)
             _compare(name, a, b, path + [label], where, None, lacks)
         return
-    if _is_array(live) and shape_of(live) != shape_of(saved):
+    # a lazy parameter that has not run yet takes the saved shape when it is loaded
+    if _is_array(live) and _shape_known(live) and shape_of(live) != shape_of(saved):
         raise StateMismatchError(
             f"{name}: '{_label(path)}' has shape {shape_of(saved)} in the checkpoint {where} but "
             f"{shape_of(live)} here; {lacks}. Nothing was loaded.")

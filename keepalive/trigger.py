@@ -10,6 +10,7 @@ still alive, no optimizer step is lost, and no time is wasted stopping earlier t
 from __future__ import annotations
 
 import logging
+import numbers
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
@@ -38,14 +39,16 @@ class Schedule:
         self.epoch = False
         self.steps: Optional[int] = None
         self.seconds: Optional[float] = None
+        if isinstance(every, str) and every.strip().isdigit():
+            every = int(every.strip())  # "500" is 500 steps, as 500 is (a duration has a unit)
         if every is None or every == "epoch":
             self.epoch = True
         elif isinstance(every, bool):
             raise ValueError("every= takes 'epoch', an int (steps) or a duration like '10min'")
-        elif isinstance(every, int):
+        elif isinstance(every, numbers.Integral):  # int, numpy and torch integers alike
             if every < 1:
                 raise ValueError("every= steps must be >= 1")
-            self.steps = every
+            self.steps = int(every)
         elif isinstance(every, str) and every.strip().lower().endswith("steps"):
             self.steps = int(every.strip().lower()[:-5].strip())
         else:
@@ -82,6 +85,10 @@ class SaveTrigger:
         self.save_seconds: Optional[float] = None
         self.steps_per_epoch: Optional[int] = None
         self._last_boundary: Optional[float] = None
+        #: seconds between boundaries where a save is possible (with gradient accumulation, several
+        #: batches apart): the deadline's "next chance to save"
+        self.consistent_seconds: Optional[float] = None
+        self._last_consistent: Optional[float] = None
         self._epoch_start: Optional[float] = None
         self._last_save_time = clock()
         self._steps_since_save = 0
@@ -104,6 +111,7 @@ class SaveTrigger:
         now = self.clock()
         self._epoch_start = now
         self._last_boundary = now
+        self._last_consistent = now
         self._steps_in_epoch = 0
 
     def record_save(self, seconds: float) -> None:
@@ -120,13 +128,18 @@ class SaveTrigger:
         return max(self.min_margin, 2.0 * (self.save_seconds or 0.0))
 
     # -------------------------------------------------------------------------------- decisions
-    def after_step(self, steps: int = 1) -> Decision:
+    def after_step(self, steps: int = 1, consistent: bool = True) -> Decision:
         """After a step boundary; ``steps`` optimizer steps ran since the last one (e.g. Keras'
-        ``steps_per_execution``). ``step_seconds`` stays the time between boundaries."""
+        ``steps_per_execution``; 0 while gradients are accumulated). ``step_seconds`` stays the time
+        between boundaries; ``consistent``: a save would be possible at this one."""
         now = self.clock()
         if self._last_boundary is not None:
             self.step_seconds = _ewma(self.step_seconds, now - self._last_boundary)
         self._last_boundary = now
+        if consistent:
+            if self._last_consistent is not None:
+                self.consistent_seconds = _ewma(self.consistent_seconds, now - self._last_consistent)
+            self._last_consistent = now
         self._steps_since_save += steps
         self._steps_in_epoch += steps
         s = self.schedule
@@ -152,7 +165,7 @@ class SaveTrigger:
     def _horizon(self, at_epoch_end: bool) -> Optional[float]:
         """Seconds until the next boundary at which a save is possible, or None if none is here."""
         if self.mid_epoch:
-            return self.step_seconds or 0.0
+            return max(self.step_seconds or 0.0, self.consistent_seconds or 0.0)
         if not at_epoch_end:
             return None  # only epoch ends can be saved: decide there
         return self.epoch_seconds or 0.0

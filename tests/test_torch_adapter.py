@@ -207,7 +207,8 @@ def test_register_rejects_objects_without_state_dict(tmp_path):
 
 
 def test_importing_keepalive_stays_light():
-    code = "import sys, keepalive, keepalive.core, keepalive.cli; print(sorted(m for m in ('torch','tensorflow','fastai','keras') if m in sys.modules))"
+    code = ("import sys, keepalive, keepalive.core, keepalive.cli; "
+            "print(sorted(m for m in ('torch','tensorflow','fastai','keras') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 

@@ -11,24 +11,35 @@ set right before the batch is fetched; random augmentation in workers is therefo
 the epoch ran from its start or resumed in the middle (PyTorch's own worker seeding depends on which
 worker fetched which batches before, which a resume changes).
 
-Supported exactly: map-style datasets with a ``RandomSampler`` (without replacement) or a
-``SequentialSampler`` (``shuffle=True/False``), any ``batch_size`` and ``drop_last``. Other samplers
-and ``IterableDataset``: checkpoints only at epoch ends (see :class:`ResumableLoader.mid_epoch`).
+The position inside an epoch is a *sample* offset in that epoch's order, so a resume with another
+batch size (after an out-of-memory error) continues with the same samples in the same order (its
+batches then differ from the uninterrupted run's: the adapter says so).
+
+Supported exactly: plain ``DataLoader`` s over map-style datasets with a ``RandomSampler`` (without
+replacement) or a ``SequentialSampler`` (``shuffle=True/False``, or the same inside
+``batch_sampler=BatchSampler(...)``), any ``batch_size`` and ``drop_last``. Other samplers, custom
+batch samplers, ``IterableDataset``, ``in_order=False`` and ``DataLoader`` subclasses that change
+iteration: checkpoints only at epoch ends (:attr:`ResumableLoader.why_not` says why).
 """
 from __future__ import annotations
 
-import logging
-import random
 from typing import Any, Iterator, List, Optional, Tuple
 
-import numpy as np
 import torch
-from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, RandomSampler
-from torch.utils.data import Sampler, SequentialSampler, get_worker_info
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    Dataset,
+    IterableDataset,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+    get_worker_info,
+)
 
 from ..dataorder import mix
+from .torchstate import seed_worker_rngs
 
-log = logging.getLogger("keepalive.torch")
 
 class SeededBatch(list):
     """A list of dataset indices that carries the seed for fetching it (survives pickling)."""
@@ -37,14 +48,27 @@ class SeededBatch(list):
 
 
 class ResumableBatchSampler(Sampler):
+    """Batches of the epoch's order (a function of ``(seed, epoch)``) from sample ``start_sample``."""
+
     def __init__(self, n: int, batch_size: int, drop_last: bool, shuffle: bool, seed: int):
-        self.n, self.batch_size, self.drop_last, self.shuffle, self.seed = n, batch_size, drop_last, shuffle, seed
+        self.n, self.batch_size, self.drop_last = n, batch_size, drop_last
+        self.shuffle, self.seed = shuffle, seed
         self.epoch = 0
-        self.start = 0
+        self.start_sample = 0
+
+    @property
+    def start(self) -> int:
+        """The index of the first batch this iteration yields (batches of ``batch_size`` samples)."""
+        return self.start_sample // self.batch_size
 
     @property
     def batches_per_epoch(self) -> int:
+        """Batches in a whole epoch."""
         return self.n // self.batch_size if self.drop_last else -(-self.n // self.batch_size)
+
+    def _remaining(self) -> int:
+        left = max(0, self.n - self.start_sample)
+        return left // self.batch_size if self.drop_last else -(-left // self.batch_size)
 
     def order(self) -> torch.Tensor:
         if not self.shuffle:
@@ -53,24 +77,24 @@ class ResumableBatchSampler(Sampler):
         g.manual_seed(mix(self.seed, self.epoch))
         return torch.randperm(self.n, generator=g)
 
-    def batch_len(self, b: int) -> int:
-        return min(self.batch_size, self.n - b * self.batch_size)
+    def batch_len(self, k: int) -> int:
+        """Samples in the ``k``-th batch of this iteration."""
+        return min(self.batch_size, self.n - self.start_sample - k * self.batch_size)
 
     def __iter__(self) -> Iterator[SeededBatch]:
         idx = self.order()
-        for b in range(self.start, self.batches_per_epoch):
-            batch = SeededBatch(idx[b * self.batch_size:(b + 1) * self.batch_size].tolist())
-            batch.seed = mix(self.seed, self.epoch, b, 1)
+        # Aligned starts (the usual case) number batches as an uninterrupted epoch does, so the
+        # per-batch worker seeds are the same; a start inside a batch (the batch size changed)
+        # continues the numbering from the batches already done.
+        first = -(-self.start_sample // self.batch_size)
+        for k in range(self._remaining()):
+            lo = self.start_sample + k * self.batch_size
+            batch = SeededBatch(idx[lo:lo + self.batch_size].tolist())
+            batch.seed = mix(self.seed, self.epoch, first + k, 1)
             yield batch
 
     def __len__(self) -> int:
-        return max(0, self.batches_per_epoch - self.start)
-
-
-def _seed_worker_rngs(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % (1 << 32))
-    torch.manual_seed(seed)
+        return self._remaining()
 
 
 class SeededDataset(Dataset):
@@ -78,6 +102,21 @@ class SeededDataset(Dataset):
 
     def __init__(self, dataset: Dataset):
         self.dataset = dataset
+
+    def __getattr__(self, name: str) -> Any:
+        # worker_init_fn and collate code read attributes of their dataset
+        # (get_worker_info().dataset.files): forward them to the user's dataset
+        if name == "dataset":
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # ... and set them (a worker_init_fn opening one HDF5 handle per worker) on the user's
+        # dataset, which its __getitem__ reads
+        if name == "dataset":
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.dataset, name, value)
 
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
@@ -87,7 +126,7 @@ class SeededDataset(Dataset):
 
     def __getitems__(self, batch: List[int]) -> List[Any]:
         if isinstance(batch, SeededBatch) and get_worker_info() is not None:
-            _seed_worker_rngs(batch.seed)
+            seed_worker_rngs(batch.seed)
         inner = getattr(self.dataset, "__getitems__", None)
         if inner is not None:
             return inner(list(batch))
@@ -99,13 +138,22 @@ def _supported(loader: DataLoader) -> Tuple[bool, Optional[bool], str]:
     if isinstance(loader.dataset, IterableDataset):
         return False, None, ("an IterableDataset cannot be positioned without reading it; "
                              "checkpoints are taken at epoch ends only")
+    cls = type(loader)
+    for name in ("__iter__", "__len__", "_get_iterator"):
+        if getattr(cls, name) is not getattr(DataLoader, name):
+            return False, None, (f"{cls.__name__} overrides DataLoader.{name}(), which keepalive cannot "
+                                 "reproduce when it positions the data: checkpoints at epoch ends only")
+    if getattr(loader, "in_order", True) is False:
+        return False, None, ("DataLoader(in_order=False) yields batches in the order workers finish "
+                             "them: checkpoints at epoch ends only (in_order=True resumes anywhere)")
     bs = loader.batch_sampler
     if bs is None or type(bs) is not BatchSampler:
         return False, None, f"custom batch sampler {type(bs).__name__}: checkpoints at epoch ends only"
-    s = loader.sampler
-    if type(s) is SequentialSampler:
+    s = bs.sampler  # the sampler inside a batch_sampler=BatchSampler(...) too, not loader.sampler
+    if type(s) is SequentialSampler and s.data_source is loader.dataset:
         return True, False, ""
-    if type(s) is RandomSampler and not s.replacement and s._num_samples is None:
+    if type(s) is RandomSampler and not s.replacement and s._num_samples is None \
+            and s.data_source is loader.dataset:
         return True, True, ""
     return False, None, f"sampler {type(s).__name__}: checkpoints at epoch ends only"
 
@@ -118,8 +166,7 @@ class ResumableLoader:
         self.mid_epoch, shuffle, self.why_not = _supported(loader)
         self.sampler: Optional[ResumableBatchSampler] = None
         self.loader = loader
-        if not self.mid_epoch:
-            log.warning("keepalive: %s", self.why_not)
+        if not self.mid_epoch:  # the adapter tells the user (once per run)
             return
         bs = loader.batch_sampler
         self.sampler = ResumableBatchSampler(len(loader.dataset), bs.batch_size, bs.drop_last,  # type: ignore
@@ -137,16 +184,22 @@ class ResumableLoader:
             kwargs["in_order"] = loader.in_order
         self.loader = DataLoader(SeededDataset(loader.dataset), **kwargs)
 
-    def iterate(self, epoch: int, start: int) -> Iterator[Tuple[int, Any, int]]:
-        """Yields ``(batch index, batch, number of samples)`` for ``epoch`` from batch ``start``."""
+    @property
+    def batch_size(self) -> Optional[int]:
+        return self.sampler.batch_size if self.sampler is not None else self.original.batch_size
+
+    def iterate(self, epoch: int, start_sample: int) -> Iterator[Tuple[int, Any, int]]:
+        """Yields ``(batches done in the epoch after this one, batch, its number of samples)`` for
+        ``epoch``, from sample ``start_sample`` of the epoch's order."""
         if self.sampler is None:
             for b, batch in enumerate(self.loader):
-                yield b, batch, _batch_size_of(batch, self.loader.batch_size)
+                yield b + 1, batch, _batch_size_of(batch, self.loader.batch_size)
             return
-        self.sampler.epoch, self.sampler.start = epoch, start
+        self.sampler.epoch, self.sampler.start_sample = epoch, start_sample
         self.generator.manual_seed(mix(self.sampler.seed, epoch, 2))  # worker base seed
-        for b, batch in enumerate(self.loader, start):
-            yield b, batch, self.sampler.batch_len(b)
+        done = -(-start_sample // self.sampler.batch_size)
+        for k, batch in enumerate(self.loader):
+            yield done + k + 1, batch, self.sampler.batch_len(k)
 
 
 def _batch_size_of(batch: Any, default: Optional[int]) -> int:

@@ -21,83 +21,99 @@ where the newest valid checkpoint left off, bit for bit:
 (12, True)
 
 What is saved: every registered object's ``state_dict()`` (models, optimizers, LR schedulers,
-``GradScaler``, and any extra object with ``state_dict`` / ``load_state_dict``), the epoch / step /
-batch / sample counters, the RNG states (python, numpy, torch CPU and CUDA), the data order (the
-sampler seed and position) and ``ckpt.extras`` (JSON-able values of yours, e.g. the best metric).
+``GradScaler``, and any extra object with ``state_dict`` / ``load_state_dict``), private random
+generators you register (``random.Random``, ``np.random.Generator`` / ``RandomState``,
+``torch.Generator``), the epoch / step / batch / sample counters, the RNG states (python, numpy, torch
+CPU and CUDA), the data order (the sampler seed and the sample position) and ``ckpt.extras``
+(JSON-able values of yours, e.g. the best metric).
 
-Mid-epoch resume: loaders passed through :meth:`DriveCheckpoint.batches` restart at the saved batch by
-computing the epoch's permutation, without loading the skipped samples (see
-:mod:`keepalive.callbacks._torch_data`). Code between ``for epoch`` and ``for batch`` runs again when
-an epoch is resumed in its middle.
+Loops as people write them:
+
+* **Gradient accumulation**: the registered optimizers' steps are counted (a step hook), so
+  ``every=N`` counts optimizer steps, and nothing is saved while gradients are accumulated: a save that
+  comes due (steps, time, the deadline, Ctrl-C) waits for the next optimizer step.
+* **Saving by hand**: ``ckpt.save()`` inside the batch loop is carried out at the end of that batch,
+  after the epoch's batches it is carried out at the epoch's end: a checkpoint always describes a point
+  that a resume can continue from.
+* **Mid-epoch resume**: loaders passed through :meth:`DriveCheckpoint.batches` restart at the saved
+  sample of the epoch's order, without loading the skipped samples (see
+  :mod:`keepalive.callbacks._torch_data`). The code between ``for epoch`` and ``for batch`` runs again
+  with the random state it had when the epoch began, and ``ckpt.enumerate(loader)`` gives the true
+  batch index (``enumerate(ckpt.batches(...))`` restarts at 0 in a resumed epoch).
+* A changed batch size continues with the same samples in the same order, and says that the result is
+  no longer bit-identical.
 
 Interrupts: Ctrl-C / "Interrupt kernel" and SIGTERM inside the loop finish the current step, save, and
 then raise ``KeyboardInterrupt`` / exit; a second one acts at once.
 """
 from __future__ import annotations
 
-import logging
 import os
-from typing import Any, Dict, Iterable, Iterator, Optional, Union
+import weakref
+import zlib
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 import torch
+from torch.nn.parameter import is_lazy
 
-from ..core import Checkpointer, CheckpointerViews, say
+from .. import rng
+from ..adapter import CheckpointAdapter
+from ..config import CheckpointConfig
+from ..core import Checkpointer
+from ..dataorder import mix
 from ..errors import StateMismatchError
 from ._torch_data import ResumableLoader
-
-log = logging.getLogger("keepalive.torch")
+from .torchstate import RandomState, check_module, check_optimizer, hyperparameters
 
 __all__ = ["DriveCheckpoint"]
 
 
-class DriveCheckpoint(CheckpointerViews):
+class DriveCheckpoint(CheckpointAdapter):
     """Checkpoint a plain PyTorch loop to a local folder, a mounted Drive or any fsspec URL.
 
     Args:
-        path: the run folder (``/content/drive/MyDrive/runs/x``, ``gs://b/runs/x``, ...). Default:
-            ``$KEEPALIVE_DIR``, else the mounted Drive, else ``./keepalive-checkpoints``, plus ``run``.
+        path: the run folder (see :class:`keepalive.config.CheckpointConfig` for every option:
+            ``every``, ``keep``, ``on_deadline``, ``spool``, ``quiet``, ...; or pass ``config=``).
         model, optimizer, scheduler, scaler: objects (or lists / dicts of them) to save and restore.
-        every: ``"epoch"`` (default), an int (optimizer steps, i.e. batches) or a duration (``"10min"``).
-        keep: how many recent checkpoints stay (default 3); ``keep_every``: also keep every Nth.
-        on_deadline: ``"save_and_stop"`` (default), ``"save"`` or ``"ignore"`` when the session's
-            time limit approaches (see ``keepalive status``).
-        takeover: take the run over from another live session that holds its writer lease.
-        background: write checkpoints in a background thread (default); the loop waits only for the
-            copy to host memory.
-        spool: ``"auto"`` (default) commits remote / Drive checkpoints to a local spool first and
-            uploads them in the background (and switches to it when a local destination fails);
-            ``True`` / ``False`` force it. ``flush_timeout``: how long the end of training waits for
-            uploads (default 120 s). ``drive_flush``: on Colab, ``drive.flush_and_unmount()`` at the end.
-        **objects: more objects with ``state_dict()`` / ``load_state_dict()``, saved under their names.
+        **objects: more objects with ``state_dict()`` / ``load_state_dict()`` or private random
+            generators, saved under their names (keyword arguments that are not options).
     """
 
-    def __init__(self, path: Union[str, os.PathLike, None] = None, *, model: Any = None,
+    def __init__(self, path: Union[str, "os.PathLike[str]", None] = None, *, model: Any = None,
                  optimizer: Any = None, scheduler: Any = None, scaler: Any = None,
-                 every: Union[str, int, None] = "epoch", keep: Optional[int] = 3,
-                 keep_every: Optional[int] = None, on_deadline: str = "save_and_stop",
-                 deadline_margin: Union[str, float, None] = None, run: Optional[str] = None,
-                 takeover: bool = False, background: bool = True,
-                 storage_options: Optional[dict] = None, quiet: bool = False,
-                 spool: Union[str, bool] = "auto", flush_timeout: Optional[float] = None,
-                 drive_flush: Optional[bool] = None, **objects: Any):
-        self.core = Checkpointer(path, run=run, every=every, keep=keep, keep_every=keep_every,
-                                 on_deadline=on_deadline, deadline_margin=deadline_margin,
-                                 takeover=takeover, background=background,
-                                 storage_options=storage_options, framework="torch", quiet=quiet,
-                                 spool=spool, flush_timeout=flush_timeout, drive_flush=drive_flush)
+                 config: Optional[CheckpointConfig] = None, **options: Any):
+        cfg, objects = CheckpointConfig.from_arguments(path, config, options)
+        self.core = Checkpointer(config=cfg, framework="torch")
         self.objects: Dict[str, Any] = {}
+        self._optimizers: List[torch.optim.Optimizer] = []
+        self._hparams: Dict[str, List[Dict[str, Any]]] = {}  # optimizer settings as the code set them
+        self._steps_taken = 0   # optimizer steps seen by the step hooks
+        self._seen_step = False  # a registered optimizer has stepped in this run (saved with it)
         for name, obj in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler),
                           ("scaler", scaler), *objects.items()):
             if obj is not None:
                 self.register(name, obj)
         self.data_seed: Optional[int] = None
-        self._loaders: Dict[int, ResumableLoader] = {}
+        self._loaders: Dict[str, ResumableLoader] = {}
+        self._main: Optional[ResumableLoader] = None  # the training data's loader
+        self._epoch_datasets: Dict[int, Tuple[str, Any]] = {}  # id -> (key, dataset), this epoch
+        self._train_key: Optional[str] = None  # which dataset is the training data (saved)
+        self._unclaimed: Optional[Tuple[ResumableLoader, str, int, int]] = None
         self._resumed = False
         self._in_epochs = False
+        self._in_batch = False          # between a batch's yield and its boundary
+        self._batches_done = False      # the running epoch's batch loop has completed
+        self._save_requested = False    # ckpt.save() in the loop body: done at the next boundary
+        self._position = 0              # samples of the running epoch's order done
+        self._epoch_rng: Any = None     # the RNGs when the running epoch began (its prologue's)
+        self._resume_rng: Any = None    # the saved RNGs, put back right before the first batch
+        self._saved_data: Dict[str, Any] = {}
 
     # ---------------------------------------------------------------------------- registration
     def register(self, name: str, obj: Any) -> None:
-        """Save and restore ``obj`` (anything with ``state_dict`` / ``load_state_dict``) as ``name``."""
+        """Save and restore ``obj`` as ``name``: anything with ``state_dict`` / ``load_state_dict``,
+        or a private random generator (``random.Random``, ``np.random.Generator`` /
+        ``RandomState``, ``torch.Generator``); dicts and lists of them are registered item by item."""
         if isinstance(obj, dict):
             for k, v in obj.items():
                 self.register(f"{name}.{k}", v)
@@ -106,44 +122,89 @@ class DriveCheckpoint(CheckpointerViews):
             for i, v in enumerate(obj):
                 self.register(f"{name}.{i}", v)
             return
+        if RandomState.wraps(obj):
+            obj = RandomState(obj)
         if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
             raise TypeError(f"{name}: a {type(obj).__name__} has no state_dict()/load_state_dict(); "
                             "put plain values in ckpt.extras instead")
         self.objects[name] = obj
+        if isinstance(obj, torch.optim.Optimizer):
+            self._optimizers.append(obj)
+            self._hparams[name] = hyperparameters(obj)
+            me = weakref.ref(self)
+
+            def count(*_: Any) -> None:  # a weak reference: the hook must not keep us alive
+                ckpt = me()
+                if ckpt is not None:
+                    ckpt._steps_taken += 1
+
+            obj.register_step_post_hook(count)
 
     # ---------------------------------------------------------------------------------- resume
     def resume(self) -> bool:
         """Restore the newest valid checkpoint into the registered objects (once); True if one was.
 
-        Called by :meth:`epochs` / :meth:`batches`; call it yourself to restore earlier.
+        Called by :meth:`epochs` / :meth:`batches`; call it yourself to restore earlier. A checkpoint
+        that does not fit the objects raises ``StateMismatchError`` and changes nothing: fix the
+        objects and call it (or the loop) again.
         """
         if self._resumed:
             return self.core.resumed_from is not None
+        tree = self.core.load(check=lambda t: self._check_fits(t.get("objects", {}), t))
         self._resumed = True
-        tree = self.core.load()
         if tree is None:
             self.data_seed = torch.initial_seed() & ((1 << 63) - 1)
             return False
         objects = tree.get("objects", {})
-        self._check_fits(objects)
         for name, obj in self.objects.items():
             obj.load_state_dict(objects[name])
-        self.data_seed = int(tree.get("data", {}).get("seed", torch.initial_seed()))
+        self._saved_data = dict(tree.get("data") or {})
+        self.data_seed = int(self._saved_data.get("seed", torch.initial_seed()))
+        self._seen_step = bool(self._saved_data.get("seen_step", False))
+        self._train_key = self._saved_data.get("train_loader")
+        self._warn_changed_hyperparameters((tree.get("torch") or {}).get("hparams") or {})
         self.core.restore_rng(tree)
+        if self.core.counters["batch"] and self._saved_data.get("epoch_rng") is not None:
+            self._resume_rng = tree.get("rng")
         return True
 
-    def _check_fits(self, saved: Dict[str, Any]) -> None:
+    def _check_fits(self, saved: Dict[str, Any], tree: Dict[str, Any]) -> None:
         """Refuse, before anything is changed, a checkpoint that does not fit the live objects."""
+        where = self.core.resumed_from.url
         missing = [n for n in self.objects if n not in saved]
         if missing:
             raise StateMismatchError(
-                f"checkpoint {self.core.resumed_from.url} has no state for {missing} (it holds "
+                f"checkpoint {where} has no state for {missing} (it holds "
                 f"{sorted(saved)}); register the same objects as the run that wrote it, or start a new run")
+        classes = (tree.get("torch") or {}).get("classes") or {}
         for name, obj in self.objects.items():
+            was = classes.get(name)
+            if was is not None and was != type(obj).__name__:
+                raise StateMismatchError(
+                    f"{name}: the checkpoint {where} holds a {was}, this run has a {type(obj).__name__}. "
+                    f"Nothing was loaded. Keep the {was} to continue this run, or start a new run "
+                    "(another path or run=).")
             if isinstance(obj, torch.nn.Module):
-                _check_module(name, obj, saved[name])
+                check_module(name, obj, saved[name], where)
             elif isinstance(obj, torch.optim.Optimizer):
-                _check_optimizer(name, obj, saved[name])
+                check_optimizer(name, obj, saved[name])
+
+    def _warn_changed_hyperparameters(self, saved: Dict[str, Any]) -> None:
+        """The code sets other optimizer settings than the run that wrote the checkpoint did: the
+        checkpoint's values are in force now (they are training state); say so, once."""
+        for name, groups in self._hparams.items():
+            before = saved.get(name)
+            if not before:
+                continue
+            changes = [f"{key} {g_old[key]!r} -> {new!r} (group {i})"
+                       for i, (g_new, g_old) in enumerate(zip(groups, before))
+                       for key, new in g_new.items() if key in g_old and g_old[key] != new]
+            if changes:
+                self.core.warn(
+                    f"{name}: your code now sets {', '.join(changes[:4])}, but the checkpoint's "
+                    "values (part of the training state, e.g. scheduled) are used. To change them, set "
+                    f"them after ckpt.resume(), e.g. `for g in {name}.param_groups: g['lr'] = ...`",
+                    key=f"hparams:{name}")
 
     # ------------------------------------------------------------------------------------ loops
     def epochs(self, n: int) -> Iterator[int]:
@@ -152,20 +213,28 @@ class DriveCheckpoint(CheckpointerViews):
         core = self.core
         core.total_epochs = n
         if core.counters["epoch"] >= n:
-            say(f"run '{core.store.run}' already completed {core.counters['epoch']} epoch(s); nothing to do")
-            core.finished = True
+            core.already_complete(n)
             return
+        core.check_storable(self._storable_preview)  # a value that cannot be stored fails now
         core.install_signal_handlers()
         self._in_epochs = True
         try:
             while core.counters["epoch"] < n:
-                core.trigger.start_epoch()
+                core.start_epoch()
+                self._batches_done = False
+                self._unclaimed = None
+                self._epoch_datasets = {}
+                epoch_rng = self._saved_data.pop("epoch_rng", None) if core.counters["batch"] else None
+                if epoch_rng is not None:
+                    rng.restore(epoch_rng)  # the prologue of a resumed epoch draws what it drew then
+                self._epoch_rng = rng.capture()
                 yield core.counters["epoch"]
                 if core.stopped:
                     return
-                core.counters["epoch"] += 1
-                core.counters["batch"] = 0
-                decision = core.epoch_boundary(self._capture, last=core.counters["epoch"] >= n)
+                self._claim_unstepped_epoch()
+                requested, self._save_requested = self._save_requested, False
+                decision = core.end_epoch(self._capture, last=core.counters["epoch"] + 1 >= n,
+                                          requested=requested)
                 if decision.stop:
                     return
         finally:
@@ -175,97 +244,223 @@ class DriveCheckpoint(CheckpointerViews):
 
     def batches(self, loader: Iterable) -> Iterator[Any]:
         """``for batch in ckpt.batches(loader)``: the loader's batches from the saved position."""
+        for _, batch in self.enumerate(loader):
+            yield batch
+
+    def enumerate(self, loader: Iterable) -> Iterator[Tuple[int, Any]]:
+        """``for i, batch in ckpt.enumerate(loader)``: like :meth:`batches`, with the batch's true
+        index in the epoch (a resumed epoch starts at the saved index, not at 0)."""
         self.resume()
+        rl, key = self._resumable(loader)
+        if (self._in_epochs and self._batches_done) or (self.core.finished and not self._in_epochs):
+            # the epoch's training pass is over, or the whole training (e.g. a test-set evaluation
+            # after a run that had completed): not training data
+            return (yield from self._pass(rl, key, promote=False))
+        if key == self._train_key or (self._train_key is None and not self._optimizers):
+            return (yield from self._training(rl, key))
+        # Not known to be the training data (yet): e.g. a validation loader, or the training loader
+        # before its first optimizer step. It becomes the training pass at that step.
+        return (yield from self._pass(rl, key, promote=True))
+
+    def _training(self, rl: ResumableLoader, key: str, done_before: int = 0,
+                  it: Optional[Iterator[Tuple[int, Any, int]]] = None) -> Iterator[Tuple[int, Any]]:
+        """The epoch's pass over the training data: counted, positioned, saved inside where it can
+        be. ``it`` / ``done_before``: a provisional pass that turned out to be it, taken over."""
         core = self.core
-        rl = self._resumable(loader)
+        self._train_key, self._main = key, rl
         core.trigger.mid_epoch = rl.mid_epoch
-        start = core.counters["batch"] if rl.mid_epoch else 0
+        core.mid_epoch_obstacle = rl.why_not or None
         if not self._in_epochs:
-            core.install_signal_handlers()
+            self._outside_epochs()
+        if it is None:
+            start = self._start_sample(rl)
+            if self._resume_rng is not None:
+                rng.restore(self._resume_rng)  # the state at the saved step, after the prologue
+                self._resume_rng = None
+            self._position = start
+            it = rl.iterate(core.counters["epoch"], start)
+        outer = self._in_batch
         try:
-            for b, batch, n in rl.iterate(core.counters["epoch"], start):
-                yield batch
-                core.counters["batch"] = b + 1
-                core.counters["step"] += 1
-                core.counters["samples"] += n
-                decision = core.step_boundary(self._capture, can_save=rl.mid_epoch)
-                if decision.stop:
+            for done, batch, n in it:
+                steps_before = self._steps_taken
+                self._in_batch = True
+                yield done - 1, batch
+                self._in_batch = outer
+                if self._batch_end(rl, done, n, steps_before).stop:
                     return
+            self._batches_done = True
+            if not self._in_epochs:  # `for epoch in range(n)`: the pass is the epoch
+                requested, self._save_requested = self._save_requested, False
+                self._epoch_datasets = {}
+                core.end_epoch(self._capture, requested=requested)
         finally:
+            self._in_batch = outer
             if not self._in_epochs:
                 core.uninstall_signal_handlers()
 
-    def _resumable(self, loader) -> ResumableLoader:
-        key = id(loader)
-        if key not in self._loaders:
-            if not isinstance(loader, torch.utils.data.DataLoader):
-                raise TypeError("ckpt.batches() takes a torch.utils.data.DataLoader")
-            self._loaders[key] = ResumableLoader(loader, self.data_seed or 0)
-        return self._loaders[key]
+    def _batch_end(self, rl: ResumableLoader, done: int, n: int, steps_before: int,
+                   samples_before: int = 0) -> Any:
+        self._position += n
+        stepped = self._steps_taken > steps_before
+        pending = not stepped and self._gradients_pending()
+        requested, self._save_requested = self._save_requested, False
+        return self.core.advance(self._capture, steps=self._steps_of(stepped, pending), batch=done,
+                                 samples=n + samples_before, can_save=rl.mid_epoch, pending=pending,
+                                 requested=requested)
+
+    def _pass(self, rl: ResumableLoader, key: str, promote: bool) -> Iterator[Tuple[int, Any]]:
+        """A pass over data not known to be the training data: from its start, not counted, and what
+        comes due while it runs (a save, an interrupt) waits for the training loop's next boundary:
+        a resume replays it whole, as the code around it. With ``promote``, the first registered
+        optimizer step inside it makes it the epoch's training pass from there on."""
+        core = self.core
+        it = rl.iterate(core.counters["epoch"], 0)
+        outer, samples, done = self._in_batch, 0, 0
+        try:
+            for done, batch, n in it:
+                steps_before = self._steps_taken
+                self._in_batch = True
+                yield done - 1, batch
+                self._in_batch = outer
+                if promote and self._steps_taken > steps_before:
+                    self._position = samples
+                    if self._batch_end(rl, done, n, steps_before, samples_before=samples).stop:
+                        return
+                    self._train_key, self._main = key, rl
+                    return (yield from self._training(rl, key, it=it))
+                samples += n
+                stepped = self._steps_taken > steps_before
+                if core.advance(self._capture, steps=1 if stepped else 0, batch=core.counters["batch"],
+                                pending=True).stop:
+                    return
+            if promote and self._in_epochs and self._unclaimed is None:
+                self._unclaimed = (rl, key, samples, done)  # the epoch's data if nothing steps
+        finally:
+            self._in_batch = outer
+
+    def _claim_unstepped_epoch(self) -> None:
+        """At an epoch's end with no pass that stepped a registered optimizer (the loop steps another
+        one, or none): its first pass was the training data after all; count it, and say so."""
+        claim, self._unclaimed = self._unclaimed, None
+        if claim is None or self._batches_done:
+            return
+        rl, key, samples, batches = claim
+        self._train_key, self._main = key, rl
+        self.core.warn(
+            "no optimizer given to DriveCheckpoint stepped during this epoch: its batches count as "
+            "steps. If your loop steps another optimizer, register that one (optimizer=...), so that "
+            "saves never land between two accumulation steps.", key="no-optimizer-step")
+        self.core.advance(self._capture, steps=0 if self._seen_step else batches, batch=batches,
+                          samples=samples, can_save=rl.mid_epoch)
+        self._batches_done = True
+
+    def _steps_of(self, stepped: bool, pending: bool) -> int:
+        """Optimizer steps this batch counts for: 1 if a registered optimizer stepped, 0 while
+        gradients are accumulated. Until a registered optimizer is seen stepping (none registered,
+        or the loop steps another one), a batch without pending gradients counts as one step."""
+        if stepped:
+            self._seen_step = True
+            return 1
+        return 0 if pending or self._seen_step else 1
+
+    def _gradients_pending(self) -> bool:
+        """Gradients exist that no optimizer step has consumed yet (an accumulation in progress).
+        ``zero_grad()`` sets them to None (the default since torch 2.0): nothing pending then."""
+        return any(p.grad is not None for opt in self._optimizers
+                   for group in opt.param_groups for p in group["params"])
+
+    def _outside_epochs(self) -> None:
+        """``ckpt.batches()`` in a plain ``for epoch in range(n)`` loop: each pass counts as an epoch,
+        but after a resume the user's loop starts over from its first epoch."""
+        self.core.install_signal_handlers()
+        if self.core.resumed_from is not None and self.core.counters["epoch"]:
+            self.core.warn(
+                f"ckpt.batches() is used without ckpt.epochs(): this resume continues epoch "
+                f"{self.core.counters['epoch']}, but your own epoch loop starts over from its first epoch, "
+                "so the run trains more epochs than asked. Write `for epoch in ckpt.epochs(n):` to skip "
+                "the finished ones.", key="outside-epochs")
+
+    def _start_sample(self, rl: ResumableLoader) -> int:
+        """Where the running epoch continues, as a sample offset in the epoch's order."""
+        batch = self.core.counters["batch"]
+        if not batch or not rl.mid_epoch:
+            return 0
+        saved = self._saved_data
+        size, position = saved.get("batch_size"), saved.get("position")
+        if position is None or size is None or size == rl.batch_size:
+            return batch * int(rl.batch_size or 1)
+        self._saved_data.pop("position", None)  # once: the next epoch starts at 0
+        self.core.warn(
+            f"the batch size is {rl.batch_size} now, {size} in the checkpoint: epoch "
+            f"{self.core.counters['epoch']} continues at sample {position} of its order with the same "
+            "samples, but its batches (and from here the model) differ from an uninterrupted run: the "
+            "result is not bit-identical to one.", key="batch-size")
+        return int(position)
+
+    def _resumable(self, loader: Any) -> Tuple[ResumableLoader, str]:
+        """The positionable twin of ``loader`` and its dataset's key: the dataset's type and length,
+        and its place among the datasets of that type and length first used in this epoch. Code that
+        builds its loaders (and datasets) anew in every epoch thus sees the same data, in the same
+        order, in every epoch and every session; two datasets in one epoch get different orders."""
+        if not isinstance(loader, torch.utils.data.DataLoader):
+            raise TypeError("ckpt.batches() takes a torch.utils.data.DataLoader")
+        ds = loader.dataset
+        known = self._epoch_datasets.get(id(ds))
+        if known is not None and known[1] is ds:
+            key = known[0]
+        else:
+            try:
+                size: Any = len(ds)  # type: ignore[arg-type]
+            except TypeError:
+                size = None
+            kind = f"{type(ds).__qualname__}:{size}"
+            rank = sum(1 for k, _ in self._epoch_datasets.values() if k.rsplit(":", 1)[0] == kind)
+            key = f"{kind}:{rank}"
+            self._epoch_datasets[id(ds)] = (key, ds)  # holds ds: its id is not reused this epoch
+        rl = self._loaders.get(key)
+        if rl is None or rl.original is not loader:
+            rl = self._loaders[key] = ResumableLoader(loader, mix(self.data_seed or 0, zlib.crc32(key.encode())))
+            if self._main is None:
+                self.core.check_storable(self._storable_preview)  # now, not at the first save
+            if not rl.mid_epoch:  # visible, once per run and reason (README: "a one-time warning")
+                self.core.warn(rl.why_not, key=f"loader:{rl.why_not}")
+        return rl, key
 
     # ------------------------------------------------------------------------------- save/state
     def _capture(self) -> Dict[str, Any]:
+        data: Dict[str, Any] = {"seed": self.data_seed, "seen_step": self._seen_step,
+                                "train_loader": self._train_key}
+        if self.core.counters["batch"]:  # inside an epoch: where, and the epoch's starting RNGs
+            data.update(position=self._position, epoch_rng=self._epoch_rng,
+                        batch_size=self._current_batch_size())
         return {"objects": {name: obj.state_dict() for name, obj in self.objects.items()},
-                "data": {"seed": self.data_seed}}
+                "data": data,
+                "torch": {"classes": {n: type(o).__name__ for n, o in self.objects.items()},
+                          "hparams": self._hparams}}
+
+    def _current_batch_size(self) -> Optional[int]:
+        return self._main.batch_size if self._main is not None else None
+
+    def _storable_preview(self) -> Dict[str, Any]:
+        """The state as :meth:`_capture` gives it, with the parameters of lazy modules that have not
+        run yet (``nn.LazyLinear``: no shape before the first batch) left out, for the early check."""
+        tree = self._capture()
+        objects = tree["objects"]
+        for name, sd in list(objects.items()):
+            if isinstance(sd, dict):
+                objects[name] = {k: v for k, v in sd.items() if not is_lazy(v)}
+        return tree
 
     def state_dict(self) -> Dict[str, Any]:
         """The whole training state as it would be saved now (tensors are live references)."""
         return self.core.build_tree(self._capture)
 
     def save(self, *, sync: bool = False) -> None:
-        """Save now (in the background unless ``sync``), e.g. after validation."""
+        """Save now (in the background unless ``sync``). Inside the batch loop the save is made at
+        the end of the running batch; after an epoch's batches, at the end of the epoch: there the
+        counters describe the state exactly and a resume continues without redoing anything."""
         self.resume()
-        self.core.save(self._capture, sync=sync, reason="by hand")
-
-    def flush(self, timeout: Optional[float] = None) -> None:
-        self.core.flush(timeout)
-
-    def close(self) -> None:
-        self.core.close()
-
-    def __enter__(self) -> "DriveCheckpoint":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-def _shape(x: Any) -> Any:
-    return tuple(x.shape) if hasattr(x, "shape") else type(x).__name__
-
-
-def _check_module(name: str, module: torch.nn.Module, saved: Dict[str, Any]) -> None:
-    live = module.state_dict()
-    for key, value in live.items():
-        if key not in saved:
-            raise StateMismatchError(f"{name}: parameter '{key}' of the model is not in the checkpoint "
-                                     f"(it has {len(saved)} entries); the model's architecture differs. "
-                                     "Nothing was loaded.")
-        if _shape(saved[key]) != _shape(value):
-            raise StateMismatchError(f"{name}: parameter '{key}' has shape {_shape(saved[key])} in the "
-                                     f"checkpoint but {_shape(value)} in the model. Nothing was loaded.")
-    extra = [k for k in saved if k not in live]
-    if extra:
-        raise StateMismatchError(f"{name}: the checkpoint has parameter '{extra[0]}' that the model "
-                                 f"lacks ({len(extra)} in all); the architecture differs. Nothing was loaded.")
-
-
-def _check_optimizer(name: str, opt: torch.optim.Optimizer, saved: Dict[str, Any]) -> None:
-    groups = saved.get("param_groups", [])
-    if len(groups) != len(opt.param_groups):
-        raise StateMismatchError(f"{name}: the checkpoint has {len(groups)} parameter group(s), the "
-                                 f"optimizer {len(opt.param_groups)}. Nothing was loaded.")
-    params = []
-    for i, (g_saved, g_live) in enumerate(zip(groups, opt.param_groups)):
-        if len(g_saved["params"]) != len(g_live["params"]):
-            raise StateMismatchError(f"{name}: parameter group {i} has {len(g_saved['params'])} "
-                                     f"parameters in the checkpoint, {len(g_live['params'])} in the "
-                                     "optimizer. Nothing was loaded.")
-        params.extend(zip(g_saved["params"], g_live["params"]))
-    state = saved.get("state", {})
-    for saved_id, p in params:
-        for k, v in (state.get(saved_id) or {}).items():
-            if hasattr(v, "shape") and v.dim() > 0 and tuple(v.shape) != tuple(p.shape):
-                raise StateMismatchError(f"{name}: state '{k}' of parameter {saved_id} has shape "
-                                         f"{tuple(v.shape)} in the checkpoint, the parameter "
-                                         f"{tuple(p.shape)}. Nothing was loaded.")
+        if self._in_batch or (self._in_epochs and self._batches_done):
+            self._save_requested = True
+            return
+        super().save(sync=sync)

@@ -9,6 +9,7 @@ from typing import Any, Dict, List
 
 import numpy as np
 import torch
+from torch.nn.parameter import is_lazy
 
 from ..adapter import check_fits
 from ..errors import StateMismatchError
@@ -36,6 +37,8 @@ def check_optimizer(name: str, opt: torch.optim.Optimizer, saved: Dict[str, Any]
         params.extend(zip(g_saved["params"], g_live["params"]))
     state = saved.get("state", {})
     for saved_id, p in params:
+        if is_lazy(p):  # takes its shape when the model's state is loaded
+            continue
         for k, v in (state.get(saved_id) or {}).items():
             if hasattr(v, "shape") and v.dim() > 0 and tuple(v.shape) != tuple(p.shape):
                 raise StateMismatchError(f"{name}: state '{k}' of parameter {saved_id} has shape "
