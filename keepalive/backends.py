@@ -135,6 +135,8 @@ class LocalBackend(Backend):
     def mmap(self, path: str):
         import mmap
 
+        if not maps_safely(path):
+            return None  # read into private memory instead (see maps_safely)
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             if size == 0:
@@ -146,6 +148,44 @@ class LocalBackend(Backend):
             if hasattr(m, "madvise") and hasattr(mmap, "MADV_WILLNEED"):
                 m.madvise(mmap.MADV_WILLNEED)
             return m
+
+
+#: file systems where a mapped file can vanish under a running training: a FUSE daemon that dies
+#: (Google Drive's "Transport endpoint is not connected") or a network share turns the next page
+#: fault into SIGBUS, a crash of the training keepalive exists to protect
+_UNSAFE_TO_MAP = ("fuse", "nfs", "cifs", "smb", "9p", "sshfs", "davfs", "afs", "ceph", "glusterfs", "lustre")
+
+
+def _mounts() -> List[tuple]:
+    """(mount point, file system type) of every mount, longest mount point first."""
+    out = []
+    try:
+        with open("/proc/self/mounts", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 3:
+                    out.append((parts[1].replace("\\040", " "), parts[2]))
+    except OSError:
+        return []
+    return sorted(out, key=lambda m: len(m[0]), reverse=True)
+
+
+def filesystem_type(path: str) -> Optional[str]:
+    """The type of the file system holding ``path`` (``ext4``, ``fuse.drive``, ...), or None."""
+    real = os.path.realpath(path)
+    for point, kind in _mounts():
+        if real == point or real.startswith(point.rstrip("/") + "/"):
+            return kind
+    return None
+
+
+def maps_safely(path: str) -> bool:
+    """Whether tensors may stay views on a memory map of ``path`` after a resume: only on a local
+    disk. On FUSE (Google Drive's mount) or network file systems the file is read into memory."""
+    if os.path.realpath(path).startswith("/content/drive/"):
+        return False
+    kind = (filesystem_type(path) or "").lower()
+    return not any(kind.startswith(u) or kind.startswith("fuse." + u) for u in _UNSAFE_TO_MAP)
 
 
 class FsspecBackend(Backend):
