@@ -5,7 +5,12 @@ checkpointing every 10 steps to a local folder. The demo first runs it once with
 then runs it again and SIGKILLs it at random moments (as a Colab/Kaggle reset would), restarting it
 each time until it finishes; finally it compares the two final models bit for bit.
 
-    python examples/demo.py [--dir ./demo-checkpoints] [--kills 3]
+    python examples/demo.py [--dir ./demo-checkpoints] [--kills 3] [--seed N]
+
+For each kill it shows the step the kill landed at, and for each restart where keepalive resumed
+(the newest checkpoint written before the kill) and how many steps are therefore done again. The
+training prints a ``STEP n epoch e`` line after each optimizer step (flushed, so it survives the
+kill); the demo reads the child's output through a pipe as it comes.
 
 The training code itself is :func:`train` below: that is all a user writes.
 """
@@ -14,14 +19,20 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+from typing import List, Optional, Tuple
+
+EPOCHS, SAMPLES, BATCH = 4, 2048, 64
+TOTAL_STEPS = EPOCHS * SAMPLES // BATCH
 
 
-def train(run_dir: str, out: str, epochs: int = 4) -> None:
+def train(run_dir: str, out: str, epochs: int = EPOCHS) -> None:
     import torch
     import torch.nn.functional as F
     from torch.utils.data import DataLoader, TensorDataset
@@ -30,8 +41,8 @@ def train(run_dir: str, out: str, epochs: int = 4) -> None:
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    x, y = torch.randn(2048, 64), torch.randint(0, 10, (2048,))
-    loader = DataLoader(TensorDataset(x, y), batch_size=64, shuffle=True)
+    x, y = torch.randn(SAMPLES, 64), torch.randint(0, 10, (SAMPLES,))
+    loader = DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=True)
     model = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Dropout(0.3),
                                 torch.nn.Linear(512, 10))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -44,15 +55,73 @@ def train(run_dir: str, out: str, epochs: int = 4) -> None:
             loss = F.cross_entropy(model(xb), yb)
             loss.backward()
             opt.step()
+            # for the demo's parent: one whole line per write, flushed, so it survives a SIGKILL
+            sys.stdout.write(f"STEP {ckpt.step + 1} epoch {epoch}\n")
+            sys.stdout.flush()
             time.sleep(0.01)  # stand-in for a real model's step time
         sched.step()
         print(f"epoch {epoch}: loss {loss.item():.4f}", flush=True)
     torch.save(model.state_dict(), out)
 
 
-def _child(run_dir: str, out: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, __file__, "--child", run_dir, out],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+# ------------------------------------------------------------------------------------ the parent
+STEP_LINE = re.compile(r"^STEP (\d+) epoch (\d+)$")
+RESUME_LINE = re.compile(r"resuming run '[^']*' from (?P<ckpt>\S+): epoch (?P<epoch>\d+), step (?P<step>\d+)")
+
+
+class Child:
+    """One start of the training in a subprocess; a thread reads its output line by line."""
+
+    def __init__(self, run_dir: str, out: str):
+        self.proc = subprocess.Popen([sys.executable, "-u", __file__, "--child", run_dir, out],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     bufsize=1)
+        self.lines: List[str] = []
+        self.steps: List[Tuple[float, int, int]] = []  # (time, step, epoch) of each STEP line
+        self.resumed: Optional[Tuple[int, int, str]] = None  # (epoch, step, checkpoint name)
+        self.training = threading.Event()  # set at the first step (or when the child's output ends)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for raw in self.proc.stdout:
+            line = raw.rstrip("\n")
+            self.lines.append(line)
+            step = STEP_LINE.match(line)
+            if step:
+                self.steps.append((time.monotonic(), int(step.group(1)), int(step.group(2))))
+                self.training.set()
+                continue
+            resumed = RESUME_LINE.search(line)
+            if resumed:
+                self.resumed = (int(resumed["epoch"]), int(resumed["step"]), resumed["ckpt"])
+        self.training.set()
+
+    @property
+    def last_step(self) -> Tuple[int, int]:
+        """(step, epoch) of the last STEP line read, (0, 0) before any."""
+        return self.steps[-1][1:] if self.steps else (0, 0)
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.wait()
+
+    def wait(self) -> int:
+        code = self.proc.wait()
+        self._reader.join()  # the pipe's end: every line the child flushed before it died is read
+        return code
+
+    def output(self) -> str:
+        return "\n".join(line for line in self.lines if not STEP_LINE.match(line))
+
+
+def describe_start(n: int, child: Child, killed_at: Optional[int]) -> str:
+    if child.resumed is None:
+        return f"   start {n}: a new run (no checkpoint yet)"
+    epoch, step, name = child.resumed
+    redone = "" if killed_at is None else f"; {killed_at - step} step(s) after it are done again"
+    return f"   start {n}: resumed at epoch {epoch}, step {step} (checkpoint {name}){redone}"
 
 
 def main() -> int:
@@ -75,38 +144,48 @@ def main() -> int:
 
     print(f"1) uninterrupted run -> {root}/reference")
     t0 = time.time()
-    ref = _child(f"{root}/reference", f"{root}/reference.pt")
-    ref_out, _ = ref.communicate()
-    if ref.returncode:
-        print(ref_out)
+    ref = Child(f"{root}/reference", f"{root}/reference.pt")
+    if ref.wait():
+        print(ref.output())
         return 1
-    took = time.time() - t0
-    print(f"   done in {took:.1f} s")
+    if len(ref.steps) != TOTAL_STEPS:
+        print(f"   expected {TOTAL_STEPS} steps, saw {len(ref.steps)}:\n{ref.output()}")
+        return 1
+    train_seconds = ref.steps[-1][0] - ref.steps[0][0]
+    step_seconds = train_seconds / (len(ref.steps) - 1)
+    print(f"   {TOTAL_STEPS} steps in {EPOCHS} epochs: {train_seconds:.1f} s of training, "
+          f"{time.time() - t0:.1f} s with start-up")
 
     print(f"2) the same training, SIGKILLed {args.kills} time(s) at random moments -> {root}/crashy")
-    for i in range(args.kills + 1):
-        proc = _child(f"{root}/crashy", f"{root}/crashy.pt")
-        if i < args.kills:
-            time.sleep(rng.uniform(0.3 * took, 0.9 * took))
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGKILL)
-                proc.wait()
-                resumed = [line for line in (proc.stdout.read() or "").splitlines() if "resuming" in line]
-                print(f"   kill {i + 1}: SIGKILL" + (f" (that start had printed: {resumed[0]})" if resumed else ""))
+    killed_at: Optional[int] = None
+    kills = 0
+    for start in range(1, args.kills + 2):
+        child = Child(f"{root}/crashy", f"{root}/crashy.pt")
+        child.training.wait()
+        print(describe_start(start, child, killed_at))
+        if kills < args.kills and child.proc.poll() is None:
+            # a random moment of the training still ahead of this start
+            done = child.resumed[1] if child.resumed else 0
+            time.sleep(rng.uniform(0.15, 0.85) * (TOTAL_STEPS - done) * step_seconds)
+            if child.proc.poll() is None:
+                child.kill()
+                kills += 1
+                killed_at, epoch = child.last_step
+                print(f"   kill {kills}: SIGKILL at step {killed_at} of {TOTAL_STEPS} (epoch {epoch})")
                 continue
-        out, _ = proc.communicate()
-        for line in out.splitlines():
-            if "resuming" in line:
-                print(f"   final start: {line}")
-        if proc.returncode:
-            print(out)
+        code = child.wait()
+        if code:
+            print(child.output())
             return 1
+        last, epoch = child.last_step
+        print(f"   ran to the end: step {last} (epoch {epoch})" if last else "   nothing left to train")
         break
 
     a = torch.load(f"{root}/reference.pt", weights_only=True)
     b = torch.load(f"{root}/crashy.pt", weights_only=True)
-    same = all(torch.equal(a[k], b[k]) for k in a)
-    print("3) final weights " + ("are BIT-IDENTICAL to the uninterrupted run" if same else "DIFFER (bug!)"))
+    same = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    print(f"3) after {kills} kill(s), the final weights "
+          + ("are BIT-IDENTICAL to the uninterrupted run" if same else "DIFFER (bug!)"))
     print(f"   inspect: keepalive ls {root}/crashy   |   keepalive verify {root}/crashy")
     return 0 if same else 1
 
