@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from crashkit import run_to_completion
+from keepalive import CheckpointStore
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "torch_train.py")
 EPOCHS, SAMPLES, BATCH = 3, 300, 16
@@ -49,6 +50,36 @@ def test_sigkill_resume_is_bit_exact(tmp_path, workers, every, kills):
     print(f"\nworkers={workers}: {report.kills} kills survived, torn folders seen after kills: "
           f"{sum(t.torn_folders_after_kill for t in report.trials)}, "
           f"steps redone per kill: {[p.killed_after_step - c.resumed_step for p, c in zip(report.trials, report.trials[1:]) if p.killed_after_step and c.resumed_step is not None]}")
+
+
+def test_sigkill_with_gradient_accumulation_and_time_based_saves(tmp_path):
+    """Gradient accumulation (a step every 3 batches and at each epoch's last) with every="0.2s":
+    saves come due between two optimizer steps and wait for the next one. Random SIGKILLs (between two
+    steps, mid-step, mid-write) until the run finishes: bit-identical to the uninterrupted run, and no
+    checkpoint holds a point where gradients were pending."""
+    acc = 3
+    batches = -(-SAMPLES // BATCH)
+    steps = EPOCHS * -(-batches // acc)
+    extra = ["--accum", str(acc), "--every", "0.2s", "--sleep", "0.02", "--hidden", "256"]
+    ref = run_to_completion(_cmd(tmp_path / "ref", tmp_path / "ref.st", *extra), total_steps=steps,
+                            kills=0, rng=random.Random(0))
+    assert "DONE" in ref.final_output
+    kills = 6
+    report = run_to_completion(_cmd(tmp_path / "crash", tmp_path / "crash.st", *extra), total_steps=steps,
+                               kills=kills, rng=random.Random(77), run_dir=str(tmp_path / "crash"),
+                               max_substep_delay=0.06)
+    assert report.kills == kills
+    _assert_same(tmp_path / "ref.st", tmp_path / "crash.st")
+    for prev, cur in zip(report.trials, report.trials[1:]):
+        if prev.killed_after_step and prev.last_committed:
+            assert cur.resumed_step is not None, "a restart did not resume"
+    kept = CheckpointStore(str(tmp_path / "crash")).list()
+    assert kept
+    for info in kept:
+        batch = info.manifest["metadata"]["counters"]["batch"]
+        assert batch == 0 or batch % acc == 0 or batch == batches, f"{info.name}: saved after batch {batch}"
+    print(f"\naccumulation, every=0.2s: {report.kills} kills survived, resumed at steps "
+          f"{[t.resumed_step for t in report.trials[1:]]}")
 
 
 def test_detects_divergence(tmp_path):

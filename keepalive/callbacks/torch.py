@@ -158,6 +158,11 @@ class DriveCheckpoint(CheckpointAdapter):
         objects = tree.get("objects", {})
         for name, obj in self.objects.items():
             obj.load_state_dict(objects[name])
+        for name, groups in ((tree.get("data") or {}).get("pending_grads") or {}).items():
+            opt = self.objects[name]
+            for g_live, g_saved in zip(opt.param_groups, groups):
+                for p, grad in zip(g_live["params"], g_saved):
+                    p.grad = None if grad is None else grad.to(device=p.device, dtype=p.dtype).clone()
         self._saved_data = dict(tree.get("data") or {})
         self.data_seed = int(self._saved_data.get("seed", torch.initial_seed()))
         self._seen_step = bool(self._saved_data.get("seen_step", False))
@@ -387,9 +392,11 @@ class DriveCheckpoint(CheckpointAdapter):
             return 0
         saved = self._saved_data
         size, position = saved.get("batch_size"), saved.get("position")
-        if position is None or size is None or size == rl.batch_size:
+        if position is None:  # a checkpoint written before positions were saved
             return batch * int(rl.batch_size or 1)
         self._saved_data.pop("position", None)  # once: the next epoch starts at 0
+        if size is None or size == rl.batch_size:
+            return int(position)  # also after an earlier resume with another size: not batch * size
         self.core.warn(
             f"the batch size is {rl.batch_size} now, {size} in the checkpoint: epoch "
             f"{self.core.counters['epoch']} continues at sample {position} of its order with the same "
@@ -433,6 +440,11 @@ class DriveCheckpoint(CheckpointAdapter):
         if self.core.counters["batch"]:  # inside an epoch: where, and the epoch's starting RNGs
             data.update(position=self._position, epoch_rng=self._epoch_rng,
                         batch_size=self._current_batch_size())
+        elif self._gradients_pending():
+            # an epoch ended inside a gradient accumulation (its last batches roll into the next
+            # epoch's first step): the gradients are part of the state saved here
+            data["pending_grads"] = {name: [[p.grad for p in g["params"]] for g in opt.param_groups]
+                                     for name, opt in self.objects.items() if opt in self._optimizers}
         return {"objects": {name: obj.state_dict() for name, obj in self.objects.items()},
                 "data": data,
                 "torch": {"classes": {n: type(o).__name__ for n, o in self.objects.items()},

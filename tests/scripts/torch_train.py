@@ -1,16 +1,20 @@
 """A real training run for crash tests: dropout, shuffled DataLoader with random augmentation,
 SGD with momentum, an LR scheduler. Prints `STEP n` after each optimizer step and `COMMITTED n`
-after each checkpoint commit, and writes the final weights with safetensors."""
+after each checkpoint commit, and writes the final weights with safetensors.
+
+`--accum N`: gradient accumulation, `(loss / N).backward()` and an optimizer step every N batches and
+at the epoch's last one; `STEP n` is then printed after every batch (n: optimizer steps so far), so
+kills land between two steps too."""
 import argparse
 import sys
 import time
 
 import torch
 import torch.nn.functional as F
+from childio import emit
 from safetensors.torch import save_file
 from torch.utils.data import DataLoader, Dataset
 
-from childio import emit
 from keepalive.callbacks.torch import DriveCheckpoint
 
 p = argparse.ArgumentParser()
@@ -26,6 +30,7 @@ p.add_argument("--drop-last", action="store_true")
 p.add_argument("--no-shuffle", action="store_true")
 p.add_argument("--margin", default=None, help="deadline safety margin (e.g. 1s)")
 p.add_argument("--budget", default=None, help="session budget counted from the start of training")
+p.add_argument("--accum", type=int, default=1, help="gradient accumulation: a step every N batches")
 args = p.parse_args()
 torch.set_num_threads(1)
 torch.manual_seed(1234)
@@ -66,6 +71,18 @@ ckpt = DriveCheckpoint(args.run, model=model, optimizer=opt, scheduler=sched, ev
 ckpt.core.writer.on_commit.append(lambda r: emit(f"COMMITTED {r.info.step}"))
 for epoch in ckpt.epochs(args.epochs):
     model.train()
+    if args.accum > 1:
+        for i, (x, y) in ckpt.enumerate(loader):
+            (F.cross_entropy(model(x), y) / args.accum).backward()
+            stepped = (i + 1) % args.accum == 0 or i + 1 == len(loader)
+            if stepped:
+                opt.step()
+                opt.zero_grad()
+            emit(f"STEP {ckpt.step + int(stepped)}")
+            if args.sleep:
+                time.sleep(args.sleep)
+        sched.step()
+        continue
     for x, y in ckpt.batches(loader):
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()

@@ -17,13 +17,13 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import faultyfs  # noqa: E402,F401  (registers faulty://)
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from childio import emit  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
-from childio import emit  # noqa: E402
+import faultyfs  # noqa: E402,F401  (registers faulty://)
 from keepalive.callbacks.torch import DriveCheckpoint  # noqa: E402
 
 p = argparse.ArgumentParser()
