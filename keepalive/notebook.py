@@ -154,6 +154,22 @@ def current_cell_key() -> Optional[str]:
     return f"{_TOKEN}:hist:{len(_history(ip)) - 1}"
 
 
+def current_cell_source() -> Optional[str]:
+    """The source of the cell running now (while ``%resume_training`` re-runs a recorded cell: that
+    cell's recorded source), or None outside IPython. Adapters hash it to recognise the same training
+    cell in a later kernel, where the cells before it may not have been run again."""
+    if _override:
+        source = (_override[-1].get("cell") or {}).get("source")
+        return source if isinstance(source, str) else None
+    if _stack:
+        return _stack[-1]["source"]
+    ip = ipython_shell()
+    if ip is None:
+        return None
+    hist = _history(ip)
+    return hist[-1] if len(hist) > 1 else None
+
+
 def capture_context(ip: Any = None) -> Optional[Dict[str, Any]]:
     """The running cell and the cells executed before it, as a JSON-able dict; None outside IPython
     (or when no cell is known)."""
@@ -230,6 +246,6 @@ def script_context() -> Optional[Dict[str, Any]]:
     return {"kind": "script", "path": os.path.abspath(script), "argv": list(sys.argv)}
 
 
-__all__ = ["capture_context", "current_cell_key", "script_context", "pre_run_cell", "post_run_cell",
-           "register", "unregister", "is_registered", "resuming", "ipython_shell", "MAX_SETUP_CHARS",
+__all__ = ["capture_context", "current_cell_key", "current_cell_source", "script_context", "pre_run_cell",
+           "post_run_cell", "register", "unregister", "is_registered", "resuming", "ipython_shell", "MAX_SETUP_CHARS",
            "MAX_SETUP_CELLS"]

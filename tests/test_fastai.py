@@ -4,11 +4,13 @@ be positioned, lr_find / validate / export alongside. A "crash" here is an excep
 callback at a chosen step; the "restarted session" builds a fresh learner with the same code (same
 seed), like re-running a notebook after a reset. Crash tests with real SIGKILLed processes are in
 test_fastai_crash.py."""
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,6 +21,7 @@ from fastai.callback.core import Callback  # noqa: E402
 from fastai.callback.tracker import EarlyStoppingCallback, SaveModelCallback  # noqa: E402
 from fastai_setup import history, make_learner, weights  # noqa: E402
 
+from keepalive import notebook  # noqa: E402
 from keepalive.callbacks.fastai import DriveCheckpoint  # noqa: E402
 from keepalive.errors import StateMismatchError  # noqa: E402
 from keepalive.state import from_files  # noqa: E402
@@ -135,7 +138,7 @@ def test_fine_tune_resumes_in_the_right_phase(tmp_path, capsys):
     w2 = Watch()
     assert session(tmp_path / "run", "fine_tune", every=4, epochs=2, crash=7, extra=[w2])[0] is None
     out = capsys.readouterr().out
-    assert "fit 1 (fine_tune's frozen fit) continues at epoch 0/1, batch 4/6" in out
+    assert "fit 1 (fine_tune's frozen fit) continues: 0 of 1 epochs done, 4 of 6 batches into the next" in out
     assert w2.seen[0][:3] == (1, 0, 4)
     assert [s[5] for s in w2.seen[:2]] == [False, False]   # frozen fit: body frozen
     assert [s[5] for s in w2.seen[2:]] == [True] * 5       # unfrozen fit
@@ -146,7 +149,7 @@ def test_fine_tune_resumes_in_the_right_phase(tmp_path, capsys):
     out = capsys.readouterr().out
     assert ("fit 1 (fine_tune's frozen fit) had completed before the restart (the checkpoint is in fit 2): "
             "skipped") in out
-    assert "fit 2 (fine_tune's unfrozen fit) continues at epoch 0/2, batch 4/6" in out
+    assert "fit 2 (fine_tune's unfrozen fit) continues: 0 of 2 epochs done, 4 of 6 batches into the next" in out
     assert w3.seen[0][:3] == (2, 0, 4) and all(s[5] for s in w3.seen)
     assert len(w3.seen) == 2 * N_ITER - 4
     assert_same(ref, got)
@@ -191,7 +194,8 @@ def test_callback_on_the_learner_rerun_after_interrupt(tmp_path, capsys):
         learn.fine_tune(2, 5e-3, freeze_epochs=1, cbs=CrashAt(N_ITER + 7))
     learn.fine_tune(2, 5e-3, freeze_epochs=1)
     out = capsys.readouterr().out
-    assert "fit 2 (fine_tune's unfrozen fit) continues at epoch 0/2, batch 4/6" in out  # saved at 10
+    # saved at 10
+    assert "fit 2 (fine_tune's unfrozen fit) continues: 0 of 2 epochs done, 4 of 6 batches into the next" in out
     assert_same(ref, learn)
     learn.fit_one_cycle(1, 1e-3)   # a later cell: a new fit, numbered 3, trains
     assert steps_saved(tmp_path / "run")[-1] == 3 * N_ITER + N_ITER
@@ -326,6 +330,116 @@ def test_resume_with_other_parameter_groups_is_refused(tmp_path):
     learn = _quiet(make_learner(splitter=lambda m: [list(m.parameters())]))
     with pytest.raises(StateMismatchError, match="2 parameter group.*learner 1"):
         session(tmp_path / "run", epochs=1, learner=learn)
+
+
+# ------------------------------------------------------------------------ fits in notebook cells
+CELL_A = "learn.fit_one_cycle(1, 5e-3)"
+CELL_B = "learn.fit_one_cycle(2, 5e-3)"
+
+
+@contextlib.contextmanager
+def cell(source):
+    """A notebook cell execution, as IPython's pre_run_cell / post_run_cell events announce it."""
+    info = SimpleNamespace(raw_cell=source, store_history=True, cell_id=None)
+    notebook.pre_run_cell(info)
+    try:
+        yield notebook.current_cell_key()
+    finally:
+        notebook.post_run_cell(SimpleNamespace(info=info, execution_count=None, success=True))
+
+
+def cells(path, sources, *, crash=None, every=4, resuming=None):
+    """A kernel: a setup cell (learner + DriveCheckpoint), then each training cell; ``crash`` (cell
+    number, step in it) raises in that cell as if the kernel died. (learn, keys of the cells run)."""
+    ckpt = DriveCheckpoint(str(path), every=every)
+    learn = _quiet(make_learner(cbs=ckpt))
+    keys = []
+    for i, source in enumerate(sources):
+        cbs = [CrashAt(crash[1])] if crash and crash[0] == i else []
+        with contextlib.ExitStack() as stack:
+            if resuming is not None:  # %resume_training pins the recorded cell execution
+                stack.enter_context(notebook.resuming({"cell_key": resuming, "cell": {"source": source}}))
+            keys.append(stack.enter_context(cell(source)))
+            try:
+                learn.fit_one_cycle(int(source.split("(")[1].split(",")[0]), 5e-3, cbs=cbs)
+            except Crash:
+                return None, keys
+    return learn, keys
+
+
+def test_two_cells_killed_in_the_second_resume_from_that_cell_alone(tmp_path, capsys):
+    """Cell A trains a fit, cell B another; the kernel dies in B. The new kernel runs the setup cell
+    and cell B only: B is recognised as the run's fit 2 (its cell, not the process's count of fits)."""
+    ref, _ = cells(tmp_path / "ref", [CELL_A, CELL_B])
+    assert cells(tmp_path / "run", [CELL_A, CELL_B], crash=(1, 5))[0] is None
+    assert steps_saved(tmp_path / "run")[-1] == N_ITER + 4
+    capsys.readouterr()
+    got, _ = cells(tmp_path / "run", [CELL_B])
+    out = capsys.readouterr().out
+    assert "fit 2: 0 of 2 epochs done, 4 of 6 batches into the next" in out   # the resume line
+    assert "fit 2 continues: 0 of 2 epochs done, 4 of 6 batches into the next" in out
+    assert "skipped" not in out
+    assert_same(ref, got)
+    # the whole notebook run again in another kernel: A is skipped, B's end state is restored
+    again, _ = cells(tmp_path / "run", [CELL_A, CELL_B])
+    out = capsys.readouterr().out
+    assert "fit 1 had completed before the restart (the checkpoint is in fit 2): skipped" in out
+    assert "fit 2 (2 epochs) had completed before the restart: skipped, its end state restored" in out
+    assert_same(ref, again)
+
+
+def test_killed_between_cells_the_next_cell_starts_from_the_first_ones_end(tmp_path, capsys):
+    """Killed in B before B saved anything: the newest checkpoint is A's end. Cell B alone in a new
+    kernel is a fit the run has not seen: it trains from there, as it did in the uninterrupted kernel."""
+    ref, _ = cells(tmp_path / "ref", [CELL_A, CELL_B])
+    assert cells(tmp_path / "run", [CELL_A, CELL_B], crash=(1, 1))[0] is None
+    assert steps_saved(tmp_path / "run")[-1] == N_ITER
+    capsys.readouterr()
+    got, _ = cells(tmp_path / "run", [CELL_B])
+    assert "fit 2 is new to run 'run': it trains from the end of fit 1" in capsys.readouterr().out
+    assert_same(ref, got)
+
+
+def test_same_cell_twice_and_resume_training_finds_the_killed_execution(tmp_path, capsys):
+    """Cells A, B, B (B run twice to train longer), killed in the second B. %resume_training re-runs
+    that very execution (its recorded key): fit 3, not the first B's fit 2."""
+    ref, _ = cells(tmp_path / "ref", [CELL_A, CELL_B, CELL_B])
+    _, keys = cells(tmp_path / "run", [CELL_A, CELL_B, CELL_B], crash=(2, 6))
+    capsys.readouterr()
+    store = CheckpointStore(str(tmp_path / "run"))
+    fits = from_files(store.read_files(store.list()[-1]))["fastai"]["fits"]
+    assert [(f["key"], f["index"]) for f in fits] == [(k, 1) for k in keys]
+    killed_key = keys[-1]   # %resume_training pins the key recorded with the checkpoint
+    got, _ = cells(tmp_path / "run", [CELL_B], resuming=killed_key)
+    out = capsys.readouterr().out
+    assert "fit 3 continues: 0 of 2 epochs done, 4 of 6 batches into the next" in out, out
+    assert_same(ref, got)
+
+
+def test_each_cell_with_its_own_callback(tmp_path):
+    """``cbs=DriveCheckpoint(path)`` in each training cell, the same path: cell B's new callback sees
+    the end of A in the run and trains its own fit from there (it is not taken for A's fit 1)."""
+    ref, _ = cells(tmp_path / "ref", [CELL_A, CELL_B])
+    learn = _quiet(make_learner())
+    for source, n_epoch in ((CELL_A, 1), (CELL_B, 2)):
+        with cell(source):
+            learn.fit_one_cycle(n_epoch, 5e-3, cbs=DriveCheckpoint(str(tmp_path / "run"), every=4))
+    assert steps_saved(tmp_path / "run")[-1] == 3 * N_ITER
+    assert_same(ref, learn)
+
+
+def test_negative_control_fits_counted_per_process(tmp_path, monkeypatch, capsys):
+    """Negative control: with fits identified by their number in the process (no cell), the story of
+    the first test leaves the model untrained: cell B alone is taken for fit 1 and skipped."""
+    import keepalive.callbacks._fastai_state as fastai_state
+
+    monkeypatch.setattr(fastai_state, "cell_identity", lambda: (None, None))
+    ref, _ = cells(tmp_path / "ref", [CELL_A, CELL_B])
+    assert cells(tmp_path / "run", [CELL_A, CELL_B], crash=(1, 5))[0] is None
+    got, _ = cells(tmp_path / "run", [CELL_B])
+    assert "fit 1 had completed before the restart (the checkpoint is in fit 2): skipped" in capsys.readouterr().out
+    with pytest.raises(AssertionError, match="differs"):
+        assert_same(ref, got)
 
 
 # ------------------------------------------------------------------------- loaders and context

@@ -8,14 +8,16 @@ begins), the ``Recorder`` history (losses, learning rates, metric values, the sm
 ``ParamScheduler``'s record, and the tracker callbacks' (``SaveModelCallback``, ``EarlyStoppingCallback``,
 ``ReduceLROnPlateau``) best value, patience counter and last saved file. fastcore ``L`` and ``Path``
 values become lists and strings in the tree. Nothing is loaded before :func:`check_fits` passes. Also
-the words for a position in the run (fit call, fine_tune phase, epoch, batch).
+which fit of the run a fit call is (:class:`FitLog`: recognised by its notebook cell, so that it survives
+a restart in which earlier cells are not run again) and the words for a position in the run.
 """
 from __future__ import annotations
 
+import hashlib
 import sys
 from pathlib import Path
 from types import FrameType
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -25,12 +27,13 @@ from fastai.learner import Learner
 from fastai.optimizer import Optimizer, OptimWrapper
 from fastcore.foundation import L
 
+from .. import notebook
 from ..errors import StateMismatchError
 from ._fastai_data import dl_rngs
 from .torchstate import check_module, check_optimizer, own
 
 __all__ = ["capture_objects", "check_fits", "restore", "capture_callbacks", "describe", "phase_words",
-           "fine_tune_phase"]
+           "fine_tune_phase", "epochs", "where_words", "cell_identity", "FitLog"]
 
 _TRACKER_ATTRS = ("best", "wait", "new_best", "last_saved_path")
 
@@ -221,6 +224,96 @@ def _restore_callbacks(learn: Learner, saved: Dict[str, Any],
             cb.hps = {k: list(v) for k, v in hps.items()}
 
 
+# --------------------------------------------------------------------------------------- fits
+def cell_identity() -> Tuple[Optional[str], Optional[str]]:
+    """(a hash of the running notebook cell's source, that cell execution's key); (None, None) outside
+    IPython. The hash ignores trailing whitespace, so re-sending the same cell gives the same hash."""
+    key = notebook.current_cell_key()
+    source = notebook.current_cell_source()
+    if not source or not source.strip():
+        return None, key
+    text = "\n".join(line.rstrip() for line in source.strip().splitlines())
+    return hashlib.sha256(text.encode()).hexdigest()[:16], key
+
+
+#: the notebook cell execution that started the last fit, and the fits it started (whatever callback)
+_CELL_FITS: Dict[str, Any] = {"key": None, "fits": 0}
+
+
+class FitLog:
+    """The run's fit calls in order, each identified so that it is recognised after a restart.
+
+    A fit is ``{"cell": hash of its notebook cell's source, "key": that cell execution, "index": its
+    number within the execution, "phase": fine_tune's 1 / 2 or None}``; outside a notebook cell and key
+    are None and the index counts this callback's fits (a script runs them all again). The list is
+    saved with every checkpoint: fit N of the run is its entry N. Why not count the process's fits:
+    after a restart a notebook user runs the setup cell and only the cell that was training (as
+    ``%resume_training`` does); that cell's fit must still be recognised as the run's fit N.
+    """
+
+    def __init__(self) -> None:
+        self.entries: List[Dict[str, Any]] = []
+        self.cursor = 0             # entries before it are matched or passed in this process
+        self._own: Dict[str, Any] = {"key": None, "fits": 0}  # outside a notebook
+        self._counter = self._own   # the counter of the last fit
+
+    def load(self, saved: Optional[Dict[str, Any]]) -> None:
+        """Start over from a checkpoint's ``fastai`` tree (None: a new run)."""
+        entries: Any = (saved or {}).get("fits")
+        if entries is None and saved is not None:  # written before fits were recorded: by number
+            entries = [{"cell": None, "key": None, "index": i + 1}
+                       for i in range(int(saved["position"]["fit"]))]
+        self.entries = [dict(e) for e in entries or []]
+        self.cursor = 0
+
+    def next_id(self) -> Dict[str, Any]:
+        """The identity of a fit call starting now."""
+        cell, key = cell_identity()
+        counter = self._counter = self._own if key is None else _CELL_FITS
+        if counter["key"] != key:
+            counter["key"], counter["fits"] = key, 0
+        counter["fits"] += 1
+        return {"cell": cell, "key": key, "index": counter["fits"]}
+
+    def restart_cell(self) -> None:
+        """The fit was interrupted: running the cell again starts over from its first fit."""
+        self._counter["fits"] = 0
+
+    def find(self, fit: Dict[str, Any]) -> Optional[int]:
+        """The run's number of ``fit`` among the entries from the cursor on, or None (a new fit).
+
+        The same execution first (``%resume_training`` re-runs the recorded one), then the same cell
+        source and index: the same cell run twice in a run is matched in order.
+        """
+        rest = range(self.cursor, len(self.entries))
+
+        def same(j: int, field: str) -> bool:
+            e = self.entries[j]
+            return e.get(field) == fit[field] and int(e.get("index", 0)) == fit["index"]
+
+        hit = next((j for j in rest if fit["key"] is not None and same(j, "key")), None)
+        if hit is None:
+            hit = next((j for j in rest if same(j, "cell")), None)
+        if hit is None:
+            return None
+        self.cursor = hit + 1
+        return hit + 1
+
+    def add(self, fit: Dict[str, Any], phase: Optional[int]) -> int:
+        """A new fit of the run: its number."""
+        self.entries.append(dict(fit, phase=phase))
+        self.cursor = len(self.entries)
+        return len(self.entries)
+
+    def pass_all(self) -> None:
+        """Every recorded fit is behind us: later fits are new ones."""
+        self.cursor = len(self.entries)
+
+    def upto(self, n: int) -> List[Dict[str, Any]]:
+        """The entries of fits 1..n (for a checkpoint taken in fit n)."""
+        return [dict(e) for e in self.entries[:n]]
+
+
 # ---------------------------------------------------------------------------------- positions
 def fine_tune_phase(learn: Learner) -> Optional[int]:
     """1 or 2 when this fit is called by ``learn.fine_tune`` (frozen / unfrozen fit), else None."""
@@ -241,6 +334,19 @@ def phase_words(phase: Optional[int], more: str = "") -> str:
     return f" ({', '.join(words)})" if words else ""
 
 
+def epochs(n: int) -> str:
+    return f"{n} epoch" if n == 1 else f"{n} epochs"
+
+
+def where_words(epochs_done: int, n_epoch: int, batches_done: int = 0, n_iter: int = 0) -> str:
+    """A position inside a fit, in the one numbering every fastai message uses: counts of work done
+    (as keepalive's counters: "epoch 2" in a resume line is 2 epochs done), never 0-based indices."""
+    words = f"{epochs_done} of {n_epoch} epochs done"
+    if batches_done:
+        words += f", {batches_done} of {n_iter} batches into the next"
+    return words
+
+
 def describe(tree: Dict[str, Any]) -> str:
     """Where a checkpoint is, in words (for the "resuming run ..." line)."""
     pos = (tree.get("fastai") or {}).get("position")
@@ -249,5 +355,4 @@ def describe(tree: Dict[str, Any]) -> str:
     where = f"fit {pos['fit']}{phase_words(pos.get('phase'))}"
     if pos.get("done"):
         return f"end of {where}"
-    where += f", epoch {pos['epoch']}/{pos['n_epoch']}"
-    return where + (f", batch {pos['batch']}/{pos['n_iter']}" if pos.get("batch") else "")
+    return f"{where}: {where_words(pos['epoch'], pos['n_epoch'], pos['batch'], pos['n_iter'])}"

@@ -8,9 +8,13 @@ After a crash, a disconnect or the end of a session, run the same code again: tr
 the newest valid checkpoint bit for bit as if never interrupted. Restored: model, optimizer, GradScaler,
 Recorder, schedulers, tracker callbacks (:mod:`keepalive.callbacks._fastai_state`), the loaders' and the
 global RNGs, and the position: fit call (``fine_tune`` makes two; ``lr_find`` is not counted), epoch,
-batch, ``pct_train``. Fits completed before the restart are skipped whole (no callback sees them; one
-whose end is the checkpoint has that end state restored), the fit the checkpoint is in resumes at its
-epoch and batch. Every fit's end is saved after the other callbacks' ``after_fit``.
+batch, ``pct_train``. A fit call is recognised by its notebook cell (the source and the fit's number in
+that cell execution; outside a notebook by its number in the process: :class:`._fastai_state.FitLog`),
+so after a restart the setup cell and the training cell alone are enough (``%resume_training``). Fits
+completed before the restart are skipped whole (no callback sees them; one whose end is the checkpoint
+has that end state restored), the fit the checkpoint is in resumes at its epoch and batch, a fit the
+run has not seen starts from the checkpoint. Every fit's end is saved after the other callbacks'
+``after_fit``. Positions in messages are counts of work done ("1 of 3 epochs done").
 
 Limits: inside an epoch (``every`` = steps or a duration, Ctrl-C, SIGTERM, the deadline) a checkpoint is
 taken only where the training loader can be positioned (:mod:`keepalive.callbacks._fastai_data`; else at
@@ -34,7 +38,6 @@ from fastai.learner import Learner
 from fastai.torch_core import find_bs
 from fastcore.basics import noop
 
-from .. import notebook
 from ..adapter import RunViews
 from ..config import CheckpointConfig
 from ..core import Checkpointer
@@ -43,7 +46,7 @@ from . import _fastai_state as state
 
 __all__ = ["DriveCheckpoint"]
 
-FORMAT = 1
+FORMAT = 2  # 2: the run's fits are recorded ("fits"); 1 numbered them by process
 
 
 @dataclass
@@ -91,16 +94,13 @@ class DriveCheckpoint(RunViews, Callback):  # RunViews: no epoch / step (a callb
     """
 
     order = 95  # only before_train / before_batch work is done in callback events; saves run after all
-    _stateattrs = ("_core", "_fit", "_tree")  # not pickled (learn.export()): rebuilt on demand
+    _stateattrs = ("_core", "_fit", "_tree", "_fits", "_loaded")  # not pickled (learn.export()): rebuilt
 
     def __init__(self, path: Union[str, "os.PathLike[str]", None] = None, *,
                  config: Optional[CheckpointConfig] = None, **options: Any):
         super().__init__()
         self._config = CheckpointConfig.strict(path, config, options, "DriveCheckpoint")
-        self._n_fits = 0
-        self._loaded = False
-        self._cell: Any = None       # the notebook cell execution of the last counted fit
-        self._cell_start = 1         # the number of that cell's first fit
+        self._n_fits = 0             # fit calls this callback has counted (lr_find etc. are not)
         self._init_state()
         self.core  # noqa: B018 - create now: a bad path or every= fails here, not inside fit()
 
@@ -108,7 +108,9 @@ class DriveCheckpoint(RunViews, Callback):  # RunViews: no epoch / step (a callb
         super()._init_state()
         self._core: Optional[Checkpointer] = None
         self._fit: Optional[_FitState] = None
-        self._tree: Optional[Dict[str, Any]] = None
+        self._tree: Optional[Dict[str, Any]] = None  # loaded, not yet applied to a fit
+        self._fits = state.FitLog()
+        self._loaded = False  # the checkpoint (and with it the run's fits) is read at the next fit
 
     @property
     def core(self) -> Checkpointer:
@@ -171,31 +173,40 @@ class DriveCheckpoint(RunViews, Callback):  # RunViews: no epoch / step (a callb
         # time it is asked; have that happen now, at the same point in every run, not after a restore.
         with contextlib.suppress(Exception):  # fastai asks again (and reports) at the first batch
             getattr(learn.dls, "n_inp", None)
-        tree = self._load(learn) or {}
+        tree = self._load(learn)
         self._n_fits += 1
-        k = self._n_fits
-        cell = notebook.current_cell_key()  # None outside a notebook
-        if k == 1 or cell != self._cell:
-            self._cell, self._cell_start = cell, k
-        pos = tree.get("fastai", {}).get("position")
         phase = state.fine_tune_phase(learn)
-        if pos is not None and pos["fit"] > k:
+        fit_id = self._fits.next_id()
+        k = self._fits.find(fit_id)  # its number in the run, if the run has seen it
+        pos = tree["fastai"]["position"] if tree is not None else None
+        if pos is not None and k is None and not pos["done"]:
+            k = pos["fit"]
+            self._fits.pass_all()
+            core.warn(f"this fit call is not recorded in run '{core.store.run}' (another cell, or the cell was "
+                      f"edited): it continues fit {k}, the one the checkpoint is in", key="fastai-unknown-fit")
+        if pos is not None and k is not None and k < pos["fit"]:
             core.say(f"fit {k}{state.phase_words(phase)} had completed before the restart (the checkpoint is "
                      f"in fit {pos['fit']}): skipped")
             return None
-        if pos is not None and pos["fit"] == k and pos["done"]:
+        if pos is not None and pos["done"] and tree is not None:  # a fit's end: go on from that state
             self._tree = None
-            state.restore(learn, tree)  # the fit's end state, in place of running the fit
+            state.restore(learn, tree)
             data.set_dl_rngs(learn, tree["fastai"].get("dl_rngs"))
             core.restore_rng(tree)
-            core.finished = pos.get("phase") != 1
-            words = state.phase_words(pos.get("phase"), f"{pos['n_epoch']} epochs")
-            core.say(f"fit {k}{words} had completed before the restart: skipped, its end state restored. To "
-                     "train again from here, use another run (path or run=).")
-            return None
+            if k is not None:  # this very fit
+                core.finished = pos.get("phase") != 1
+                words = state.phase_words(pos.get("phase"), state.epochs(pos["n_epoch"]))
+                core.say(f"fit {k}{words} had completed before the restart: skipped, its end state restored. "
+                         "To train again from here, use another run (path or run=).")
+                return None
+            self._fits.pass_all()
+            core.say(f"fit {len(self._fits.entries) + 1}{state.phase_words(phase)} is new to run "
+                     f"'{core.store.run}': it trains from the end of fit {pos['fit']}")
         resume: Optional[Dict[str, Any]] = None
-        if pos is not None and pos["fit"] == k:
+        if pos is not None and k == pos["fit"]:
             resume, self._tree = tree, None
+        if k is None:
+            k = self._fits.add(fit_id, phase)
         st = _FitState(k, phase)
         self._fit = st
 
@@ -214,7 +225,8 @@ class DriveCheckpoint(RunViews, Callback):  # RunViews: no epoch / step (a callb
             if not st.completed:
                 # Interrupted (Ctrl-C, an error): running the cell again starts over from its first
                 # fit, and resumes from the newest checkpoint as a new session would.
-                self._n_fits, self._loaded, self._tree = self._cell_start - 1, False, None
+                self._loaded, self._tree = False, None
+                self._fits.restart_cell()
 
     # ------------------------------------------------------------------------------------ resume
     def _load(self, learn: Learner) -> Optional[Dict[str, Any]]:
@@ -225,6 +237,7 @@ class DriveCheckpoint(RunViews, Callback):  # RunViews: no epoch / step (a callb
         tree = core.load(describe=state.describe, check=lambda t: state.check_fits(
             learn, t, core.resumed_from.url if core.resumed_from else core.url))
         self._tree = tree
+        self._fits.load(tree["fastai"] if tree is not None else None)
         self._loaded = True
         return tree
 
@@ -257,8 +270,8 @@ class DriveCheckpoint(RunViews, Callback):  # RunViews: no epoch / step (a callb
         pos = fa["position"]
         if pos["n_epoch"] != learn.n_epoch:
             self.core.warn(f"the checkpoint was written by a fit of {pos['n_epoch']} epochs, this one has "
-                           f"{learn.n_epoch}; its schedule continues at epoch {pos['epoch']} of "
-                           f"{learn.n_epoch}", key=f"fastai-n_epoch-{st.index}")
+                           f"{learn.n_epoch}; its schedule continues with "
+                           f"{state.where_words(pos['epoch'], learn.n_epoch)}", key=f"fastai-n_epoch-{st.index}")
         if pos["batch"]:  # inside an epoch: this loader must start there exactly
             data.check_resumable(pos["n_iter"], st.n_iter, st.why_not)
         state.restore(learn, tree, warn=lambda msg, key: self.core.warn(msg, key=key))
@@ -269,9 +282,8 @@ class DriveCheckpoint(RunViews, Callback):  # RunViews: no epoch / step (a callb
         else:
             data.set_dl_rngs(learn, fa.get("dl_rngs"))
             self.core.restore_rng(tree)
-        where = f"epoch {pos['epoch']}/{learn.n_epoch}" + (f", batch {pos['batch']}/{pos['n_iter']}"
-                                                          if pos["batch"] else "")
-        self.core.say(f"fit {st.index}{state.phase_words(st.phase)} continues at {where}")
+        where = state.where_words(pos["epoch"], learn.n_epoch, pos["batch"], pos["n_iter"])
+        self.core.say(f"fit {st.index}{state.phase_words(st.phase)} continues: {where}")
 
     # ------------------------------------------------------------------------- callback events
     def before_train(self) -> None:
@@ -351,6 +363,7 @@ class DriveCheckpoint(RunViews, Callback):  # RunViews: no epoch / step (a callb
             epoch, batch = st.epochs_done, 0
         fa: Dict[str, Any] = {
             "format": FORMAT,
+            "fits": self._fits.upto(st.index),
             "position": {"fit": st.index, "phase": st.phase, "done": kind == "fit", "epoch": epoch,
                          "batch": batch, "n_epoch": int(learn.n_epoch), "n_iter": st.n_iter,
                          "train_iter": int(getattr(learn, "train_iter", 0)),
