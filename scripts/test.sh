@@ -2,7 +2,16 @@
 # Install everything the tests need into .venv (created if missing), lint and type-check, run the suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup-venv.sh test,keras,fastai
+bash scripts/setup-venv.sh test,keras,fastai,transformers,peft,lightning
+# tests/test_browser.py drives JupyterLab in Debian's headless chromium through chromedriver (Selenium):
+# install both when missing (about 15 s; the test is skipped, with its reason, where they cannot be).
+if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then
+  sudo=""; [ "$(id -u)" = 0 ] || sudo="sudo -n"
+  echo "installing chromium and chromium-driver (apt-get) for tests/test_browser.py"
+  { $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq \
+      --no-install-recommends chromium chromium-driver; } >/dev/null 2>&1 \
+    || echo "could not install chromium; tests/test_browser.py will be skipped"
+fi
 # A kernelspec inside the venv, so notebook tests start kernels with this interpreter.
 .venv/bin/python -m ipykernel install --sys-prefix --name python3 >/dev/null 2>&1
 # Lint and type-check first (configured in pyproject.toml): a violation fails the command.
