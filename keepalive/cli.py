@@ -3,26 +3,153 @@
 Each sub-command lives in its own ``cmd_*`` function and its own ``add_*`` parser builder; the
 shells (this CLI and the IPython magics) only call the Python API, so nothing here is out of reach
 from Python.
+
+Every failure is ONE line on stderr and a non-zero exit, never a traceback (``-v`` shows it): bad
+input (exit 2), missing credentials, an unknown protocol, a store that does not answer within
+``--connect-timeout`` seconds (exit 1; a remote store is probed first, in a background thread, so a
+machine without network gets its answer in seconds, not after the storage library's minute of
+retries). A closed pipe (``keepalive ls ... | head -1``) ends the command quietly.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import os
 import sys
-from typing import List, Optional
+import threading
+from typing import Any, Dict, List, Optional
 
 from ._version import __version__
+
+#: seconds a remote store gets to answer its first request before the command gives up
+CONNECT_TIMEOUT = 15.0
+
+
+class CliError(Exception):
+    """A failure the command answers with one line (its message) and ``exit_code``."""
+
+    def __init__(self, message: str, exit_code: int = 1, hard_exit: bool = False):
+        super().__init__(message)
+        self.exit_code = exit_code
+        #: leave at once (os._exit): a storage library's thread still waits on the network and
+        #: would hold the interpreter's exit
+        self.hard_exit = hard_exit
+
+
+# ------------------------------------------------------------------------------ remote options
+def add_storage_arguments(p: argparse.ArgumentParser) -> None:
+    """``--storage-options JSON`` and ``--connect-timeout S`` (ls, verify, sync)."""
+    p.add_argument("--storage-options", default=None, metavar="JSON",
+                   help="fsspec storage options as a JSON object, e.g. '{\"token\": \"key.json\"}' (gs://) "
+                        "or '{\"key\": \"...\", \"secret\": \"...\", \"client_kwargs\": "
+                        "{\"endpoint_url\": \"http://...\"}}' (s3://)")
+    p.add_argument("--connect-timeout", type=float, default=CONNECT_TIMEOUT, metavar="S",
+                   help=f"give up when a remote store does not answer within S seconds ({CONNECT_TIMEOUT:g})")
+
+
+def storage_options(args) -> Optional[Dict[str, Any]]:
+    """The parsed ``--storage-options`` (None without); bad JSON is a :class:`CliError` (exit 2)."""
+    text = getattr(args, "storage_options", None)
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise CliError(f"--storage-options is not valid JSON ({exc}): give an object, e.g. "
+                       "'{\"token\": \"anon\"}'", exit_code=2) from None
+    if not isinstance(value, dict):
+        raise CliError(f"--storage-options must be a JSON object ({{...}}), not {type(value).__name__}",
+                       exit_code=2)
+    return value
+
+
+def _is_remote(url: Optional[str]) -> bool:
+    return bool(url) and "://" in str(url) and not str(url).startswith(("file://", "memory://"))
+
+
+def check_reachable(url: Optional[str], options: Optional[dict], timeout: float) -> None:
+    """For a remote URL: ask the store whether ``url`` exists, in a background thread, waiting at
+    most ``timeout`` seconds. Its error (no credentials, unknown bucket) is raised here; no answer
+    is a :class:`CliError`. Local paths are not probed."""
+    if not _is_remote(url):
+        return
+    from .backends import backend_for
+
+    outcome: Dict[str, Any] = {}
+
+    def probe() -> None:
+        try:
+            backend, path = backend_for(str(url), options)
+            backend.exists(path)
+            outcome["ok"] = True
+        except BaseException as exc:  # noqa: BLE001 - handed to the main thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=probe, name="keepalive-probe", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if "error" in outcome:
+        raise outcome["error"]
+    if not outcome:
+        raise CliError(f"no answer from {url} within {timeout:g} s: is there a network, and are the "
+                       "endpoint and credentials right? (--connect-timeout S waits longer)", hard_exit=True)
+
+
+def _chain(exc: BaseException) -> List[BaseException]:
+    out: List[BaseException] = []
+    link: Optional[BaseException] = exc
+    while link is not None and all(link is not x for x in out) and len(out) < 20:
+        out.append(link)
+        link = link.__cause__ or link.__context__
+    return out
+
+
+def describe_error(exc: BaseException, url: Optional[str] = None) -> str:
+    """One line for an error of a command: what went wrong and, for the usual causes (no
+    credentials, an unknown protocol, a missing storage package), what to do."""
+    chain = _chain(exc)
+    names = {c.__name__ for e in chain for c in type(e).__mro__}
+    texts = " | ".join(str(e) for e in chain)
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    where = f" for {url}" if url else ""
+    if "NoCredentialsError" in names or "Unable to locate credentials" in texts:
+        return (f"no AWS credentials{where}: pass --storage-options '{{\"key\": \"...\", \"secret\": "
+                "\"...\"}', or set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)")
+    if names & {"DefaultCredentialsError", "RefreshError"} or "credentials were not found" in texts:
+        return (f"no Google Cloud credentials{where}: on Colab run google.colab.auth.authenticate_user(); "
+                "elsewhere set GOOGLE_APPLICATION_CREDENTIALS or pass --storage-options "
+                "'{\"token\": \"/path/key.json\"}' ('{\"token\": \"anon\"}' for a public bucket)")
+    if "Protocol not known" in texts:
+        return f"{first}: not a storage protocol (give a local path, or a URL such as gs://, s3://)"
+    if isinstance(exc, ImportError):
+        return f"{first} (a storage package is missing: pip install it)"
+    if isinstance(exc, TypeError) and "__init__()" in first:
+        return f"a storage option is not accepted: {first} (check --storage-options)"
+    if names & {"ClientConnectorError", "EndpointConnectionError", "ConnectionError", "ConnectTimeoutError"}:
+        return f"cannot reach the store{where}: {first}"
+    if isinstance(exc, PermissionError) or "AccessDenied" in texts or "Forbidden" in texts:
+        return f"access denied{where}: {first} (check the credentials)"
+    from .errors import KeepaliveError
+
+    if isinstance(exc, (KeepaliveError, OSError)):
+        return first
+    return f"{type(exc).__name__}: {first}"
 
 
 # ------------------------------------------------------------------------------------------- ls
 def add_ls(sub) -> None:
     p = sub.add_parser("ls", help="list the checkpoints of a run (or of every run below PATH)",
                        description="List checkpoints under PATH: a run folder, a folder of runs, or one "
-                                   "checkpoint folder. Local paths and fsspec URLs (gs://, s3://, ...).")
-    p.add_argument("path", help="run folder, folder of runs, or checkpoint folder (path or URL)")
+                                   "checkpoint folder. Local paths and fsspec URLs (gs://, s3://, ...). "
+                                   "Without PATH: the runs in the default checkpoint dir and those its "
+                                   "index of runs (RUNS.json) records elsewhere.")
+    p.add_argument("path", nargs="?", default=None,
+                   help="run folder, folder of runs, or checkpoint folder (path or URL); default: the "
+                        "default checkpoint dir and the runs recorded in its RUNS.json")
     p.add_argument("--json", action="store_true", help="one JSON object per checkpoint, one per line")
     p.add_argument("--verify", action="store_true", help="re-read every file to fill in `valid`")
+    add_storage_arguments(p)
     p.set_defaults(func=cmd_ls)
 
 
@@ -30,13 +157,18 @@ def cmd_ls(args) -> int:
     from .runs import checkpoints_at
     from .units import format_bytes
 
-    rows = checkpoints_at(args.path, verify=args.verify)
+    options = storage_options(args)
+    if args.path is None:
+        rows, where = _known_checkpoints(args, options), "the default checkpoint dir or its index of runs"
+    else:
+        check_reachable(args.path, options, getattr(args, "connect_timeout", CONNECT_TIMEOUT))
+        rows, where = checkpoints_at(args.path, verify=args.verify, storage_options=options), args.path
     if args.json:
         for c in rows:
             print(json.dumps(c.to_json()))
         return 0
     if not rows:
-        print(f"no checkpoints under {args.path}")
+        print(f"no checkpoints under {where}")
         return 0
     print(f"{'run':<20} {'checkpoint':<28} {'step':>9} {'epoch':>6} {'size':>11}  created (UTC)        status")
     for c in rows:
@@ -47,6 +179,33 @@ def cmd_ls(args) -> int:
     return 0
 
 
+def _known_checkpoints(args, options: Optional[dict]) -> list:
+    """``keepalive ls`` without PATH: the checkpoints of the runs in the default checkpoint dir, then
+    of the runs its index of runs records elsewhere (each store gets ``--connect-timeout`` seconds;
+    one that does not answer is named on stderr and skipped)."""
+    from . import report
+    from .errors import NoCheckpointError
+    from .runs import answered_within, checkpoints_at, indexed_runs
+    from .session import default_checkpoint_dir
+
+    root = default_checkpoint_dir()
+    rows: list = []
+    try:
+        rows.extend(checkpoints_at(root, verify=args.verify, storage_options=options))
+    except NoCheckpointError:
+        pass
+    answered, silent = answered_within(indexed_runs(root, exclude_below=root),
+                                       getattr(args, "connect_timeout", CONNECT_TIMEOUT))
+    for run in silent:
+        report.warn(f"run {run.url} (recorded in the index of runs) did not answer; skipped")
+    for run in answered:
+        try:
+            rows.extend(reversed(run.checkpoints(verify=args.verify, include_uncommitted=True)))
+        except Exception as exc:  # noqa: BLE001 - one unreadable run does not hide the others
+            report.warn(f"cannot read {run.url}: {describe_error(exc, run.url)}")
+    return rows
+
+
 # --------------------------------------------------------------------------------------- verify
 def add_verify(sub) -> None:
     p = sub.add_parser("verify", help="re-read and check every checkpoint under PATH",
@@ -55,6 +214,7 @@ def add_verify(sub) -> None:
                                    "1 naming each bad checkpoint otherwise, 2 when nothing is found.")
     p.add_argument("path", help="run folder, folder of runs, or checkpoint folder (path or URL)")
     p.add_argument("--json", action="store_true", help="one JSON object per checkpoint")
+    add_storage_arguments(p)
     p.set_defaults(func=cmd_verify)
 
 
@@ -62,8 +222,10 @@ def cmd_verify(args) -> int:
     from .errors import NoCheckpointError
     from .runs import checkpoints_at
 
+    options = storage_options(args)
+    check_reachable(args.path, options, args.connect_timeout)
     try:
-        rows = checkpoints_at(args.path, verify=True)
+        rows = checkpoints_at(args.path, verify=True, storage_options=options)
     except NoCheckpointError as exc:
         print(f"keepalive verify: {exc}", file=sys.stderr)
         return 2
@@ -130,6 +292,7 @@ def add_sync(sub) -> None:
                    help="give up after S seconds (default: keep retrying until done)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.add_argument("--spool", default=None, help="spool root (default: $KEEPALIVE_SPOOL or /tmp/keepalive-spool)")
+    add_storage_arguments(p)
     p.set_defaults(func=cmd_sync)
 
 
@@ -138,6 +301,8 @@ def cmd_sync(args) -> int:
     from .runs import spooled_runs
     from .units import format_bytes
 
+    options = storage_options(args)
+    check_reachable(args.path, options, args.connect_timeout)
     total = sum(c.size_bytes or 0 for run in spooled_runs(below=args.path, spool_root=args.spool)
                 for c in run.pending_uploads())
     bar = None
@@ -151,7 +316,7 @@ def cmd_sync(args) -> int:
             bar = None
     try:
         result = spool.sync(args.path, timeout=args.timeout, root=args.spool,
-                            progress=bar.update if bar is not None else None)
+                            progress=bar.update if bar is not None else None, storage_options=options)
     finally:
         if bar is not None:
             bar.close()
@@ -346,26 +511,61 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _quiet_closed_pipe() -> int:
+    """stdout's reader went away (``| head -1``): send what is still buffered to /dev/null so the
+    interpreter's exit has nothing to complain about, and end like a tool killed by SIGPIPE."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass
+    return 141
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.verbose:  # the log's details; what a user must see is printed by keepalive.report anyway
         logging.basicConfig(level=logging.INFO if args.verbose == 1 else logging.DEBUG,
                             format="%(levelname)s %(name)s: %(message)s")
+    elif not logging.getLogger().handlers:
+        # storage libraries log their retries with tracebacks (gcsfs: "_request out of retries"):
+        # without -v they stay out of the one-line answer
+        logging.getLogger().addHandler(logging.NullHandler())
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # a closed pipe shows up here, inside the guard
+        return code
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        return _quiet_closed_pipe()
     except Exception as exc:  # noqa: BLE001 - a CLI prints a clear line, not a traceback
+        if args.verbose:
+            raise
         from .errors import KeepaliveError
 
-        if isinstance(exc, (KeepaliveError, OSError)) and args.verbose == 0:
-            print(f"keepalive {args.command}: {exc}", file=sys.stderr)
-            return 1
-        raise
+        # os._exit only as the real command (argv None), never inside a caller's process (tests)
+        hard = isinstance(exc, CliError) and exc.hard_exit and argv is None
+        message = str(exc) if isinstance(exc, CliError) else describe_error(exc, getattr(args, "path", None))
+        ours = isinstance(exc, (CliError, KeepaliveError))
+        try:
+            print(f"keepalive {args.command}: {message}"
+                  + ("" if ours else " (keepalive -v ... shows the details)"),
+                  file=sys.stderr, flush=True)
+        except BrokenPipeError:
+            pass
+        code = exc.exit_code if isinstance(exc, CliError) else 1
+        if hard:
+            try:
+                sys.stdout.flush()
+            except Exception:  # noqa: BLE001
+                pass
+            os._exit(code)
+        return code
 
 
 if __name__ == "__main__":  # pragma: no cover

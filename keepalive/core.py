@@ -36,7 +36,7 @@ from . import progress as _progress
 from . import session as _session
 from . import spool as _spool
 from .config import CheckpointConfig
-from .runs import Run
+from .runs import Run, record_run
 from .store import CheckpointInfo, CheckpointStore
 from .trigger import Decision, SaveTrigger
 from .units import format_duration
@@ -243,6 +243,7 @@ class Checkpointer:
                         and other.store.url == self.store.url):
                     other.close()
             self.sink.open_for_writing(takeover=self.takeover)
+            record_run(self.url, _session.platforms.run_index_dir)  # found after a reset (RUNS.json)
             self._opened = True
 
     def _committed(self, result) -> None:

@@ -29,7 +29,11 @@ Rules, once:
 """
 from __future__ import annotations
 
+import json
+import logging
 import os
+import socket
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple, Union
@@ -43,13 +47,18 @@ from .store import (
     CheckpointInfo,
     CheckpointStore,
     backend_for,
+    checksum_bytes,
     first_readable,
+    is_at_or_below,
     run_folders_below,
 )
 from .units import format_bytes, format_duration
 
 __all__ = ["Run", "Location", "open_run", "find_runs", "spooled_runs", "locate", "checkpoints_at",
-           "pending_summary", "format_pending"]
+           "pending_summary", "format_pending", "RUN_INDEX", "record_run", "read_run_index",
+           "indexed_runs", "answered_within", "RUN_RECORDS"]
+
+log = logging.getLogger("keepalive.runs")
 
 Copy = Tuple[CheckpointInfo, CheckpointStore]  # a checkpoint and the store holding this copy of it
 
@@ -432,6 +441,179 @@ def checkpoints_at(url: Union[str, "os.PathLike[str]"], verify: bool = False,
             report.warn(f"cannot read {run.url} ({run.error}); showing what this machine's spool holds")
         out.extend(reversed(listed))
     return out
+
+
+# ---------------------------------------------------------------------------- the index of runs
+#: The index of runs: a small JSON file in the default checkpoint dir (on Colab: on Drive), naming
+#: every run opened for writing elsewhere, so that the first cell after a VM reset can find a run
+#: created with an explicit path (``DriveCheckpoint("/content/drive/MyDrive/runs/x")``).
+RUN_INDEX = "RUNS.json"
+#: Each run also gets its own small record file in this folder next to ``RUNS.json``. Drive and
+#: object stores have neither rename nor compare-and-swap (keepalive.backends), so two sessions
+#: merging ``RUNS.json`` at the same moment can each write a copy without the other's run; the
+#: per-run records cannot collide (one file per run, written whole), and a reader takes the union
+#: of both. A torn file (a crash while writing it) fails its checksum and is ignored.
+RUN_RECORDS = ".keepalive-runs"
+_INDEX_FORMAT = "keepalive-run-index"
+_INDEX_MAX = 500            # entries kept in RUNS.json, newest first (by when each run was last opened)
+_INDEX_LOCK = threading.Lock()
+
+
+def _seal(entries: Any) -> bytes:
+    body = json.dumps(entries, sort_keys=True).encode()
+    return json.dumps({"format": _INDEX_FORMAT, "checksum": checksum_bytes(body), "runs": entries},
+                      sort_keys=True, indent=1).encode()
+
+
+def _parse_index(raw: bytes) -> Optional[List[Dict[str, Any]]]:
+    """The entries of one index or record file, None when it is torn or damaged (checksum)."""
+    try:
+        doc = json.loads(raw)
+        entries = doc["runs"]
+        body = json.dumps(entries, sort_keys=True).encode()
+        if doc.get("format") != _INDEX_FORMAT or doc.get("checksum") != checksum_bytes(body):
+            return None
+        return [e for e in entries if isinstance(e, dict) and isinstance(e.get("url"), str)]
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def _record_name(url: str) -> str:
+    return checksum_bytes(url.encode()) + ".json"
+
+
+def read_run_index(index_dir: Union[str, "os.PathLike[str]"]) -> Dict[str, Dict[str, Any]]:
+    """The runs recorded in ``index_dir``: ``{url: {url, run, opened, host}}``, the newest record of
+    each, from ``RUNS.json`` and the per-run records; {} when there is none."""
+    backend, path = backend_for(os.fspath(index_dir))
+    raws: List[bytes] = []
+    try:
+        raws.append(backend.read_bytes(backend.join(path, RUN_INDEX)))
+    except (FileNotFoundError, NotADirectoryError):
+        pass
+    records = backend.join(path, RUN_RECORDS)
+    try:
+        names = [e.name for e in backend.listdir(records) if e.name.endswith(".json")]
+    except (FileNotFoundError, NotADirectoryError):
+        names = []
+    for name in names:
+        try:
+            raws.append(backend.read_bytes(backend.join(records, name)))
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+    merged: Dict[str, Dict[str, Any]] = {}
+    for raw in raws:
+        for entry in _parse_index(raw) or []:
+            old = merged.get(entry["url"])
+            if old is None or float(entry.get("opened") or 0) > float(old.get("opened") or 0):
+                merged[entry["url"]] = entry
+    return merged
+
+
+def _gone(entry: Mapping[str, Any]) -> bool:
+    """A local run folder that no longer exists (deleted on purpose): drop it from the index."""
+    url = entry["url"]
+    return "://" not in url and not os.path.isdir(url)
+
+
+def record_run(url: str, index_dir: Union[str, "os.PathLike[str]", Callable[[], Optional[str]], None]) -> bool:
+    """Note in the index of runs in ``index_dir`` that the run ``url`` was opened for writing.
+
+    Called by the core when it takes a run's writer lease. Runs in ``index_dir`` itself (found by
+    listing it) and ``memory://`` runs (gone with the process) are not recorded; ``index_dir=None``
+    records nothing; a function is called (inside the guard) for the folder. Writes the run's own
+    record file, then merges it into ``RUNS.json`` (read, add, write back; local runs deleted since
+    are dropped). Never raises: a run trains whether or not it could be recorded (a failure is
+    reported once). Returns whether the run was recorded.
+    """
+    if url.startswith("memory://"):
+        return False
+    try:
+        if callable(index_dir):
+            index_dir = index_dir()
+        if index_dir is None:
+            return False
+        if is_at_or_below(url, index_dir):
+            return False
+        entry = {"url": url, "run": url.rstrip("/").rsplit("/", 1)[-1], "opened": time.time(),
+                 "host": socket.gethostname()}
+        backend, path = backend_for(os.fspath(index_dir))
+        records = backend.join(path, RUN_RECORDS)
+        with _INDEX_LOCK:
+            backend.makedirs(records)
+            backend.write_bytes(backend.join(records, _record_name(url)), _seal([entry]))
+            entries = read_run_index(index_dir)
+            entries[url] = entry
+            gone = [e for e in entries.values() if e["url"] != url and _gone(e)]
+            for e in gone:
+                backend.remove_file(backend.join(records, _record_name(e["url"])))
+            kept = sorted((e for e in entries.values() if e not in gone),
+                          key=lambda e: -float(e.get("opened") or 0))[:_INDEX_MAX]
+            backend.write_bytes(backend.join(path, RUN_INDEX), _seal(kept))
+        return True
+    except Exception as exc:  # noqa: BLE001 - the index is a convenience; training goes on
+        report.warn(f"could not record run {url} in the index of runs in {index_dir} ({exc}): after a "
+                    f"reset, %load_ext keepalive will not name it (%resume_training {url} still resumes it)",
+                    key=f"run-index:{index_dir}")
+        return False
+
+
+def indexed_runs(index_dir: Union[str, "os.PathLike[str]"], exclude_below: Optional[str] = None,
+                 limit: Optional[int] = 50) -> List[Run]:
+    """The runs the index in ``index_dir`` names (without those whose local folder is gone, and
+    those at or below ``exclude_below``: listed there already), most recently opened first, at most
+    ``limit`` of them. Nothing is listed yet: each run lists its stores when first asked (see
+    :func:`answered_within`)."""
+    try:
+        entries = sorted(read_run_index(index_dir).values(), key=lambda e: -float(e.get("opened") or 0))
+    except Exception as exc:  # noqa: BLE001 - an unreadable index: the runs in the dir only
+        log.debug("cannot read the index of runs in %s: %s", index_dir, exc)
+        return []
+    try:
+        spooled = {r.url: r for r in spooled_runs()}
+    except Exception:  # noqa: BLE001 - an unreadable spool root: the destinations only
+        spooled = {}
+    out = []
+    for e in entries:
+        if _gone(e) or (exclude_below is not None and is_at_or_below(e["url"], exclude_below)):
+            continue
+        # its store is built when first listed (a remote one may be slow to set up)
+        out.append(spooled.get(e["url"]) or Run(e["url"], name=e.get("run")))
+        if limit is not None and len(out) >= limit:
+            break
+    return out
+
+
+def answered_within(runs: Iterable[Run], timeout: float, workers: int = 8) -> Tuple[List[Run], List[Run]]:
+    """``(answered, silent)``: list each run's stores in background threads (at most ``workers``
+    at a time), waiting ``timeout`` seconds in all; a run on a store that does not answer by then
+    (no network, a credential prompt) is ``silent`` and left alone, so a notebook's first cell
+    never hangs on it. The order of ``runs`` is kept."""
+    runs = list(runs)
+    done: Dict[int, bool] = {}
+    pending = list(reversed(runs))
+    lock = threading.Lock()
+
+    def work() -> None:
+        while True:
+            with lock:
+                if not pending:
+                    return
+                run = pending.pop()
+            try:
+                run.newest  # noqa: B018 - lists and caches the run's checkpoints
+            except Exception:  # noqa: BLE001 - recorded as the run's error
+                pass
+            done[id(run)] = True
+
+    threads = [threading.Thread(target=work, daemon=True, name="keepalive-list")
+               for _ in range(min(workers, len(runs)))]
+    for t in threads:
+        t.start()
+    end = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, end - time.monotonic()))
+    return [r for r in runs if done.get(id(r))], [r for r in runs if not done.get(id(r))]
 
 
 # ------------------------------------------------------------------------------------ uploads

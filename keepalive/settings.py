@@ -89,6 +89,14 @@ def _spool_mode(text: str) -> str:
     raise ValueError(f"{text!r} is not one of auto, always, never")
 
 
+def _clock(text: str) -> Optional[str]:
+    """A clock name, or None for ``auto`` (or empty): the platform's own."""
+    value = text.strip().lower()
+    if value in ("", "auto"):
+        return None
+    return _choice("vm", "kernel", "process")(value)
+
+
 def _path(text: str) -> Optional[str]:
     value = text.strip()
     return os.path.expanduser(value) if value else None
@@ -128,6 +136,9 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in [
     Setting("KEEPALIVE_IDLE", None, _text, "idle timeout, e.g. 90min; 0 or none: none", "duration"),
     Setting("KEEPALIVE_SESSION_START", None, _text, "when the session's clock started (unix seconds "
             "or ISO-8601); overrides the platform's clock", "time"),
+    Setting("KEEPALIVE_CLOCK", None, _clock, "which start the session budget counts from: vm (the "
+            "machine's start, Colab's rule), kernel (this kernel's start), process; default: the "
+            "platform's", "vm|kernel|process"),
     # storage faults
     Setting("KEEPALIVE_SPOOL", "/tmp/keepalive-spool", lambda t: _path(t) or "/tmp/keepalive-spool",
             "root folder of the local spool (checkpoints waiting for upload)", "path"),

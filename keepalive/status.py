@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from . import runs, session
 from ._version import __version__
-from .session.clock import iso_time
+from .session.clock import CLOCK_MEANING, ancestor_kernel, clock_starts, iso_time
 from .units import format_duration
 
 __all__ = ["status_report", "format_status", "format_settings"]
@@ -45,12 +45,51 @@ def _runs(checkpoint_dir: str, warnings: List[str]) -> List[Dict[str, Any]]:
     return entries
 
 
+#: seconds ``status`` waits for the runs the index records elsewhere (a remote store may not answer)
+INDEX_TIMEOUT = 10.0
+
+
+def _indexed_runs(checkpoint_dir: str, warnings: List[str]) -> List[Dict[str, Any]]:
+    """One entry per run the index of runs (``RUNS.json`` in the default checkpoint dir) records
+    outside ``checkpoint_dir``: runs opened with an explicit path, found again after a VM reset."""
+    try:
+        index_dir = session.default_checkpoint_dir()
+        recorded = runs.indexed_runs(index_dir, exclude_below=checkpoint_dir)
+        answered, silent = runs.answered_within(recorded, INDEX_TIMEOUT)
+    except Exception as exc:  # noqa: BLE001 - status never crashes
+        warnings.append(f"could not read the index of runs: {exc}")
+        return []
+    for run in silent:
+        warnings.append(f"run {run.url} (recorded in the index of runs) did not answer within "
+                        f"{INDEX_TIMEOUT:.0f} s")
+    entries = []
+    for run in sorted(answered, key=lambda r: r.created, reverse=True):
+        try:
+            entry = run.summary()
+            entry["finished"] = run.finished
+        except Exception as exc:  # noqa: BLE001
+            entry = {"run": run.name, "url": run.url, "checkpoints": 0, "error": str(exc)}
+        entries.append(entry)
+    return entries
+
+
 def _pending_uploads() -> Optional[Dict[str, Any]]:
     """Checkpoints waiting in the local spool for upload, None when none do."""
     try:
         return runs.pending_summary()
     except Exception as exc:  # noqa: BLE001 - a status report never fails for it
         return {"error": str(exc)}
+
+
+# -------------------------------------------------------------------------------------- clocks
+def _clock_starts(info: "session.SessionInfo") -> Dict[str, Optional[str]]:
+    """When each clock a budget can run on started (UTC ISO; None where unreadable): the budget's
+    clock may start long before this kernel (Colab counts from the VM's start)."""
+    try:
+        pid = os.getpid() if info.in_kernel else ancestor_kernel()
+        return {k: iso_time(v) for k, v in clock_starts(info.in_kernel, pid).items()}
+    except Exception:  # noqa: BLE001 - informative only; a report never fails
+        return {}
 
 
 # --------------------------------------------------------------------------------------- report
@@ -107,11 +146,15 @@ def status_report(checkpoint_dir: Optional[str] = None) -> Dict[str, Any]:
         "idle_source": info.idle_source,
         "clock": info.clock,
         "clock_source": info.clock_source,
+        "clock_reason": info.clock_reason,
+        "clock_meaning": CLOCK_MEANING.get(info.clock, info.clock),
+        "clock_starts": _clock_starts(info),
         "session_start": iso_time(info.start_time),
         "session_start_unix": info.start_time,
         "hardware": hw,
         "checkpoint_dir": checkpoint_dir,
         "runs": run_entries,
+        "other_runs": _indexed_runs(checkpoint_dir, warnings),
         "pending_uploads": _pending_uploads(),
         "warnings": warnings,
         "keepalive_version": __version__,
@@ -130,6 +173,14 @@ def _time_lines(r: Mapping[str, Any]) -> List[str]:
     budget, remaining, elapsed = r.get("budget_seconds"), r.get("remaining_seconds"), r.get("elapsed_seconds")
     lines.append(f"  session   started {r.get('session_start')} (clock: {r.get('clock')}), "
                  f"elapsed {format_duration(elapsed)}")
+    lines.append(f"  clock     the budget runs on the {r.get('clock')} clock: it counts from "
+                 f"{r.get('clock_meaning') or r.get('clock')}")
+    if r.get("clock_reason"):
+        lines.append(f"            why: {r['clock_reason']}")
+    starts = r.get("clock_starts") or {}
+    others = [f"{k} {v}" for k, v in starts.items() if v and k != r.get("clock")]
+    lines.append("            " + (f"other clocks started: {', '.join(others)}; " if others else "")
+                 + "choose with KEEPALIVE_CLOCK=vm|kernel|process")
     if budget is None:
         lines.append("  budget    none (no session limit known)")
     else:
@@ -193,6 +244,18 @@ def _run_lines(r: Mapping[str, Any]) -> List[str]:
                          f"({run.get('newest_created') or 'time unknown'})")
         else:
             lines.append(f"            {run['run']}: no committed checkpoint")
+    others = r.get("other_runs") or []
+    if others:
+        lines.append("  elsewhere (runs recorded in the index of runs):")
+    for run in others:
+        if run.get("error"):
+            state = f"unreadable ({run['error']})"
+        elif run.get("checkpoints"):
+            state = (f"{'finished' if run.get('finished') else 'UNFINISHED'}, {run['checkpoints']} "
+                     f"checkpoint(s), newest step {run.get('newest_step')} epoch {run.get('newest_epoch')}")
+        else:
+            state = "no committed checkpoint"
+        lines.append(f"            {run['run']}: {state} in {run['url']}")
     pending = r.get("pending_uploads")
     if pending is not None:
         lines.append(f"  uploads   {runs.format_pending(pending)}")

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -224,3 +225,130 @@ def test_verify_and_ls_foreign_or_missing(tmp_path):
     assert r.returncode == 2 and "no checkpoints" in r.stderr
     r = run_cli("ls", tmp_path / "empty")
     assert r.returncode == 0 and "no checkpoints" in r.stdout
+
+
+# ------------------------------------------------- bad input, credentials, no network (issue 14)
+def _no_cloud_credentials(**extra):
+    """The environment of a machine with no cloud credentials at all."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "GOOGLE_"))}
+    env.update(AWS_EC2_METADATA_DISABLED="true", AWS_SHARED_CREDENTIALS_FILE=os.devnull,
+               AWS_CONFIG_FILE=os.devnull)
+    env.update(extra)
+    return env
+
+
+def _one_line_error(r, *needles):
+    assert r.returncode != 0, r.stdout
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert "Traceback" not in r.stderr and r.stderr.startswith("keepalive ")
+    for needle in needles:
+        assert needle in r.stderr, (needle, r.stderr)
+
+
+def test_s3_without_credentials_is_one_line_and_storage_options_give_them(s3_server):
+    store = CheckpointStore(s3_server.url("creds", "run"), keep=None, storage_options=s3_server.storage_options)
+    make_run(store, [1, 2])
+    url = s3_server.url("creds", "run")
+    endpoint_only = json.dumps({"client_kwargs": {"endpoint_url": s3_server.endpoint}})
+    env = _no_cloud_credentials()
+    for command in ("ls", "verify", "sync"):
+        r = run_cli(command, url, "--storage-options", endpoint_only, env=env)
+        _one_line_error(r, f"keepalive {command}: no AWS credentials for {url}", "--storage-options")
+        assert r.returncode == 1
+    full = json.dumps(s3_server.storage_options)
+    r = run_cli("ls", url, "--json", "--storage-options", full, env=env)
+    assert r.returncode == 0, r.stderr
+    assert [json.loads(line)["step"] for line in r.stdout.splitlines()] == [1, 2]
+    r = run_cli("verify", url, "--storage-options", full, env=env)
+    assert r.returncode == 0 and "all 2 checkpoint(s) verified" in r.stdout, r.stderr
+    r = run_cli("sync", url, "--storage-options", full, env=env)
+    assert r.returncode == 0 and "nothing to upload" in r.stdout, r.stderr
+
+
+def test_gcs_storage_options_reach_the_emulator(gcs_server):
+    store = CheckpointStore(gcs_server.url("opts", "run"), keep=None, storage_options=gcs_server.storage_options)
+    make_run(store, [3])
+    r = run_cli("ls", gcs_server.url("opts", "run"), "--json", "--storage-options",
+                json.dumps(gcs_server.storage_options))
+    assert r.returncode == 0, r.stderr
+    assert [json.loads(line)["step"] for line in r.stdout.splitlines()] == [3]
+
+
+@pytest.mark.parametrize("kind", ["gs", "s3"])
+def test_an_unreachable_store_answers_in_bounded_time(kind):
+    """A store that does not answer (here: a closed local port) gets one line within the connect
+    timeout, not the storage library's minute of retries and its tracebacks."""
+    from servers import free_port
+
+    port = free_port()   # nothing listens on it
+    if kind == "gs":
+        env = _no_cloud_credentials(STORAGE_EMULATOR_HOST=f"http://127.0.0.1:{port}")
+        args = ["ls", "gs://bucket/run"]
+    else:
+        env = _no_cloud_credentials()
+        args = ["ls", "s3://bucket/run", "--storage-options", json.dumps(
+            {"key": "k", "secret": "s", "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}"}})]
+    t0 = time.monotonic()
+    r = run_cli(*args, "--connect-timeout", "3", env=env)
+    elapsed = time.monotonic() - t0
+    assert elapsed < 20, elapsed
+    _one_line_error(r)
+    assert r.returncode == 1
+    assert ("no answer from" in r.stderr and "within 3 s" in r.stderr) or "cannot reach the store" in r.stderr
+
+
+@pytest.mark.parametrize("args, exit_code, needle", [
+    (["ls", "s3://b/x", "--storage-options", "{not json"], 2, "--storage-options is not valid JSON"),
+    (["verify", "s3://b/x", "--storage-options", "[1, 2]"], 2, "must be a JSON object"),
+    (["sync", "s3://b/x", "--storage-options", "7"], 2, "must be a JSON object"),
+    (["ls", "nope://bucket/run"], 1, "Protocol not known: nope"),
+    (["verify", "nope://bucket/run"], 1, "not a storage protocol"),
+    (["ls", "s3://b/x", "--storage-options", '{"no_such_option": 1}'], 1, "storage option is not accepted"),
+])
+def test_bad_input_is_one_line(args, exit_code, needle):
+    r = run_cli(*args, env=_no_cloud_credentials())
+    _one_line_error(r, needle)
+    assert r.returncode == exit_code
+
+
+def test_a_closed_pipe_is_quiet(tmp_path):
+    store = CheckpointStore(tmp_path / "run", keep=None)
+    make_run(store, list(range(1, 7)))
+    for args in (["ls", tmp_path / "run"], ["ls", tmp_path / "run", "--json"], ["verify", tmp_path / "run"],
+                 ["status", "--settings"]):
+        proc = subprocess.Popen([sys.executable, "-m", "keepalive", *map(str, args)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        proc.stdout.close()            # the reader is gone before the first line is written
+        err = proc.stderr.read().decode()
+        assert proc.wait(60) == 141, err
+        assert err == "", err
+    # and as people write it
+    r = subprocess.run(f"{sys.executable} -m keepalive ls --json {tmp_path / 'run'} | head -1",
+                       shell=True, capture_output=True, text=True, timeout=60)
+    assert r.stderr == "" and json.loads(r.stdout)["step"] == 1
+
+
+def test_in_process_errors_are_one_line_too(capsys):
+    assert cli.main(["ls", "nope://x/y"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Protocol not known" in err
+    assert cli.main(["ls", "x", "--storage-options", "{"]) == 2
+
+
+def test_ls_without_path_lists_the_default_dir_and_the_runs_recorded_elsewhere(tmp_path):
+    from keepalive.runs import record_run
+
+    default = tmp_path / "default"
+    make_run(CheckpointStore(default / "here", keep=None), [1])
+    make_run(CheckpointStore(tmp_path / "drive" / "away", keep=None), [4, 5])
+    assert record_run(str(tmp_path / "drive" / "away"), str(default))
+    env = dict(os.environ, KEEPALIVE_DIR=str(default), KEEPALIVE_SPOOL=str(tmp_path / "spool"))
+    r = run_cli("ls", "--json", env=env)
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [(row["run"], row["step"]) for row in rows] == [("here", 1), ("away", 4), ("away", 5)]
+    r = run_cli("ls", env=env)
+    assert r.returncode == 0 and "here" in r.stdout and "away" in r.stdout
+    r = run_cli("ls", env=dict(env, KEEPALIVE_DIR=str(tmp_path / "empty")))
+    assert r.returncode == 0 and "no checkpoints under the default checkpoint dir" in r.stdout

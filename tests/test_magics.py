@@ -402,3 +402,76 @@ def test_checkpoints_waiting_in_the_spool_count(shell, ka_dir, tmp_path, monkeyp
     assert "in the local spool, not uploaded yet" in out and "re-running training cell" in out
     ckpt = shell.user_ns["ckpt"]
     assert ckpt.finished and ckpt.core.resumed_from is not None and ckpt.core.resumed_from.step == 5
+
+
+# ------------------------------------------------------- runs elsewhere: the index of runs (issue 14)
+def _crashing_path_run(shell, path, crash_at=3):
+    """A run at an explicit path (as every README example writes one), its training crashed."""
+    assert run(shell, SETUP).success
+    train = (f"ckpt = DriveCheckpoint({str(path)!r}, model=model, optimizer=opt, every=1, quiet=True)\n"
+             "for epoch in ckpt.epochs(2):\n"
+             "    for x, y in ckpt.batches(loader):\n"
+             "        opt.zero_grad(); torch.nn.functional.mse_loss(model(x), y).backward(); opt.step()\n"
+             f"        if CRASH and ckpt.step + 1 == {crash_at}: raise RuntimeError('crash')\n")
+    assert run(shell, "CRASH = True").success
+    assert run(shell, train).success is False
+    run(shell, "ckpt.close()")
+    assert run(shell, "CRASH = False").success
+
+
+def test_runs_at_explicit_paths_are_named_and_a_bare_resume_says_which_it_picks(shell, ka_dir, tmp_path,
+                                                                                capsys):
+    """Issue 14, items 8 and 9: runs outside the default dir are recorded in its RUNS.json; the
+    notice names each unfinished one with its folder; a bare %resume_training with two unfinished
+    runs says which it resumes and how to name the other, then the other is resumed in turn."""
+    from keepalive.magics import unfinished_notice
+    from keepalive.runs import RUN_INDEX, read_run_index
+
+    drive = tmp_path / "drive" / "MyDrive" / "runs"
+    run(shell, "%load_ext keepalive")
+    _crashing_path_run(shell, drive / "alpha", crash_at=3)
+    _crashing_path_run(shell, drive / "beta", crash_at=5)
+    assert (ka_dir / RUN_INDEX).is_file()
+    assert set(read_run_index(str(ka_dir))) == {str(drive / "alpha"), str(drive / "beta")}
+
+    notice = unfinished_notice()
+    assert f"unfinished run 'beta' in {drive / 'beta'}" in notice, notice
+    assert "1 more unfinished run(s)" in notice
+    assert f"'alpha' in {drive / 'alpha'}" in notice and f"%resume_training {drive / 'alpha'}" in notice
+
+    capsys.readouterr()
+    assert run(shell, "%keepalive ls").success
+    out = capsys.readouterr().out
+    assert f"runs elsewhere (recorded in {ka_dir}/{RUN_INDEX})" in out and f"in {drive / 'alpha'}" in out
+
+    res = run(shell, "%resume_training")
+    out = capsys.readouterr().out
+    assert res.success, out
+    assert "2 unfinished runs; resuming the newest: 'beta'" in out, out
+    assert f"Also waiting: 'alpha' in {drive / 'alpha'}" in out
+    assert f"to resume it: %resume_training {drive / 'alpha'}" in out
+    assert shell.user_ns["ckpt"].url == str(drive / "beta") and shell.user_ns["ckpt"].finished
+
+    res = run(shell, "%resume_training")             # one left: resumed without a word about others
+    out = capsys.readouterr().out
+    assert res.success, out
+    assert "unfinished runs" not in out and "re-running training cell" in out
+    assert shell.user_ns["ckpt"].url == str(drive / "alpha") and shell.user_ns["ckpt"].finished
+    assert unfinished_notice() is None
+
+
+def test_a_name_shared_by_two_unfinished_runs_asks_for_a_folder(shell, ka_dir, tmp_path, capsys):
+    run(shell, "%load_ext keepalive")
+    _crashing_path_run(shell, tmp_path / "one" / "same")
+    _crashing_path_run(shell, tmp_path / "two" / "same")
+    res = run(shell, "%resume_training same")
+    err = str(res.error_in_exec)
+    assert isinstance(res.error_in_exec, IPython.core.error.UsageError)
+    assert "2 unfinished runs are named 'same'" in err and "name one by its folder" in err
+    assert f"%resume_training {tmp_path / 'one' / 'same'}" in err
+    assert f"%resume_training {tmp_path / 'two' / 'same'}" in err
+    # a name that is not unique is never offered as the way to name a run
+    from keepalive.magics import unfinished_notice
+
+    notice = unfinished_notice()
+    assert f"%resume_training {tmp_path / 'one' / 'same'}" in notice, notice

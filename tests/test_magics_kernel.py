@@ -264,3 +264,39 @@ def test_resume_training_replay_reruns_the_setup_cells(tmp_path, reference):
         res = k.run_ok("%resume_training", timeout=240)
         assert "DONE" in res.stdout
     assert_same_weights(reference, out)
+
+
+# ---------------------------------------------------- a run at an explicit path (issue 14, item 8)
+def test_a_run_at_an_explicit_drive_path_is_named_and_resumed_after_a_kill(tmp_path, reference):
+    """As every README example: ``DriveCheckpoint("/content/drive/MyDrive/runs/...")``, a folder
+    OUTSIDE the default checkpoint dir. The kernel is SIGKILLed; a new kernel's ``%load_ext``
+    names the run (found through RUNS.json in the default dir) and a bare ``%resume_training``
+    resumes it bit-exactly."""
+    ckpts = tmp_path / "ckpts"                      # the default dir (KEEPALIVE_DIR): no run in it
+    drive_run = tmp_path / "content" / "drive" / "MyDrive" / "runs" / "story"
+    out = tmp_path / "resumed-at-path.safetensors"
+    env = kernel_env(ckpts, tmp_path)
+    train_at_path = TRAIN.replace('DriveCheckpoint(run="story", ', f"DriveCheckpoint({str(drive_run)!r}, ")
+    assert train_at_path != TRAIN
+    kill_after = random.Random(os.getpid() + 8).randint(6, STEPS - 8)
+    with Kernel(env, cwd=str(tmp_path)) as k:
+        k.run_ok("%load_ext keepalive")
+        k.run_ok(SETUP + params(out, sleep=0.03))
+        k.start(train_at_path)
+        k.read_until(lambda r: f"STEP {kill_after}\n" in r.stdout, timeout=120)
+        k.kill()
+    assert not out.exists() and (ckpts / "RUNS.json").is_file()
+    assert not any(p.name.startswith("ckpt-") for p in ckpts.rglob("*"))
+    with Kernel(env, cwd=str(tmp_path)) as k:
+        res = k.run_ok("%load_ext keepalive")
+        assert f"unfinished run 'story' in {drive_run} stopped at epoch" in res.stdout, res.text
+        k.run_ok(SETUP + params(out))
+        res = k.run_ok("%resume_training", timeout=240)
+        assert f"run 'story' ({drive_run})" in res.stdout and "re-running training cell" in res.stdout
+        m = re.search(r"resuming run 'story' from ckpt-\d+-\w+: epoch (\d+), step (\d+)", res.stdout)
+        assert m, res.text
+        assert 0 < int(m.group(2)) <= kill_after
+        assert "DONE" in res.stdout
+        res = k.run_ok("%resume_training")
+        assert "nothing to resume" in res.stdout
+    assert_same_weights(reference, out)

@@ -459,3 +459,78 @@ def test_real_kernel_uses_kernel_clock(tmp_path):
         kc.stop_channels()
     finally:
         km.shutdown_kernel(now=True)
+
+
+# --------------------------------------------------------------------- which clock a budget runs on
+def test_status_says_which_clock_a_budget_runs_on_and_the_clock_can_be_chosen(tmp_path):
+    """Colab's budget counts from the VM's start, which may be long before this kernel's: status
+    says so (text and JSON) and ``KEEPALIVE_CLOCK`` picks another clock."""
+    vm = status_json(tmp_path, COLAB_RELEASE_TAG="x", KEEPALIVE_BUDGET="1h")
+    assert vm["clock"] == "vm" and "VM" in vm["clock_meaning"]
+    assert vm["clock_reason"].startswith("colab profile") and "VM start" in vm["clock_reason"]
+    starts = vm["clock_starts"]
+    assert set(starts) == {"vm", "kernel", "process"}
+    assert starts["vm"] == vm["session_start"] and starts["process"] is not None
+    assert starts["vm"] <= starts["process"]            # the machine started before this process
+
+    proc = status_json(tmp_path, COLAB_RELEASE_TAG="x", KEEPALIVE_BUDGET="1h", KEEPALIVE_CLOCK="process")
+    assert proc["clock"] == "process" and proc["clock_meaning"] == "this process's start"
+    assert "KEEPALIVE_CLOCK=process" in proc["clock_reason"] and "vm clock" in proc["clock_reason"]
+    assert proc["session_start_unix"] >= vm["session_start_unix"]
+    assert proc["remaining_seconds"] > 3600 - 60           # counts from now-ish, not from the VM start
+    assert proc["remaining_seconds"] - vm["remaining_seconds"] == pytest.approx(
+        proc["session_start_unix"] - vm["session_start_unix"], abs=30)
+
+    # no kernel here: a kernel clock falls back to the process, and says so
+    kern = status_json(tmp_path, COLAB_RELEASE_TAG="x", KEEPALIVE_CLOCK="kernel")
+    assert kern["clock"] == "process" and "kernel clock cannot be read here" in kern["clock_reason"]
+
+    env = clean_env(COLAB_RELEASE_TAG="x", KEEPALIVE_BUDGET="1h", KEEPALIVE_DIR=str(tmp_path / "c"),
+                    KEEPALIVE_SPOOL=str(tmp_path / "s"))
+    text = run_cli(env, "status", cwd=str(tmp_path)).stdout
+    assert "the budget runs on the vm clock: it counts from the VM's (machine's) start" in text
+    assert "why: colab profile" in text and "KEEPALIVE_CLOCK=vm|kernel|process" in text
+    assert re.search(r"other clocks started: .*process 20\d\d-", text), text
+    text = run_cli(dict(env, KEEPALIVE_CLOCK="process"), "status", cwd=str(tmp_path)).stdout
+    assert "the budget runs on the process clock" in text and "KEEPALIVE_CLOCK=process" in text
+
+
+def test_bad_clock_is_reported_and_configure_picks_one(fresh, tmp_path):
+    r = status_json(tmp_path, COLAB_RELEASE_TAG="x", KEEPALIVE_CLOCK="sundial")
+    assert r["clock"] == "vm"                              # the profile's clock, not a crash
+    env = clean_env(COLAB_RELEASE_TAG="x", KEEPALIVE_CLOCK="sundial", KEEPALIVE_DIR=str(tmp_path / "c"),
+                    KEEPALIVE_SPOOL=str(tmp_path / "s"))
+    err = run_cli(env, "status", "--json", cwd=str(tmp_path)).stderr
+    assert "KEEPALIVE_CLOCK" in err and "sundial" in err
+
+    os.environ["KEEPALIVE_PLATFORM"] = "colab"
+    assert session.detect(refresh=True).clock == "vm"
+    info = session.configure(clock="process")
+    assert info.clock == "process" and info.clock_reason.startswith("configure(clock='process')")
+    assert info.start_time > session.configure(clock=None).start_time - 1e-6   # back to the VM clock
+    assert session.detect().clock == "vm"
+    bad = session.configure(clock="sundial")             # a bad value is a warning, not a change
+    assert bad.clock == "vm" and any("sundial" in w for w in bad.warnings)
+
+
+def test_status_shows_the_runs_recorded_elsewhere(tmp_path):
+    """Runs opened with an explicit path are in the index of runs of the default dir: status
+    lists them (JSON ``other_runs``, text ``elsewhere``) next to the runs of the default dir."""
+    from keepalive.runs import record_run
+    from keepalive.store import CheckpointStore
+
+    default = tmp_path / "ckpt"
+    for path, finished in ((default / "here", True), (tmp_path / "drive" / "away", False)):
+        store = CheckpointStore(str(path), keep=None)
+        store.commit({"a.bin": b"x"}, step=7, epoch=1, metadata={"finished": finished})
+        store.close()
+    assert record_run(str(tmp_path / "drive" / "away"), str(default))
+    r = status_json(tmp_path)
+    assert [x["run"] for x in r["runs"]] == ["here"]
+    (other,) = r["other_runs"]
+    assert other["run"] == "away" and other["url"] == str(tmp_path / "drive" / "away")
+    assert other["finished"] is False and other["newest_step"] == 7
+    env = clean_env(KEEPALIVE_DIR=str(default), KEEPALIVE_SPOOL=str(tmp_path / "spool"))
+    text = run_cli(env, "status", cwd=str(tmp_path)).stdout
+    assert "elsewhere (runs recorded in the index of runs):" in text
+    assert f"away: UNFINISHED, 1 checkpoint(s), newest step 7 epoch 1 in {tmp_path / 'drive' / 'away'}" in text

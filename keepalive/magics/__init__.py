@@ -10,11 +10,16 @@ Magics (each takes ``--help``):
   which are unfinished, and their checkpoints (as ``keepalive ls``).
 * ``%resume_training [PATH|RUN] [--replay] [--show] [--dir D] [--takeover] [--no-verify]`` - continue
   the newest unfinished run (or the one named) by re-executing the notebook cell that trained it.
+  With several unfinished runs it says which one it picks and how to name each other one.
 
 Loading registers the magics, hooks the cell events that record which cell creates a
 ``DriveCheckpoint`` (:mod:`keepalive.notebook`), starts idle tracking
 (:class:`keepalive.session.IdleTracker`) and says when an unfinished run waits under the default
-checkpoint dir. Loading twice is harmless; ``%unload_ext keepalive`` undoes all of it.
+checkpoint dir, or anywhere else: runs opened with an explicit path (``DriveCheckpoint("/content/drive/
+MyDrive/runs/x")``) are recorded in the index of runs (``RUNS.json`` in the default checkpoint dir,
+:func:`keepalive.runs.record_run`), which outlives a VM reset where that dir does (Drive). Runs on a
+store that does not answer within :data:`LIST_TIMEOUT` seconds are named as unchecked, never waited
+for. Loading twice is harmless; ``%unload_ext keepalive`` undoes all of it.
 
 Nothing here imports torch, TensorFlow or ipywidgets at load time.
 """
@@ -38,7 +43,7 @@ from .. import (
     settings,
 )
 from .._version import __version__
-from ..runs import Run, find_runs, locate
+from ..runs import RUN_INDEX, Run, answered_within, find_runs, indexed_runs, locate
 from . import cells
 
 MAGIC_NAMES = ("keepalive", "resume_training")
@@ -52,10 +57,48 @@ _DISPLAY_ONLY = re.compile(r"^%(re)?load_ext\s+keepalive\s*$"
 RunState = Run
 
 
+#: seconds the notice of ``%load_ext`` and a bare ``%resume_training`` wait for the runs recorded in
+#: the index (a remote store without network must not hang a notebook's first cell)
+LIST_TIMEOUT = 10.0
+
+
 def scan_runs(root: str) -> List[Run]:
     """Every run at or below ``root`` (and runs for it that so far exist only in this machine's
     spool), the one with the newest checkpoint first; [] when there are none."""
     return sorted(find_runs(root), key=lambda r: r.created, reverse=True)
+
+
+def known_runs(root: str, index_dir: Optional[str] = None, timeout: float = LIST_TIMEOUT
+               ) -> "tuple[List[Run], List[Run]]":
+    """``(runs, silent)``: the runs under ``root`` and those the index of runs in ``index_dir``
+    (default: the default checkpoint dir) records elsewhere, newest checkpoint first; ``silent``:
+    recorded runs whose store did not answer within ``timeout`` seconds."""
+    try:
+        here = find_runs(root)
+    except Exception:  # noqa: BLE001 - a root that cannot be read: the recorded runs may still answer
+        here = []
+    recorded = indexed_runs(index_dir or session.default_checkpoint_dir(), exclude_below=root)
+    urls = {r.url for r in here}
+    answered, silent = answered_within([r for r in recorded if r.url not in urls], timeout)
+    runs = sorted(here + answered, key=lambda r: r.created, reverse=True)
+    return runs, silent
+
+
+def resume_argument(run: Run, runs: Sequence[Run], root: str) -> str:
+    """What to write after ``%resume_training`` to name ``run``: its name where it lies under
+    ``root`` and no other known run has that name, else its folder (path or URL)."""
+    from ..store import is_at_or_below
+
+    same_name = [r for r in runs if r.run == run.run]
+    if len(same_name) == 1 and is_at_or_below(run.url, root):
+        return run.run
+    return shlex.quote(run.url)
+
+
+def _silent_line(silent: Sequence[Run], index_dir: str) -> str:
+    urls = ", ".join(r.url for r in silent[:4]) + (" ..." if len(silent) > 4 else "")
+    return (f"keepalive: {len(silent)} run(s) recorded in {index_dir.rstrip('/')}/{RUN_INDEX} did not "
+            f"answer within {LIST_TIMEOUT:.0f} s (no network? credentials?), not checked: {urls}")
 
 
 def _first_line(source: str, width: int = 70) -> str:
@@ -101,29 +144,45 @@ def _lease_note(state: Run) -> str:
 
 
 def unfinished_notice(root: Optional[str] = None) -> Optional[str]:
-    """The ``%load_ext`` lines about unfinished runs under ``root`` (None when there are none)."""
+    """The ``%load_ext`` lines about unfinished runs under ``root`` and those the index of runs
+    records anywhere else (None when there are none): the newest in full, then every other one
+    with where it lives and how to resume it."""
     root = root or session.default_checkpoint_dir()
-    runs = [r for r in scan_runs(root) if r.unfinished]
-    if not runs:
-        return None
-    r = runs[0]
-    writer = r.live_writer()
-    if writer is not None:
-        return (f"keepalive: run '{r.run}' in {r.url} is being trained right now by another session "
-                f"(host {writer.get('host')}, pid {writer.get('pid')}); its newest checkpoint: {r.where()}.")
-    lines = [f"keepalive: unfinished run '{r.run}' in {r.url} stopped at {r.where()}{_lease_note(r)}."]
-    cell = (r.metadata.get("context") or {}).get("cell") or {}
-    if cell.get("source"):
-        lines.append(f"           Its training cell {_cell_label(cell)}: {_first_line(cell['source'])}")
-        lines.append("           To continue: run your setup cells, then  %resume_training"
-                     + ("" if len(runs) == 1 else f" {r.run}")
-                     + "   (or  %resume_training --replay  to re-run the recorded setup cells first)")
-    else:
-        lines.append("           To continue: run the cell that trains it again (it resumes by itself).")
-    if len(runs) > 1:
-        others = ", ".join(f"'{x.run}'" for x in runs[1:4]) + (" ..." if len(runs) > 4 else "")
-        lines.append(f"           {len(runs) - 1} more unfinished run(s): {others} (%keepalive ls)")
-    return "\n".join(lines)
+    index_dir = session.default_checkpoint_dir()
+    known, silent = known_runs(root, index_dir)
+    runs = [r for r in known if r.unfinished]
+    lines: List[str] = []
+    if runs:
+        r = runs[0]
+        writer = r.live_writer()
+        if writer is not None:
+            lines.append(f"keepalive: run '{r.run}' in {r.url} is being trained right now by another "
+                         f"session (host {writer.get('host')}, pid {writer.get('pid')}); its newest "
+                         f"checkpoint: {r.where()}.")
+        else:
+            lines.append(f"keepalive: unfinished run '{r.run}' in {r.url} stopped at {r.where()}"
+                         f"{_lease_note(r)}.")
+            cell = (r.metadata.get("context") or {}).get("cell") or {}
+            if cell.get("source"):
+                lines.append(f"           Its training cell {_cell_label(cell)}: {_first_line(cell['source'])}")
+                lines.append("           To continue: run your setup cells, then  %resume_training"
+                             + ("" if len(runs) == 1 else f" {resume_argument(r, known, root)}")
+                             + "   (or  %resume_training --replay  to re-run the recorded setup cells first)")
+            else:
+                lines.append("           To continue: run the cell that trains it again (it resumes by itself).")
+        if len(runs) > 1:
+            lines.append(f"           {len(runs) - 1} more unfinished run(s):")
+            for x in runs[1:_MAX_NAMED]:
+                lines.append(f"             '{x.run}' in {x.url}, stopped at {x.where()}:  "
+                             f"%resume_training {resume_argument(x, known, root)}")
+            if len(runs) > _MAX_NAMED:
+                lines.append(f"             ... and {len(runs) - _MAX_NAMED} more (%keepalive ls)")
+    if silent:
+        lines.append(_silent_line(silent, index_dir))
+    return "\n".join(lines) or None
+
+
+_MAX_NAMED = 8  # unfinished runs named one per line by the notice
 
 
 # ---------------------------------------------------------------------------------- parsing
@@ -186,9 +245,12 @@ def keepalive_parser() -> _Parser:
 def resume_parser() -> _Parser:
     p = _Parser(prog="%resume_training",
                 description="Continue an unfinished training: pick the newest unfinished run under the "
-                            "checkpoint dir (or the one named), check that the names its recorded training "
-                            "cell uses exist in this kernel, then re-execute that cell; its DriveCheckpoint "
-                            "resumes from the newest valid checkpoint (falling back past damaged ones).",
+                            "checkpoint dir or recorded in its index of runs (RUNS.json: runs opened with "
+                            "an explicit path elsewhere), or the one named (with several unfinished runs "
+                            "it says which it picks and how to name the others), check that the names "
+                            "its recorded training cell uses exist in this kernel, then re-execute that "
+                            "cell; its DriveCheckpoint resumes from the newest valid checkpoint (falling "
+                            "back past damaged ones).",
                 epilog="Typical use after a reset: run your setup cells (imports, data, model), then "
                        "%resume_training. Or %resume_training --replay to let keepalive re-run the setup "
                        "cells recorded with the run.")
@@ -281,9 +343,18 @@ class KeepaliveMagics(Magics):
                 runs = scan_runs(path)
             except Exception:  # noqa: BLE001 - the table below says what is wrong
                 runs = []
-            if runs:
-                print(f"runs under {path}:")
-                for r in runs:
+            elsewhere: List[Run] = []
+            silent: List[Run] = []
+            if args.path is None:  # the default dir: also the runs its index records elsewhere
+                known, silent = known_runs(path)
+                here = {r.url for r in runs}
+                elsewhere = [r for r in known if r.url not in here]
+            for title, group in ((f"runs under {path}:", runs),
+                                 (f"runs elsewhere (recorded in {path.rstrip('/')}/{RUN_INDEX}):", elsewhere)):
+                if not group:
+                    continue
+                print(title)
+                for r in group:
                     if r.error:
                         state = f"unreadable: {r.error}"
                     elif r.newest is None:
@@ -291,9 +362,12 @@ class KeepaliveMagics(Magics):
                     elif r.finished:
                         state = f"finished at {r.where()}"
                     else:
-                        state = f"UNFINISHED at {r.where()}  ->  %resume_training {r.run}"
-                    print(f"  {r.run:<20} {state}")
+                        state = (f"UNFINISHED at {r.where()}  ->  %resume_training "
+                                 f"{resume_argument(r, runs + elsewhere, path)}")
+                    print(f"  {r.run:<20} {state}" + ("" if group is runs else f"\n  {'':<20} in {r.url}"))
                 print()
+            if silent:
+                print(_silent_line(silent, path))
         try:
             cmd_ls(_ap.Namespace(path=path, json=args.json, verify=args.verify))
         except NoCheckpointError as exc:
@@ -310,7 +384,7 @@ class KeepaliveMagics(Magics):
         ip = self.shell
         assert ip is not None  # a magic runs in a shell
         root = args.dir or session.default_checkpoint_dir()
-        state = self._pick_run(args.target, root)
+        state = self._pick_run(args.target, root, use_index=args.dir is None)
         if state is None:
             return None
         if args.verify:
@@ -358,7 +432,9 @@ class KeepaliveMagics(Magics):
         return None
 
     # -- helpers
-    def _pick_run(self, target: Optional[str], root: str) -> Optional[RunState]:
+    def _pick_run(self, target: Optional[str], root: str, use_index: bool = True) -> Optional[RunState]:
+        """The run to resume: the one ``target`` names (a folder, or a name among the known runs),
+        else the newest unfinished one under ``root`` or recorded in the index of runs."""
         from ..errors import NoCheckpointError
 
         if target and ("/" in target or "://" in target or target.startswith(".") or os.path.exists(target)):
@@ -370,27 +446,54 @@ class KeepaliveMagics(Magics):
                 print(f"keepalive: {target} is one checkpoint; resuming its run, which starts from "
                       "the run's newest valid checkpoint")
             runs = sorted(where.runs, key=lambda r: r.created, reverse=True)
-            return self._choose(runs, target, named=where.kind != "root")
-        runs = scan_runs(root)
+            return self._choose(runs, target, named=where.kind != "root", root=root)
+        if use_index:
+            runs, silent = known_runs(root)
+            if silent:
+                print(_silent_line(silent, session.default_checkpoint_dir()))
+        else:
+            runs = scan_runs(root)
         if target:
             named = [r for r in runs if r.run == target]
             if not named:
                 names = ", ".join(sorted({r.run for r in runs})) or "none"
-                raise UsageError(f"no run named '{target}' under {root} (runs there: {names}). "
-                                 "Give its folder instead: %resume_training PATH")
-            return self._choose(named, root, named=True)
+                raise UsageError(f"no run named '{target}' under {root}"
+                                 + (" or in its index of runs" if use_index else "")
+                                 + f" (runs known: {names}). Give its folder instead: %resume_training PATH")
+            return self._choose(named, root, named=True, root=root, known=runs)
         if not runs:
             print(f"keepalive: nothing to resume: no keepalive runs under {root}.\n"
                   "           A DriveCheckpoint without a path writes there (%keepalive dir PATH changes "
                   "it); for a run elsewhere: %resume_training PATH")
             return None
-        return self._choose(runs, root, named=False)
+        return self._choose(runs, root, named=False, root=root,
+                            also=f" or recorded in its {RUN_INDEX}" if use_index else "")
 
-    def _choose(self, runs: Sequence[RunState], where: str, named: bool) -> Optional[RunState]:
+    def _choose(self, runs: Sequence[RunState], where: str, named: bool, root: Optional[str] = None,
+                known: Optional[Sequence[RunState]] = None, also: str = "") -> Optional[RunState]:
+        """The newest unfinished run of ``runs``; with several, never silently: a bare
+        ``%resume_training`` says which it picks and how to name each other one, a name that fits
+        several runs is refused with their folders."""
         if not runs:
             print(f"keepalive: nothing to resume: no keepalive runs under {where}.")
             return None
         unfinished = [r for r in runs if r.unfinished]
+        if len(unfinished) > 1:
+            known = list(known or runs)
+            root = root or where
+            if named:
+                folders = "\n".join(f"  %resume_training {shlex.quote(r.url)}   ({r.where()})"
+                                     for r in unfinished)
+                raise UsageError(f"{len(unfinished)} unfinished runs are named '{unfinished[0].run}'; "
+                                 f"name one by its folder:\n{folders}")
+            r = unfinished[0]
+            lines = [f"keepalive: {len(unfinished)} unfinished runs; resuming the newest: '{r.run}' in "
+                     f"{r.url} ({r.where()})."]
+            for x in unfinished[1:]:
+                lines.append(f"           Also waiting: '{x.run}' in {x.url} ({x.where()}); to resume "
+                             f"it: %resume_training {resume_argument(x, known, root)}")
+            print("\n".join(lines))
+            return r
         if unfinished:
             return unfinished[0]
         with_ckpt = [r for r in runs if r.newest is not None]
@@ -406,7 +509,7 @@ class KeepaliveMagics(Magics):
             print(f"keepalive: nothing to resume: run '{r.run}' has finished ({r.where()}). To train it "
                   "further, raise its number of epochs and run its cell again.")
         else:
-            print(f"keepalive: nothing to resume: every run under {where} has finished (newest: "
+            print(f"keepalive: nothing to resume: every run under {where}{also} has finished (newest: "
                   f"'{r.run}', {r.where()}).")
         return None
 
@@ -596,4 +699,5 @@ def unload_ipython_extension(ip: Any) -> None:
 
 
 __all__ = ["load_ipython_extension", "unload_ipython_extension", "KeepaliveMagics", "scan_runs",
-           "RunState", "unfinished_notice", "keepalive_parser", "resume_parser"]
+           "known_runs", "resume_argument", "RunState", "unfinished_notice", "keepalive_parser",
+           "resume_parser", "LIST_TIMEOUT"]

@@ -28,10 +28,18 @@ import re
 import time
 from typing import Any, List, Optional, Tuple, Union
 
-__all__ = ["CLOCKS", "parse_start", "iso_time", "read_clock", "read_text", "boot_time",
-           "process_start", "ancestor_kernel"]
+__all__ = ["CLOCKS", "CLOCK_MEANING", "parse_start", "iso_time", "read_clock", "clock_starts",
+           "read_text", "boot_time", "process_start", "ancestor_kernel"]
 
 CLOCKS = ("vm", "kernel", "process", "override")
+
+#: what each clock counts from, in the words ``keepalive status`` uses
+CLOCK_MEANING = {
+    "vm": "the VM's (machine's) start: restarting the kernel does not give time back",
+    "kernel": "this kernel's start: a kernel restart starts the budget again",
+    "process": "this process's start",
+    "override": "the time given by KEEPALIVE_SESSION_START / configure(start=...)",
+}
 
 _IMPORT_TIME = time.time()  # the last resort of the ``process`` clock (no /proc)
 
@@ -164,3 +172,14 @@ def read_clock(kind: str, in_kernel: bool, kernel_pid: Optional[int]) -> Tuple[s
     if started is not None:
         return "process", started, f"start of this process (/proc/{os.getpid()}/stat)"
     return "process", _IMPORT_TIME, "time keepalive.session was imported (no /proc)"
+
+
+def clock_starts(in_kernel: bool, kernel_pid: Optional[int]) -> dict:
+    """When each clock started (unix seconds, None where it cannot be read): ``{"vm": ...,
+    "kernel": ..., "process": ...}``, so that ``keepalive status`` can show how far apart they are
+    (on Colab the VM may have started hours before the kernel)."""
+    out = {}
+    for kind in ("vm", "kernel", "process"):
+        clock, start, _ = read_clock(kind, in_kernel, kernel_pid)
+        out[kind] = start if clock == kind else None
+    return out

@@ -9,8 +9,10 @@ for every training step.
 Overrides, strongest first: :func:`configure` arguments, then the settings ``KEEPALIVE_PLATFORM``
 (force a platform), ``KEEPALIVE_PROFILE`` (pick a named profile, e.g. ``colab-pro+``),
 ``KEEPALIVE_BUDGET`` / ``KEEPALIVE_IDLE`` (durations such as ``3h``, ``45min``; ``0`` or ``none`` =
-no limit), ``KEEPALIVE_SESSION_START`` (unix seconds or ISO-8601; a time without an offset is UTC),
-then the profile. A value that makes no sense is reported (``SessionInfo.warnings``, shown once) and
+no limit), ``KEEPALIVE_CLOCK`` (which start the budget counts from: ``vm``, ``kernel``, ``process``;
+on Colab the budget runs from the VM's start, which may be hours before this kernel's),
+``KEEPALIVE_SESSION_START`` (unix seconds or ISO-8601; a time without an offset is UTC), then the
+profile. A value that makes no sense is reported (``SessionInfo.warnings``, shown once) and
 ignored: a typo never stops a training.
 
 >>> get_profile("kaggle").budget_seconds / 3600
@@ -33,7 +35,7 @@ from .frontend import frontend_name, in_kernel
 
 __all__ = ["PLATFORMS", "PROFILES", "PlatformProfile", "get_profile", "SessionInfo", "detect",
            "configure", "remaining_seconds", "elapsed_seconds", "default_checkpoint_dir",
-           "storage_warning", "vm_disk_path"]
+           "storage_warning", "vm_disk_path", "run_index_dir"]
 
 PLATFORMS = ("colab", "kaggle", "paperspace", "databricks", "jupyter", "local")
 
@@ -144,6 +146,14 @@ def _parse_limit(value: Any) -> Optional[float]:
     return seconds
 
 
+def _parse_clock(value: Any) -> str:
+    """A clock name for ``KEEPALIVE_CLOCK`` / ``configure(clock=...)``: vm, kernel or process."""
+    text = str(value).strip().lower()
+    if text not in ("vm", "kernel", "process"):
+        raise ValueError(f"{value!r} is not one of vm, kernel, process")
+    return text
+
+
 class _Unset:
     def __repr__(self) -> str:
         return "<unset>"
@@ -165,8 +175,9 @@ class SessionInfo:
     budget_source: str
     idle_source: str
     start_time: float
-    clock: str
-    clock_source: str
+    clock: str                            # vm | kernel | process | override: what the budget runs from
+    clock_source: str                     # how the clock's start was read
+    clock_reason: str = ""                # why this clock (the profile's rule, or KEEPALIVE_CLOCK)
     evidence: str = ""                    # what identified the platform
     frontend: Optional[str] = None        # colab, vscode, jupyter, ipykernel, ipython, ...
     run_type: Optional[str] = None        # Kaggle: Interactive / Batch
@@ -317,17 +328,23 @@ def _detect(env: Mapping[str, str], overrides: Mapping[str, Any]) -> SessionInfo
     budget, budget_source = pick("budget", "KEEPALIVE_BUDGET", budget, budget_source, _parse_limit)
     idle, idle_source = pick("idle", "KEEPALIVE_IDLE", idle, idle_source, _parse_limit)
 
-    # --- clock
+    # --- clock: which start the budget counts from (the profile's, unless a clock is chosen)
+    wanted, clock_reason = pick("clock", "KEEPALIVE_CLOCK", prof.clock,
+                                f"{prof.name} profile: {prof.clock_source}", _parse_clock)
+    if wanted != prof.clock and not clock_reason.startswith(prof.name):
+        clock_reason += f" (the {prof.name} profile's budget runs on the {prof.clock} clock)"
     start, clock_source = pick("start", "KEEPALIVE_SESSION_START", None, "", parse_start)
     if start is not None:
-        clock = "override"
+        clock, clock_reason = "override", f"the session start is given ({clock_source})"
     else:
-        clock, start, clock_source = read_clock(prof.clock, kernel, kernel_pid)
+        clock, start, clock_source = read_clock(wanted, kernel, kernel_pid)
+        if clock != wanted:
+            clock_reason += f"; the {wanted} clock cannot be read here, so the {clock} clock is used"
 
     return SessionInfo(
         platform=platform, profile=prof.name, budget_seconds=budget, idle_timeout_seconds=idle,
         budget_source=budget_source, idle_source=idle_source, start_time=start, clock=clock,
-        clock_source=clock_source, evidence=evidence,
+        clock_source=clock_source, clock_reason=clock_reason, evidence=evidence,
         frontend=frontend_name(env, platform, kernel or kernel_pid is not None),
         run_type=run_type if platform == "kaggle" else None, accelerator=accelerator,
         in_kernel=kernel, kernel_pid=kernel_pid if clock == "kernel" else None,
@@ -354,22 +371,24 @@ def detect(refresh: bool = False) -> SessionInfo:
 
 
 def configure(*, budget: Any = _UNSET, idle: Any = _UNSET, start: Any = _UNSET,
-              platform: Any = _UNSET, profile: Any = _UNSET, reset: bool = False) -> SessionInfo:
+              platform: Any = _UNSET, profile: Any = _UNSET, clock: Any = _UNSET,
+              reset: bool = False) -> SessionInfo:
     """Set session facts from Python; they beat the environment variables and the profile.
 
     ``budget`` / ``idle``: a duration (``"3h"``, ``"45min"``, seconds) or ``None`` / ``0`` /
     ``"none"`` for no limit. ``start``: unix seconds, ISO-8601 text or a ``datetime``.
-    ``platform``: one of :data:`PLATFORMS`; ``profile``: a :data:`PROFILES` name; ``None`` for these
-    three drops the setting again. An argument left out keeps its earlier setting; ``reset=True``
+    ``platform``: one of :data:`PLATFORMS`; ``profile``: a :data:`PROFILES` name; ``clock``: ``vm``,
+    ``kernel`` or ``process`` (which start the budget counts from; default: the profile's);
+    ``None`` for these four drops the setting again. An argument left out keeps its earlier setting; ``reset=True``
     first clears every earlier setting. Returns the refreshed :class:`SessionInfo`.
     """
     if reset:
         _OVERRIDES.clear()
     for key, value in (("budget", budget), ("idle", idle), ("start", start), ("platform", platform),
-                       ("profile", profile)):
+                       ("profile", profile), ("clock", clock)):
         if value is _UNSET:
             continue
-        if value is None and key in ("start", "platform", "profile"):
+        if value is None and key in ("start", "platform", "profile", "clock"):
             _OVERRIDES.pop(key, None)      # back to the environment / detection
         else:
             _OVERRIDES[key] = value
@@ -406,6 +425,20 @@ def default_checkpoint_dir() -> str:
     if detect().platform == "kaggle":
         return "/kaggle/working/keepalive"
     return os.path.abspath("keepalive-checkpoints")
+
+
+def run_index_dir() -> Optional[str]:
+    """Where the index of runs lives (``RUNS.json``, :func:`keepalive.runs.record_run`): the default
+    checkpoint dir, which outlives a VM reset where one does (Drive on Colab, /kaggle/working). It
+    is created for the index when it was chosen (``KEEPALIVE_DIR``), is Drive's or Kaggle's, or this
+    is a notebook; a plain script with no ``./keepalive-checkpoints`` gets no index (None) rather
+    than a new folder in its working directory."""
+    root = default_checkpoint_dir()
+    if _is_url(root) or settings.is_set("KEEPALIVE_DIR") or os.path.isdir(root):
+        return root
+    if root.startswith(("/content/drive/", "/kaggle/working/")) or detect().platform != "local":
+        return root
+    return None
 
 
 def storage_warning(platform: str, checkpoint_dir: str) -> Optional[str]:
