@@ -31,6 +31,7 @@ import time
 import weakref
 from typing import Any, Callable, Dict, List, Mapping, Optional, Union
 
+from . import distributed as _distributed
 from . import notebook, report, rng
 from . import progress as _progress
 from . import session as _session
@@ -146,7 +147,11 @@ class Checkpointer:
         self._in_loop = False
         #: the number of epochs, when the adapter knows it (for the ETA next to the session time)
         self.total_epochs: Optional[int] = None
-        self.training_progress = None if quiet else _progress.TrainingProgress(self)
+        # DDP (issue 16): the torch.distributed process group (looked up at each use; one rank without)
+        self.group = _distributed.GROUP
+        # only rank 0 shows progress bars (every rank runs the same loop)
+        self.training_progress = (None if quiet or not self.group.is_main
+                                  else _progress.TrainingProgress(self))
         self._capture_context()
         _ACTIVE.add(self)
 
@@ -172,8 +177,8 @@ class Checkpointer:
 
     # ------------------------------------------------------------------------------- messages
     def say(self, message: str) -> None:
-        """News for the user, silenced by ``quiet=True``."""
-        report.say(message, quiet=self.quiet)
+        """News for the user, silenced by ``quiet=True``; under DDP said by rank 0 only (issue 16)."""
+        report.say(message, quiet=self.quiet or not self.group.is_main)
 
     def warn(self, message: str, key: Optional[str] = None) -> None:
         """A problem the user must see (not silenced by ``quiet``); once per ``key`` and run."""
@@ -194,6 +199,7 @@ class Checkpointer:
         # Take the writer lease now, at the start of training: a second session on the same run
         # learns it at once instead of after its first epoch.
         self._open()
+        found = self._localize(found)  # DDP (issue 16): every rank the same checkpoint, its own part
         if found is None:
             return None
         info, tree, previous = found
@@ -229,12 +235,35 @@ class Checkpointer:
                 f"{'; ' + detail if detail else ''}")
         return tree
 
+    def _localize(self, found: Any) -> Any:
+        """DDP (issue 16): check that every rank found the same checkpoint, then give this rank its
+        own random state and data position (:func:`keepalive.distributed.localize`); a changed world
+        size is warned about. A single process loading a checkpoint of several ranks takes rank 0's part."""
+        group = self.group
+        if found is None and not group.active:
+            return None
+        if group.active:
+            names = group.all_gather(found[0].name if found is not None else None)
+            if len(set(names)) != 1:
+                raise RuntimeError(f"the ranks found different newest checkpoints in {self.url} "
+                                   f"({names}): every rank must see the same run folder (shared storage)")
+            if found is None:
+                return None
+        info, tree, previous = found
+        if tree.get(_distributed.RANKS_KEY) or group.world_size > 1:
+            tree, changed = _distributed.localize(tree, group.rank, group.world_size)
+            if changed and group.is_main:  # not bit-exact any more: a warning, not news
+                self.warn(changed, key="world-size")
+        return info, tree, previous
+
     def restore_rng(self, tree: Mapping[str, Any]) -> None:
         if tree.get("rng"):
             rng.restore(tree["rng"])
 
     # ----------------------------------------------------------------------------------- save
     def _open(self) -> None:
+        if not self.group.is_main:
+            return  # DDP (issue 16): rank 0 alone holds the writer lease and writes
         if not self._opened:
             # A notebook cell run again builds a new checkpointer for the same run while the old
             # one (same process, its loop over) still holds the writer lease: hand it over.
@@ -270,11 +299,25 @@ class Checkpointer:
         if reason != "by hand":
             self._refresh_context()
         tree = self.build_tree(capture)
+        if self.group.active:
+            # DDP (issue 16): a collective; rank 0 writes one checkpoint holding every rank's part
+            parts = self.group.gather(_distributed.rank_part(tree))
+            if parts is None:  # not rank 0: its part is on its way into rank 0's checkpoint
+                self._last_saved_step = self.counters["step"]
+                self.trigger.saved()
+                if sync:
+                    self.group.barrier()  # no rank goes on (or exits) before the write is durable
+                return
+            tree = _distributed.combine(tree, parts)
         meta = dict(self.metadata, reason=reason, finished=finished, counters=dict(self.counters))
+        if self.group.active:
+            meta["world_size"] = self.group.world_size
         self.store.lease.progress = dict(self.counters)
         log.info("saving step %d (epoch %d): %s", self.counters["step"], self.counters["epoch"], reason)
         self.writer.submit(tree, step=self.counters["step"], epoch=self.counters["epoch"],
                            metadata=meta, sync=sync)
+        if sync and self.group.active:
+            self.group.barrier()  # DDP (issue 16): the other ranks wait in save() for this
         self._last_saved_step = self.counters["step"]
         self.trigger.saved()
 
@@ -288,12 +331,17 @@ class Checkpointer:
     # An adapter calls these at its framework's boundaries; they own the counter arithmetic, so
     # every adapter's counters mean the same thing: ``epoch`` = epochs completed, ``batch`` = batches
     # done in the running epoch, ``step`` = optimizer steps, ``samples`` = samples seen.
-    def new_fit(self) -> None:
+    def new_fit(self, keep_counters: bool = False) -> None:
         """A new training call with the same checkpointer (Keras' ``fit`` run again): counters and
-        end states start over; the next :meth:`load` finds where the run stands."""
+        end states start over; the next :meth:`load` finds where the run stands. ``keep_counters``:
+        a further stage of the same run (a second ``fit`` after the first completed): only the end
+        states reset, the counters go on (checkpoints stay ordered by step)."""
         self.finished = self.stopped = False
         self.stop_reason = None
         self.trigger.deadline_hit = False
+        if keep_counters:
+            self.counters["batch"] = 0
+            return
         for k in self.counters:
             self.counters[k] = 0
 
@@ -359,6 +407,8 @@ class Checkpointer:
         _session.note_activity()  # a running training is not idle
         self._reserve_snapshot(capture)
         decision = self.trigger.after_step(steps, consistent=can_save and not pending)
+        if can_save and not pending and self.group.active:
+            decision = self._agree(decision)  # DDP (issue 16): one small collective per boundary
         if not can_save or pending:
             # Nothing can be saved here (the loop cannot resume inside an epoch, or gradients are
             # being accumulated): what came due (a scheduled save, a deadline stop, an interrupt)
@@ -384,6 +434,19 @@ class Checkpointer:
             self._deferred_save, self._deferred_stop, self._deferred_reason = False, None, None
         return self._act(decision, capture, at_epoch_end=False)
 
+    def _agree(self, decision: Decision) -> Decision:
+        """DDP (issue 16): every rank's save / stop / pending signal combined by one all_reduce, so
+        all ranks save and stop at the same boundary (:meth:`keepalive.distributed.ProcessGroup.agree`)."""
+        agreed = self.group.agree(decision.save or self._deferred_save,
+                                  decision.stop or self._deferred_stop is not None, self._pending_signal)
+        if agreed.save and not (decision.save or self._deferred_save):
+            decision.save, decision.reason = True, decision.reason or "a save came due on another rank"
+        if agreed.stop and not (decision.stop or self._deferred_stop):
+            decision.stop, decision.reason = True, "another rank stops before the session ends"
+        if agreed.signal is not None and self._pending_signal is None:
+            self._pending_signal = agreed.signal  # a signal that reached another rank acts here too
+        return decision
+
     @staticmethod
     def _raise_for(signum: int) -> None:
         if signum == signal.SIGINT:
@@ -394,6 +457,8 @@ class Checkpointer:
         """At the first boundary: prepare the host buffer of the first save in the background."""
         if not self._reserved:
             self._reserved = True
+            if not self.group.is_main:
+                return  # DDP (issue 16): only rank 0 writes, only it needs the host buffer
             try:
                 self.writer.snapshot.reserve(self.build_tree(capture))
             except Exception as exc:  # noqa: BLE001 - an optimisation only; the save will say more
@@ -403,6 +468,8 @@ class Checkpointer:
         """Call after every epoch, with the counters already pointing at the next epoch."""
         self._reserve_snapshot(capture)
         decision = self.trigger.after_epoch()
+        if not last and self.group.active:
+            decision = self._agree(decision)  # DDP (issue 16)
         if self.training_progress is not None:
             self.training_progress.epoch_end(last)
         if self._deferred_save:  # a step/time save came due where none was possible: save here

@@ -34,7 +34,7 @@ LAYERS: Dict[str, int] = {
     # 2 runs
     "spool": 2, "writer": 2, "resume": 2, "runs": 2,
     # 3 session
-    "session": 3, "trigger": 3, "progress": 3, "notebook": 3,
+    "session": 3, "trigger": 3, "progress": 3, "notebook": 3, "distributed": 3,
     # 4 core
     "config": 4, "core": 4, "adapter": 4, "status": 4,
     # 5 adapters

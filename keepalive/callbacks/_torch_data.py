@@ -36,6 +36,7 @@ from torch.utils.data import (
     SequentialSampler,
     get_worker_info,
 )
+from torch.utils.data.distributed import DistributedSampler
 
 from ..dataorder import mix
 from .torchstate import seed_worker_rngs
@@ -50,9 +51,12 @@ class SeededBatch(list):
 class ResumableBatchSampler(Sampler):
     """Batches of the epoch's order (a function of ``(seed, epoch)``) from sample ``start_sample``."""
 
-    def __init__(self, n: int, batch_size: int, drop_last: bool, shuffle: bool, seed: int):
+    def __init__(self, n: int, batch_size: int, drop_last: bool, shuffle: bool, seed: int,
+                 shard: Optional[DistributedSampler] = None):
         self.n, self.batch_size, self.drop_last = n, batch_size, drop_last
         self.shuffle, self.seed = shuffle, seed
+        #: DDP (issue 16): the user's DistributedSampler, whose per-rank order this reproduces
+        self.shard = shard
         self.epoch = 0
         self.start_sample = 0
 
@@ -71,6 +75,8 @@ class ResumableBatchSampler(Sampler):
         return left // self.batch_size if self.drop_last else -(-left // self.batch_size)
 
     def order(self) -> torch.Tensor:
+        if self.shard is not None:
+            return distributed_order(self.shard)
         if not self.shuffle:
             return torch.arange(self.n)
         g = torch.Generator()
@@ -133,6 +139,23 @@ class SeededDataset(Dataset):
         return [self.dataset[i] for i in batch]
 
 
+def distributed_order(s: DistributedSampler) -> torch.Tensor:
+    """DDP (issue 16): the indices ``iter(s)`` yields for its rank and epoch, as a tensor, computed as
+    ``DistributedSampler`` does (seeded by ``seed + epoch``, padded or cut to a multiple of the
+    number of replicas, then every ``num_replicas``-th from ``rank``), so a resumed epoch can start
+    at any position of the rank's share without iterating the sampler."""
+    n = len(s.dataset)  # type: ignore[arg-type]
+    if s.shuffle:
+        g = torch.Generator()
+        g.manual_seed(s.seed + s.epoch)
+        idx = torch.randperm(n, generator=g)
+    else:
+        idx = torch.arange(n)
+    if s.total_size > n:  # padded with the order's own first indices (repeated as often as needed)
+        idx = torch.cat([idx, idx.repeat(-(-(s.total_size - n) // n))[:s.total_size - n]])
+    return idx[:s.total_size][s.rank:s.total_size:s.num_replicas]
+
+
 def _supported(loader: DataLoader) -> Tuple[bool, Optional[bool], str]:
     """(mid-epoch resume possible, shuffle, why not)."""
     if isinstance(loader.dataset, IterableDataset):
@@ -155,6 +178,8 @@ def _supported(loader: DataLoader) -> Tuple[bool, Optional[bool], str]:
     if type(s) is RandomSampler and not s.replacement and s._num_samples is None \
             and s.data_source is loader.dataset:
         return True, True, ""
+    if type(s) is DistributedSampler and s.dataset is loader.dataset:  # DDP (issue 16)
+        return True, bool(s.shuffle), ""
     return False, None, f"sampler {type(s).__name__}: checkpoints at epoch ends only"
 
 
@@ -169,8 +194,10 @@ class ResumableLoader:
         if not self.mid_epoch:  # the adapter tells the user (once per run)
             return
         bs = loader.batch_sampler
-        self.sampler = ResumableBatchSampler(len(loader.dataset), bs.batch_size, bs.drop_last,  # type: ignore
-                                             bool(shuffle), seed)
+        shard = bs.sampler if type(bs.sampler) is DistributedSampler else None  # type: ignore
+        n = shard.num_samples if shard is not None else len(loader.dataset)  # type: ignore
+        self.sampler = ResumableBatchSampler(n, bs.batch_size, bs.drop_last,  # type: ignore
+                                             bool(shuffle), seed, shard=shard)
         self.generator = torch.Generator()
         kwargs = dict(batch_sampler=self.sampler, num_workers=loader.num_workers,
                       collate_fn=loader.collate_fn, pin_memory=loader.pin_memory,

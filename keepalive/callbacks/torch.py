@@ -89,6 +89,7 @@ class DriveCheckpoint(CheckpointAdapter):
         self._hparams: Dict[str, List[Dict[str, Any]]] = {}  # optimizer settings as the code set them
         self._steps_taken = 0   # optimizer steps seen by the step hooks
         self._seen_step = False  # a registered optimizer has stepped in this run (saved with it)
+        self._pending_now = False  # the last training batch left gradients no step consumed
         for name, obj in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler),
                           ("scaler", scaler), *objects.items()):
             if obj is not None:
@@ -124,6 +125,10 @@ class DriveCheckpoint(CheckpointAdapter):
             return
         if RandomState.wraps(obj):
             obj = RandomState(obj)
+        if isinstance(obj, torch.nn.parallel.DistributedDataParallel):
+            # DDP (issue 16): the wrapped module's state (no "module." prefix), so a checkpoint of a
+            # DDP run resumes in a plain one (another world size) and the other way round
+            obj = obj.module
         if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
             raise TypeError(f"{name}: a {type(obj).__name__} has no state_dict()/load_state_dict(); "
                             "put plain values in ckpt.extras instead")
@@ -159,7 +164,9 @@ class DriveCheckpoint(CheckpointAdapter):
         for name, obj in self.objects.items():
             obj.load_state_dict(objects[name])
         for name, groups in ((tree.get("data") or {}).get("pending_grads") or {}).items():
-            opt = self.objects[name]
+            opt = self.objects.get(name)
+            if opt is None:  # not registered in this session: the check let it pass
+                continue
             for g_live, g_saved in zip(opt.param_groups, groups):
                 for p, grad in zip(g_live["params"], g_saved):
                     p.grad = None if grad is None else grad.to(device=p.device, dtype=p.dtype).clone()
@@ -307,7 +314,7 @@ class DriveCheckpoint(CheckpointAdapter):
                    samples_before: int = 0) -> Any:
         self._position += n
         stepped = self._steps_taken > steps_before
-        pending = not stepped and self._gradients_pending()
+        pending = self._pending_now = not stepped and self._gradients_pending()
         requested, self._save_requested = self._save_requested, False
         return self.core.advance(self._capture, steps=self._steps_of(stepped, pending), batch=done,
                                  samples=n + samples_before, can_save=rl.mid_epoch, pending=pending,
@@ -392,6 +399,12 @@ class DriveCheckpoint(CheckpointAdapter):
             return 0
         saved = self._saved_data
         size, position = saved.get("batch_size"), saved.get("position")
+        if saved.pop("resharded", None) and position is not None:
+            # DDP (issue 16): another world size; the position was carried over by global sample
+            # (keepalive.distributed.localize, which warned); once: the next epoch starts at 0
+            self._saved_data.pop("position", None)
+            self.core.counters["batch"] = int(position) // int(rl.batch_size or 1)
+            return int(position)
         if position is None:  # a checkpoint written before positions were saved
             return batch * int(rl.batch_size or 1)
         self._saved_data.pop("position", None)  # once: the next epoch starts at 0
@@ -440,7 +453,7 @@ class DriveCheckpoint(CheckpointAdapter):
         if self.core.counters["batch"]:  # inside an epoch: where, and the epoch's starting RNGs
             data.update(position=self._position, epoch_rng=self._epoch_rng,
                         batch_size=self._current_batch_size())
-        elif self._gradients_pending():
+        elif self._pending_now:
             # an epoch ended inside a gradient accumulation (its last batches roll into the next
             # epoch's first step): the gradients are part of the state saved here
             data["pending_grads"] = {name: [[p.grad for p in g["params"]] for g in opt.param_groups]

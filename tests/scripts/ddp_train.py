@@ -1,0 +1,141 @@
+"""A tiny DDP training (gloo, CPU) with dropout and a shuffled DistributedSampler, checkpointed by
+keepalive: ``torchrun --nproc_per_node=2 ddp_train.py RUN_DIR OUT_DIR`` (or plain ``python`` for one
+process). Used by tests/test_distributed.py.
+
+Each rank writes ``OUT_DIR/pid.<restart>.<rank>`` at start (the test kills ranks by these PIDs) and,
+at the end, ``OUT_DIR/final.<rank>.pt`` (its model's weights). Rank 0 prints ``STEP n attempt a`` after each
+step and ``COMMITTED n`` after each checkpoint commit.
+
+Environment (test knobs): DDP_EPOCHS (3), DDP_EVERY (3 steps), DDP_STEP_SLEEP (seconds per step),
+DDP_SLOW_WRITE (seconds each checkpoint file write takes: kills land inside saves),
+DDP_SELF_KILL="rank:step" (that rank SIGKILLs itself after that step, in the first attempt only),
+DDP_SIGTERM="rank:step" (that rank sends itself SIGTERM after that step),
+DDP_DEADLINE="rank:step" (that rank's session deadline comes at that step),
+DDP_BROKEN_RANKS=1 (negative control: every rank resumes with rank 0's part of the checkpoint).
+"""
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data.distributed import DistributedSampler
+
+from keepalive.callbacks.torch import DriveCheckpoint
+
+
+def knob(name, default):
+    return type(default)(os.environ.get(name, default))
+
+
+def pair(name):
+    value = os.environ.get(name)
+    if not value:
+        return None, None
+    rank, step = value.split(":")
+    return int(rank), int(step)
+
+
+def init_process_group(restart: int) -> None:
+    """``init_process_group("gloo")``, with the rendezvous keys of each torchrun restart apart: seen
+    with torch 2.13, a restarted gloo group sometimes reads the previous attempt's peer addresses from
+    the agent's store and fails (connection refused) until a later restart."""
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          int(os.environ["WORLD_SIZE"]), is_master=False)
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt-{restart}", store),
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+
+
+def spawned(rank: int, world: int, port: int, run_dir: str, out_dir: str) -> None:
+    """One process of the notebook launch (README "Several GPUs / machines"): what a notebook cell's
+    function does under ``torch.multiprocessing.start_processes``."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    main(run_dir, out_dir)
+
+
+def main(run_dir: str, out_dir: str) -> None:
+    distributed = dist.is_initialized() or "WORLD_SIZE" in os.environ
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if distributed and not dist.is_initialized():
+        init_process_group(restart)
+    rank = dist.get_rank() if distributed else 0
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"pid.{restart}.{rank}"), "w") as f:
+        f.write(str(os.getpid()))
+
+    slow = knob("DDP_SLOW_WRITE", 0.0)
+    if slow:
+        from keepalive.store import CheckpointStore
+
+        original = CheckpointStore._write_one
+
+        def slow_write(self, path, chunks, hasher=None, progress=None):
+            time.sleep(slow)
+            return original(self, path, chunks, hasher, progress)
+
+        CheckpointStore._write_one = slow_write
+    if os.environ.get("DDP_BROKEN_RANKS"):
+        import keepalive.distributed as kd
+
+        real = kd.localize
+        kd.localize = lambda tree, rank, world: real(tree, 0, world)  # what "rank 0 saves all" would do
+
+    torch.set_num_threads(1)
+    data = torch.Generator().manual_seed(0)
+    dataset = TensorDataset(torch.randn(96, 8, generator=data), torch.randn(96, 1, generator=data))
+    world = dist.get_world_size() if distributed else 1
+    # one process too (world size 1): the same global order, so a 2 -> 1 resume continues it
+    sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=7)
+    loader = DataLoader(dataset, batch_size=4, sampler=sampler)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Dropout(0.3),
+                              torch.nn.Linear(16, 1))
+    torch.manual_seed(99)  # the same initial weights on every rank
+    for p in net.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    torch.manual_seed(1234 + rank)  # ranks differ in their random streams (dropout), as usual
+    model = torch.nn.parallel.DistributedDataParallel(net) if distributed else net
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    deadline_rank, deadline_step = pair("DDP_DEADLINE")
+    options = {}
+    if deadline_rank == rank:  # this rank's session (alone) is about to end at that step
+        options["remaining_fn"] = lambda: 1.0 if ckpt.step >= deadline_step else None
+    ckpt = DriveCheckpoint(run_dir, model=model, optimizer=opt, every=knob("DDP_EVERY", 3),
+                           keep=knob("DDP_KEEP", 3) or None, **options)
+    if rank == 0:
+        ckpt.core.writer.on_commit.append(lambda r: print(f"COMMITTED {r.info.step}", flush=True))
+    step_sleep = knob("DDP_STEP_SLEEP", 0.0)
+    kill_rank, kill_step = pair("DDP_SELF_KILL")
+    term_rank, term_step = pair("DDP_SIGTERM")
+    for epoch in ckpt.epochs(knob("DDP_EPOCHS", 3)):
+        sampler.set_epoch(epoch)
+        for x, y in ckpt.batches(loader):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            step = ckpt.step + 1  # this step, counted by the checkpointer right after the batch
+            if rank == 0:
+                print(f"STEP {step} attempt {restart}", flush=True)
+            if step_sleep:
+                time.sleep(step_sleep)
+            if rank == kill_rank and step == kill_step and restart == 0:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if rank == term_rank and step == term_step:
+                os.kill(os.getpid(), signal.SIGTERM)
+    torch.save({k: v.detach().clone() for k, v in net.state_dict().items()},
+               os.path.join(out_dir, f"final.{rank}.pt"))
+    print(f"DONE rank {rank} step {ckpt.step}", flush=True)
+    ckpt.close()
+    if distributed:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "--spawn":  # python ddp_train.py --spawn PORT RUN_DIR OUT_DIR: a notebook cell
+        import torch.multiprocessing as mp
+
+        port, run, out = int(sys.argv[2]), sys.argv[3], sys.argv[4]
+        mp.start_processes(spawned, args=(2, port, run, out), nprocs=2, start_method="fork")
+    else:
+        main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,296 @@
+"""DDP (issue 16): the same DriveCheckpoint under ``torchrun --nproc_per_node=2`` (gloo, CPU).
+
+* ranks SIGKILLed at random moments (inside saves too), the job restarted by torchrun's elastic agent
+  each time: the final weights of every rank are bit-identical to an uninterrupted run; every
+  checkpoint that verifies holds every rank's part; a resume never goes back past a committed save;
+* a negative control (every rank resumes with rank 0's part) differs: the per-rank state matters;
+* SIGTERM reaching one rank: one global save, then every rank stops;
+* 2 -> 1 processes: loads, warns that the run is not bit-identical, continues by global sample.
+
+The training is tests/scripts/ddp_train.py. Processes are started here and stopped by their PIDs.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Dict, List, Optional
+
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+if not dist.is_available() or not dist.is_gloo_available():  # pragma: no cover
+    pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
+
+from keepalive import distributed as kd  # noqa: E402
+from keepalive.resume import read_state  # noqa: E402
+from keepalive.store import MANIFEST, CheckpointStore  # noqa: E402
+from servers import free_port  # noqa: E402  (tests/servers.py)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.join(HERE, "scripts", "ddp_train.py")
+ROOT = os.path.dirname(HERE)
+EPOCHS, STEPS_PER_EPOCH = 3, 12  # 96 samples, batch 4, 2 ranks
+TOTAL = EPOCHS * STEPS_PER_EPOCH
+RESUME_RE = re.compile(r"resuming run .* step (\d+)")
+
+
+# ------------------------------------------------------------------------------- in-process parts
+def test_distributed_order_is_distributed_samplers():
+    from torch.utils.data.distributed import DistributedSampler
+
+    from keepalive.callbacks._torch_data import distributed_order
+
+    for n, world, drop_last, shuffle in [(10, 3, False, True), (11, 2, True, True), (7, 4, False, False)]:
+        for rank in range(world):
+            s = DistributedSampler(list(range(n)), num_replicas=world, rank=rank, shuffle=shuffle,
+                                   seed=5, drop_last=drop_last)
+            s.set_epoch(3)
+            assert distributed_order(s).tolist() == list(s)
+
+
+def test_localize_takes_own_part_and_reshards_by_global_sample():
+    tree = {"objects": {"m": 1}, "rng": "r0", "data": {"position": 8},
+            kd.RANKS_KEY: [{"rng": "r0", "data": {"position": 8}}, {"rng": "r1", "data": {"position": 8}}]}
+    same, note = kd.localize(tree, 1, 2)
+    assert note is None and same["rng"] == "r1" and kd.RANKS_KEY not in same
+    one, note = kd.localize(tree, 0, 1)
+    assert note and "2 process(es), this run has 1" in note and "not bit-identical" in note
+    assert one["data"]["position"] == 16 and one["data"]["resharded"]["global_sample"] == 16
+
+
+def test_no_process_group_is_a_group_of_one():
+    group = kd.ProcessGroup()
+    assert not group.active and group.rank == 0 and group.world_size == 1 and group.is_main
+    agreed = group.agree(True, False, None)
+    assert agreed.save and not agreed.stop and agreed.signal is None
+    assert group.gather({"x": 1}) == [{"x": 1}]
+
+
+# ----------------------------------------------------------------------------------- torchrun jobs
+class Job:
+    """One ``torchrun --nproc_per_node=2`` job of the DDP script; output collected by a thread."""
+
+    def __init__(self, tmp, name: str, *, restarts: int = 0, env: Optional[Dict[str, str]] = None,
+                 nproc: int = 2, run_dir: Optional[str] = None):
+        self.run_dir = run_dir or str(tmp / f"{name}-run")
+        self.out_dir = str(tmp / f"{name}-out")
+        full_env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
+                        PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {}))
+        if nproc == -2:  # the notebook launch: torch.multiprocessing.start_processes, 2 processes
+            cmd = [sys.executable, SCRIPT, "--spawn", str(free_port()), self.run_dir, self.out_dir]
+        elif nproc:
+            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+                   f"--max-restarts={restarts}", "--monitor-interval=0.2",
+                   # the c10d rendezvous (on a free port) starts every restart afresh
+                   "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+                   SCRIPT, self.run_dir, self.out_dir]
+        else:  # one plain process, no process group
+            cmd = [sys.executable, SCRIPT, self.run_dir, self.out_dir]
+        self.proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, start_new_session=True)
+        self.lines: "queue.Queue[Optional[str]]" = queue.Queue()
+        self.output: List[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in iter(self.proc.stdout.readline, ""):
+            self.output.append(line)
+        self.proc.stdout.close()
+
+    def text(self) -> str:
+        return "".join(self.output)
+
+    def pids(self, after: int, timeout: float = 60.0) -> Optional[tuple]:
+        """``(attempt, {rank: pid})`` of the newest attempt after ``after`` (torchrun counts restarts
+        from 0), once both ranks wrote their PID; None if the job ended first."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            names = os.listdir(self.out_dir) if os.path.isdir(self.out_dir) else []
+            attempts = sorted({int(n.split(".")[1]) for n in names if n.startswith("pid.")}, reverse=True)
+            for attempt in attempts:
+                if attempt <= after:
+                    break
+                try:
+                    return attempt, {r: int(open(os.path.join(self.out_dir, f"pid.{attempt}.{r}")).read())
+                                     for r in (0, 1)}
+                except (OSError, ValueError):
+                    continue
+            if self.proc.poll() is not None:
+                return None
+            time.sleep(0.05)
+        raise AssertionError(f"no attempt after {after} started:\n{self.text()}")
+
+    def wait(self, timeout: float = 150.0) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            raise AssertionError(f"the job did not finish in {timeout} s:\n{self.text()}") from None
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # our own session (start_new_session), by id
+            self.proc.wait()
+
+    def finals(self) -> List[Dict[str, "torch.Tensor"]]:
+        return [torch.load(os.path.join(self.out_dir, f"final.{r}.pt")) for r in (0, 1)]
+
+
+def same_weights(a: Dict[str, "torch.Tensor"], b: Dict[str, "torch.Tensor"]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted two-rank run's final weights."""
+    job = Job(tmp_path_factory.mktemp("ddp"), "reference")
+    try:
+        assert job.wait() == 0, job.text()
+    finally:
+        job.stop()
+    finals = job.finals()
+    assert same_weights(finals[0], finals[1])  # DDP keeps the replicas equal
+    return finals
+
+
+def committed_parts(run_dir: str) -> List[int]:
+    """For every checkpoint of the run that verifies: how many ranks' parts it holds."""
+    store = CheckpointStore(run_dir)
+    parts = []
+    for info in store.list():
+        if store.verify(info).valid:
+            state = read_state(info, store)
+            parts.append(len(state.get(kd.RANKS_KEY) or []))
+    return parts
+
+
+def test_ranks_killed_at_random_resume_bit_exactly(tmp_path, reference):
+    rng = random.Random(int(os.environ.get("KEEPALIVE_TEST_SEED", "16")))
+    kills = 4
+    job = Job(tmp_path, "killed", restarts=kills + 3,
+              env={"DDP_SLOW_WRITE": "0.08", "DDP_STEP_SLEEP": "0.05", "DDP_KEEP": "0"})
+    log = []
+    attempt = -1
+    try:
+        for _ in range(kills):
+            found = job.pids(attempt)
+            if found is None:
+                break
+            attempt, pids = found
+            while f"attempt {attempt}\n" not in job.text() and job.proc.poll() is None:
+                time.sleep(0.02)  # until this attempt trains
+            time.sleep(rng.uniform(0.2, 1.0))  # a few steps (and saves) later
+            if job.proc.poll() is not None:
+                break
+            victim = rng.choice((0, 1))
+            text = job.text()
+            committed = [int(m) for m in re.findall(r"^COMMITTED (\d+)$", text, re.M)]
+            resumes_before = len(RESUME_RE.findall(text))
+            try:
+                os.kill(pids[victim], signal.SIGKILL)
+            except ProcessLookupError:
+                break
+            torn = [n for n in os.listdir(job.run_dir) if n.startswith("ckpt-")  # mid-save kills
+                    and not os.path.exists(os.path.join(job.run_dir, n, MANIFEST))]
+            log.append((victim, max(committed, default=None), len(torn), resumes_before))
+        assert job.wait() == 0, job.text()
+    finally:
+        job.stop()
+    text = job.text()
+    resumed = [int(s) for s in RESUME_RE.findall(text)]
+    print("kills (rank, last committed step, folders without manifest, resumes before):", log,
+          "resumed at:", resumed)
+    assert len(log) >= 3, f"only {len(log)} kills landed:\n{text}"
+    # the restart after a kill resumes, never before a checkpoint committed before that kill
+    for _, committed, _, resumes_before in log:
+        if committed is not None:
+            assert len(resumed) > resumes_before and resumed[resumes_before] >= committed, (log, resumed)
+    finals = job.finals()
+    for rank in (0, 1):
+        assert same_weights(finals[rank], reference[rank]), f"rank {rank} differs from the reference"
+    # no checkpoint that verifies lacks a rank's part (keep=None: all of them are still there)
+    parts = committed_parts(job.run_dir)
+    assert parts and all(n == 2 for n in parts), parts
+
+
+def test_negative_control_rank0_state_for_all_ranks_differs(tmp_path, reference):
+    job = Job(tmp_path, "broken", restarts=1, env={"DDP_SELF_KILL": "1:10", "DDP_BROKEN_RANKS": "1"})
+    try:
+        assert job.wait() == 0, job.text()
+    finally:
+        job.stop()
+    assert RESUME_RE.search(job.text()), job.text()
+    finals = job.finals()
+    assert not same_weights(finals[0], reference[0]), "the control should differ: the test is blind"
+
+
+def test_sigterm_on_one_rank_saves_once_then_all_stop_and_two_to_one_resume(tmp_path):
+    job = Job(tmp_path, "term", env={"DDP_SIGTERM": "1:16", "DDP_EVERY": "100"})
+    try:
+        code = job.wait()
+    finally:
+        job.stop()
+    text = job.text()
+    assert code != 0 and "DONE" not in text, text  # every rank stopped
+    assert "SIGTERM: saved epoch 1, step 16" in text, text
+    store = CheckpointStore(job.run_dir)
+    infos = store.list()
+    assert [i.step for i in infos] == [16], [i.name for i in infos]  # one global save
+    assert infos[0].manifest["metadata"]["reason"] == "SIGTERM received"
+    assert infos[0].manifest["metadata"]["world_size"] == 2
+    assert committed_parts(job.run_dir) == [2]
+
+    # the same run resumed by one process: loads, says why it is not bit-exact, continues by
+    # global sample (epoch 1 had 4 batches x 4 samples x 2 ranks = 32 samples done: 16 batches left)
+    one = Job(tmp_path, "one", nproc=0, run_dir=job.run_dir)
+    try:
+        assert one.wait() == 0, one.text()
+    finally:
+        one.stop()
+    text = one.text()
+    assert "written by 2 process(es), this run has 1" in text and "not bit-identical" in text, text
+    assert "resuming run" in text and "step 16" in text, text
+    assert f"DONE rank 0 step {16 + 16 + STEPS_PER_EPOCH * 2}" in text, text
+
+
+def test_notebook_launch_start_processes_resumes_when_the_cell_runs_again(tmp_path, reference):
+    """The README's notebook recipe: a cell starts two processes with
+    ``torch.multiprocessing.start_processes``; one is killed (the cell fails); running the cell again
+    resumes, and the result is bit-identical to the uninterrupted torchrun job."""
+    first = Job(tmp_path, "cell", nproc=-2, env={"DDP_SELF_KILL": "1:10"})
+    try:
+        assert first.wait() != 0, first.text()
+    finally:
+        first.stop()
+    again = Job(tmp_path, "cell", nproc=-2, run_dir=first.run_dir)
+    try:
+        assert again.wait() == 0, again.text()
+    finally:
+        again.stop()
+    assert RESUME_RE.search(again.text()), again.text()
+    finals = again.finals()
+    for rank in (0, 1):
+        assert same_weights(finals[rank], reference[rank]), f"rank {rank} differs from the reference"
+
+
+def test_deadline_on_one_rank_saves_once_and_stops_every_rank(tmp_path):
+    job = Job(tmp_path, "deadline", env={"DDP_DEADLINE": "1:20", "DDP_EVERY": "100"})
+    try:
+        assert job.wait() == 0, job.text()  # a clean stop, not a failure
+    finally:
+        job.stop()
+    text = job.text()
+    assert "DONE rank 0 step 20" in text and "DONE rank 1 step 20" in text, text
+    assert "stopping before the session ends: saved epoch 1, step 20" in text, text
+    infos = CheckpointStore(job.run_dir).list()
+    assert [i.step for i in infos] == [20], [i.name for i in infos]
+    assert "another rank" in infos[0].manifest["metadata"]["reason"]  # rank 1's deadline, rank 0 wrote
+    assert committed_parts(job.run_dir) == [2]
