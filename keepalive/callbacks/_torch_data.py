@@ -23,7 +23,7 @@ iteration: checkpoints only at epoch ends (:attr:`ResumableLoader.why_not` says 
 """
 from __future__ import annotations
 
-from typing import Any, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch.utils.data import (
@@ -237,3 +237,30 @@ def _batch_size_of(batch: Any, default: Optional[int]) -> int:
     if isinstance(batch, dict) and batch:
         return _batch_size_of(next(iter(batch.values())), default)
     return int(default or 1)
+
+
+class DatasetKeys:
+    """Names the datasets a run iterates: type, length, and place among the datasets of that type and
+    length first used in the running epoch. Code that builds its loaders (and datasets) anew in every
+    epoch thus sees the same data, in the same order, in every epoch and every session; two datasets
+    in one epoch get different orders."""
+
+    def __init__(self) -> None:
+        self._seen: Dict[int, Tuple[str, Any]] = {}  # id -> (key, dataset), this epoch
+
+    def new_epoch(self) -> None:
+        self._seen = {}
+
+    def key(self, ds: Any) -> str:
+        known = self._seen.get(id(ds))
+        if known is not None and known[1] is ds:
+            return known[0]
+        try:
+            size: Any = len(ds)
+        except TypeError:
+            size = None
+        kind = f"{type(ds).__qualname__}:{size}"
+        rank = sum(1 for k, _ in self._seen.values() if k.rsplit(":", 1)[0] == kind)
+        key = f"{kind}:{rank}"
+        self._seen[id(ds)] = (key, ds)  # holds ds: its id is not reused this epoch
+        return key

@@ -27,21 +27,13 @@ generators you register (``random.Random``, ``np.random.Generator`` / ``RandomSt
 CPU and CUDA), the data order (the sampler seed and the sample position) and ``ckpt.extras``
 (JSON-able values of yours, e.g. the best metric).
 
-Loops as people write them:
-
-* **Gradient accumulation**: the registered optimizers' steps are counted (a step hook), so
-  ``every=N`` counts optimizer steps, and nothing is saved while gradients are accumulated: a save that
-  comes due (steps, time, the deadline, Ctrl-C) waits for the next optimizer step.
-* **Saving by hand**: ``ckpt.save()`` inside the batch loop is carried out at the end of that batch,
-  after the epoch's batches it is carried out at the epoch's end: a checkpoint always describes a point
-  that a resume can continue from.
-* **Mid-epoch resume**: loaders passed through :meth:`DriveCheckpoint.batches` restart at the saved
-  sample of the epoch's order, without loading the skipped samples (see
-  :mod:`keepalive.callbacks._torch_data`). The code between ``for epoch`` and ``for batch`` runs again
-  with the random state it had when the epoch began, and ``ckpt.enumerate(loader)`` gives the true
-  batch index (``enumerate(ckpt.batches(...))`` restarts at 0 in a resumed epoch).
-* A changed batch size continues with the same samples in the same order, and says that the result is
-  no longer bit-identical.
+Loops as people write them (the README's "What resumes exactly" table has each shape): optimizer
+steps are counted by a step hook, so ``every=N`` counts them and nothing is saved while gradients are
+accumulated; ``ckpt.save()`` in the loop body is made at the end of that batch (or epoch); loaders
+passed through :meth:`DriveCheckpoint.batches` restart at the saved sample of the epoch's order without
+loading the skipped ones (:mod:`keepalive.callbacks._torch_data`); the code between ``for epoch`` and
+``for batch`` replays with the epoch's starting random state; ``ckpt.enumerate(loader)`` gives the
+true batch index in a resumed epoch.
 
 Interrupts: Ctrl-C / "Interrupt kernel" and SIGTERM inside the loop finish the current step, save, and
 then raise ``KeyboardInterrupt`` / exit; a second one acts at once.
@@ -54,16 +46,23 @@ import zlib
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 import torch
-from torch.nn.parameter import is_lazy
 
 from .. import rng
 from ..adapter import CheckpointAdapter
 from ..config import CheckpointConfig
 from ..core import Checkpointer
 from ..dataorder import mix
-from ..errors import StateMismatchError
-from ._torch_data import ResumableLoader
-from .torchstate import RandomState, check_module, check_optimizer, hyperparameters
+from ._torch_data import DatasetKeys, ResumableLoader
+from .torchstate import (
+    RandomState,
+    changed_hyperparameters,
+    check_objects,
+    gradients,
+    gradients_pending,
+    hyperparameters,
+    restore_gradients,
+    without_lazy,
+)
 
 __all__ = ["DriveCheckpoint"]
 
@@ -97,7 +96,7 @@ class DriveCheckpoint(CheckpointAdapter):
         self.data_seed: Optional[int] = None
         self._loaders: Dict[str, ResumableLoader] = {}
         self._main: Optional[ResumableLoader] = None  # the training data's loader
-        self._epoch_datasets: Dict[int, Tuple[str, Any]] = {}  # id -> (key, dataset), this epoch
+        self._datasets = DatasetKeys()
         self._train_key: Optional[str] = None  # which dataset is the training data (saved)
         self._unclaimed: Optional[Tuple[ResumableLoader, str, int, int]] = None
         self._resumed = False
@@ -155,7 +154,7 @@ class DriveCheckpoint(CheckpointAdapter):
         """
         if self._resumed:
             return self.core.resumed_from is not None
-        tree = self.core.load(check=lambda t: self._check_fits(t.get("objects", {}), t))
+        tree = self.core.load(check=lambda t: check_objects(self.objects, t, self.core.resumed_from.url))
         self._resumed = True
         if tree is None:
             self.data_seed = torch.initial_seed() & ((1 << 63) - 1)
@@ -163,60 +162,17 @@ class DriveCheckpoint(CheckpointAdapter):
         objects = tree.get("objects", {})
         for name, obj in self.objects.items():
             obj.load_state_dict(objects[name])
-        for name, groups in ((tree.get("data") or {}).get("pending_grads") or {}).items():
-            opt = self.objects.get(name)
-            if opt is None:  # not registered in this session: the check let it pass
-                continue
-            for g_live, g_saved in zip(opt.param_groups, groups):
-                for p, grad in zip(g_live["params"], g_saved):
-                    p.grad = None if grad is None else grad.to(device=p.device, dtype=p.dtype).clone()
+        restore_gradients(self.objects, (tree.get("data") or {}).get("pending_grads"))
         self._saved_data = dict(tree.get("data") or {})
         self.data_seed = int(self._saved_data.get("seed", torch.initial_seed()))
         self._seen_step = bool(self._saved_data.get("seen_step", False))
         self._train_key = self._saved_data.get("train_loader")
-        self._warn_changed_hyperparameters((tree.get("torch") or {}).get("hparams") or {})
+        for name, text in changed_hyperparameters(self._hparams, (tree.get("torch") or {}).get("hparams")):
+            self.core.warn(text, key=f"hparams:{name}")
         self.core.restore_rng(tree)
         if self.core.counters["batch"] and self._saved_data.get("epoch_rng") is not None:
             self._resume_rng = tree.get("rng")
         return True
-
-    def _check_fits(self, saved: Dict[str, Any], tree: Dict[str, Any]) -> None:
-        """Refuse, before anything is changed, a checkpoint that does not fit the live objects."""
-        where = self.core.resumed_from.url
-        missing = [n for n in self.objects if n not in saved]
-        if missing:
-            raise StateMismatchError(
-                f"checkpoint {where} has no state for {missing} (it holds "
-                f"{sorted(saved)}); register the same objects as the run that wrote it, or start a new run")
-        classes = (tree.get("torch") or {}).get("classes") or {}
-        for name, obj in self.objects.items():
-            was = classes.get(name)
-            if was is not None and was != type(obj).__name__:
-                raise StateMismatchError(
-                    f"{name}: the checkpoint {where} holds a {was}, this run has a {type(obj).__name__}. "
-                    f"Nothing was loaded. Keep the {was} to continue this run, or start a new run "
-                    "(another path or run=).")
-            if isinstance(obj, torch.nn.Module):
-                check_module(name, obj, saved[name], where)
-            elif isinstance(obj, torch.optim.Optimizer):
-                check_optimizer(name, obj, saved[name])
-
-    def _warn_changed_hyperparameters(self, saved: Dict[str, Any]) -> None:
-        """The code sets other optimizer settings than the run that wrote the checkpoint did: the
-        checkpoint's values are in force now (they are training state); say so, once."""
-        for name, groups in self._hparams.items():
-            before = saved.get(name)
-            if not before:
-                continue
-            changes = [f"{key} {g_old[key]!r} -> {new!r} (group {i})"
-                       for i, (g_new, g_old) in enumerate(zip(groups, before))
-                       for key, new in g_new.items() if key in g_old and g_old[key] != new]
-            if changes:
-                self.core.warn(
-                    f"{name}: your code now sets {', '.join(changes[:4])}, but the checkpoint's "
-                    "values (part of the training state, e.g. scheduled) are used. To change them, set "
-                    f"them after ckpt.resume(), e.g. `for g in {name}.param_groups: g['lr'] = ...`",
-                    key=f"hparams:{name}")
 
     # ------------------------------------------------------------------------------------ loops
     def epochs(self, n: int) -> Iterator[int]:
@@ -235,7 +191,7 @@ class DriveCheckpoint(CheckpointAdapter):
                 core.start_epoch()
                 self._batches_done = False
                 self._unclaimed = None
-                self._epoch_datasets = {}
+                self._datasets.new_epoch()
                 epoch_rng = self._saved_data.pop("epoch_rng", None) if core.counters["batch"] else None
                 if epoch_rng is not None:
                     rng.restore(epoch_rng)  # the prologue of a resumed epoch draws what it drew then
@@ -303,7 +259,7 @@ class DriveCheckpoint(CheckpointAdapter):
             self._batches_done = True
             if not self._in_epochs:  # `for epoch in range(n)`: the pass is the epoch
                 requested, self._save_requested = self._save_requested, False
-                self._epoch_datasets = {}
+                self._datasets.new_epoch()
                 core.end_epoch(self._capture, requested=requested)
         finally:
             self._in_batch = outer
@@ -314,7 +270,7 @@ class DriveCheckpoint(CheckpointAdapter):
                    samples_before: int = 0) -> Any:
         self._position += n
         stepped = self._steps_taken > steps_before
-        pending = self._pending_now = not stepped and self._gradients_pending()
+        pending = self._pending_now = not stepped and gradients_pending(self._optimizers)
         requested, self._save_requested = self._save_requested, False
         return self.core.advance(self._capture, steps=self._steps_of(stepped, pending), batch=done,
                                  samples=n + samples_before, can_save=rl.mid_epoch, pending=pending,
@@ -375,12 +331,6 @@ class DriveCheckpoint(CheckpointAdapter):
             return 1
         return 0 if pending or self._seen_step else 1
 
-    def _gradients_pending(self) -> bool:
-        """Gradients exist that no optimizer step has consumed yet (an accumulation in progress).
-        ``zero_grad()`` sets them to None (the default since torch 2.0): nothing pending then."""
-        return any(p.grad is not None for opt in self._optimizers
-                   for group in opt.param_groups for p in group["params"])
-
     def _outside_epochs(self) -> None:
         """``ckpt.batches()`` in a plain ``for epoch in range(n)`` loop: each pass counts as an epoch,
         but after a resume the user's loop starts over from its first epoch."""
@@ -418,25 +368,10 @@ class DriveCheckpoint(CheckpointAdapter):
         return int(position)
 
     def _resumable(self, loader: Any) -> Tuple[ResumableLoader, str]:
-        """The positionable twin of ``loader`` and its dataset's key: the dataset's type and length,
-        and its place among the datasets of that type and length first used in this epoch. Code that
-        builds its loaders (and datasets) anew in every epoch thus sees the same data, in the same
-        order, in every epoch and every session; two datasets in one epoch get different orders."""
+        """The positionable twin of ``loader`` and its dataset's key (:class:`DatasetKeys`)."""
         if not isinstance(loader, torch.utils.data.DataLoader):
             raise TypeError("ckpt.batches() takes a torch.utils.data.DataLoader")
-        ds = loader.dataset
-        known = self._epoch_datasets.get(id(ds))
-        if known is not None and known[1] is ds:
-            key = known[0]
-        else:
-            try:
-                size: Any = len(ds)  # type: ignore[arg-type]
-            except TypeError:
-                size = None
-            kind = f"{type(ds).__qualname__}:{size}"
-            rank = sum(1 for k, _ in self._epoch_datasets.values() if k.rsplit(":", 1)[0] == kind)
-            key = f"{kind}:{rank}"
-            self._epoch_datasets[id(ds)] = (key, ds)  # holds ds: its id is not reused this epoch
+        key = self._datasets.key(loader.dataset)
         rl = self._loaders.get(key)
         if rl is None or rl.original is not loader:
             rl = self._loaders[key] = ResumableLoader(loader, mix(self.data_seed or 0, zlib.crc32(key.encode())))
@@ -456,8 +391,7 @@ class DriveCheckpoint(CheckpointAdapter):
         elif self._pending_now:
             # an epoch ended inside a gradient accumulation (its last batches roll into the next
             # epoch's first step): the gradients are part of the state saved here
-            data["pending_grads"] = {name: [[p.grad for p in g["params"]] for g in opt.param_groups]
-                                     for name, opt in self.objects.items() if opt in self._optimizers}
+            data["pending_grads"] = gradients(self.objects, self._optimizers)
         return {"objects": {name: obj.state_dict() for name, obj in self.objects.items()},
                 "data": data,
                 "torch": {"classes": {n: type(o).__name__ for n, o in self.objects.items()},
@@ -467,14 +401,7 @@ class DriveCheckpoint(CheckpointAdapter):
         return self._main.batch_size if self._main is not None else None
 
     def _storable_preview(self) -> Dict[str, Any]:
-        """The state as :meth:`_capture` gives it, with the parameters of lazy modules that have not
-        run yet (``nn.LazyLinear``: no shape before the first batch) left out, for the early check."""
-        tree = self._capture()
-        objects = tree["objects"]
-        for name, sd in list(objects.items()):
-            if isinstance(sd, dict):
-                objects[name] = {k: v for k, v in sd.items() if not is_lazy(v)}
-        return tree
+        return without_lazy(self._capture())
 
     def state_dict(self) -> Dict[str, Any]:
         """The whole training state as it would be saved now (tensors are live references)."""

@@ -5,7 +5,7 @@ per-batch worker seeding. It is no adapter itself; adapters import it, never eac
 from __future__ import annotations
 
 import random
-from typing import Any, Dict, List
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -14,7 +14,9 @@ from torch.nn.parameter import is_lazy
 from ..adapter import check_fits
 from ..errors import StateMismatchError
 
-__all__ = ["RandomState", "check_module", "check_optimizer", "hyperparameters", "own", "seed_worker_rngs"]
+__all__ = ["RandomState", "changed_hyperparameters", "check_module", "check_objects", "check_optimizer",
+           "gradients", "gradients_pending", "hyperparameters", "own", "restore_gradients", "seed_worker_rngs",
+           "without_lazy"]
 
 
 def check_module(name: str, module: torch.nn.Module, saved: Dict[str, Any], where: str = "") -> None:
@@ -44,6 +46,80 @@ def check_optimizer(name: str, opt: torch.optim.Optimizer, saved: Dict[str, Any]
                 raise StateMismatchError(f"{name}: state '{k}' of parameter {saved_id} has shape "
                                          f"{tuple(v.shape)} in the checkpoint, the parameter "
                                          f"{tuple(p.shape)}. Nothing was loaded.")
+
+
+def check_objects(objects: Mapping[str, Any], tree: Mapping[str, Any], where: str) -> None:
+    """Refuse, before anything is changed, a checkpoint whose objects do not fit the live ones:
+    missing state, another class (SGD -> Adam), other parameter names or shapes."""
+    saved = tree.get("objects", {})
+    missing = [n for n in objects if n not in saved]
+    if missing:
+        raise StateMismatchError(
+            f"checkpoint {where} has no state for {missing} (it holds "
+            f"{sorted(saved)}); register the same objects as the run that wrote it, or start a new run")
+    classes = (tree.get("torch") or {}).get("classes") or {}
+    for name, obj in objects.items():
+        was = classes.get(name)
+        if was is not None and was != type(obj).__name__:
+            raise StateMismatchError(
+                f"{name}: the checkpoint {where} holds a {was}, this run has a {type(obj).__name__}. "
+                f"Nothing was loaded. Keep the {was} to continue this run, or start a new run "
+                "(another path or run=).")
+        if isinstance(obj, torch.nn.Module):
+            check_module(name, obj, saved[name], where)
+        elif isinstance(obj, torch.optim.Optimizer):
+            check_optimizer(name, obj, saved[name])
+
+
+def changed_hyperparameters(now: Mapping[str, List[Dict[str, Any]]],
+                            saved: Optional[Mapping[str, Any]]) -> Iterator[Tuple[str, str]]:
+    """``(optimizer name, message)`` for each optimizer whose settings the code now sets otherwise
+    than the run that wrote the checkpoint did: the checkpoint's values are in force (training state)."""
+    for name, groups in now.items():
+        before = (saved or {}).get(name)
+        if not before:
+            continue
+        changes = [f"{key} {g_old[key]!r} -> {new!r} (group {i})"
+                   for i, (g_new, g_old) in enumerate(zip(groups, before))
+                   for key, new in g_new.items() if key in g_old and g_old[key] != new]
+        if changes:
+            yield name, (f"{name}: your code now sets {', '.join(changes[:4])}, but the checkpoint's "
+                         "values (part of the training state, e.g. scheduled) are used. To change them, "
+                         f"set them after ckpt.resume(), e.g. `for g in {name}.param_groups: g['lr'] = ...`")
+
+
+def gradients_pending(optimizers: Sequence[torch.optim.Optimizer]) -> bool:
+    """Gradients exist on the optimizers' parameters (``zero_grad()`` sets them to None, the
+    default since torch 2.0): with no step since, an accumulation is in progress."""
+    return any(p.grad is not None for opt in optimizers for group in opt.param_groups for p in group["params"])
+
+
+def gradients(objects: Mapping[str, Any], optimizers: Sequence[Any]) -> Dict[str, List[List[Any]]]:
+    """The pending gradients of each registered optimizer's parameters, by group (for a checkpoint
+    taken inside a gradient accumulation)."""
+    return {name: [[p.grad for p in g["params"]] for g in opt.param_groups]
+            for name, opt in objects.items() if any(opt is o for o in optimizers)}
+
+
+def restore_gradients(objects: Mapping[str, Any], saved: Optional[Mapping[str, Any]]) -> None:
+    """Put :func:`gradients` back on the live parameters (an optimizer not registered now: skipped)."""
+    for name, groups in (saved or {}).items():
+        opt = objects.get(name)
+        if opt is None:
+            continue
+        for g_live, g_saved in zip(opt.param_groups, groups):
+            for p, grad in zip(g_live["params"], g_saved):
+                p.grad = None if grad is None else grad.to(device=p.device, dtype=p.dtype).clone()
+
+
+def without_lazy(tree: Dict[str, Any]) -> Dict[str, Any]:
+    """``tree`` with the parameters of lazy modules that have not run yet (``nn.LazyLinear``: no
+    shape before the first batch) left out of its objects: what can be checked for storability."""
+    objects = tree["objects"]
+    for name, sd in list(objects.items()):
+        if isinstance(sd, dict):
+            objects[name] = {k: v for k, v in sd.items() if not is_lazy(v)}
+    return tree
 
 
 def own(x: Any) -> Any:
