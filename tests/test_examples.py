@@ -25,7 +25,8 @@ EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 NOTEBOOKS = sorted(glob.glob(os.path.join(EXAMPLES, "*.ipynb")))
 DEFAULT_TIMEOUT = 300
 FRAMEWORK_MODULES = {"torch": ["torch"], "keras": ["keras"], "fastai": ["fastai", "torch"],
-                     "lightning": ["lightning", "torch"], "tensorflow": ["tensorflow"]}
+                     "lightning": ["lightning", "torch"], "tensorflow": ["tensorflow"],
+                     "transformers": ["transformers", "torch"]}
 
 # The registry's torchvision is a CUDA build: next to the CPU torch here, `import torchvision` fails
 # with "operator torchvision::nms does not exist" unless the op schemas exist first (see DESIGN.md).
@@ -52,7 +53,7 @@ def framework_of(path: str, nb) -> str:
     if prefix in FRAMEWORK_MODULES:
         return prefix
     source = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
-    for fw in ("fastai", "keras", "lightning", "torch"):
+    for fw in ("fastai", "keras", "lightning", "transformers", "torch"):
         if f"keepalive.callbacks.{fw}" in source:
             return fw
     return "none"
@@ -104,7 +105,7 @@ def test_example_notebook_runs_cleanly(path, tmp_path):
         if not _importable(mod):
             pytest.skip(f"{os.path.basename(path)} needs {mod} ({fw}), which is not installed")
     code = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
-    if ("torchvision" in code or fw == "fastai") and not torchvision_imports():
+    if ("torchvision" in code or fw in ("fastai", "transformers", "lightning")) and not torchvision_imports():
         nb.cells.insert(0, nbformat.v4.new_code_cell(TORCHVISION_SHIM))
     timeout = int(_meta(nb).get("test_timeout", DEFAULT_TIMEOUT))
     env = dict(os.environ, KEEPALIVE_DIR=str(tmp_path / "checkpoints"), KEEPALIVE_PROGRESS="0",

@@ -1,0 +1,462 @@
+"""``DriveCheckpoint`` for the Hugging Face ``transformers.Trainer``: a ``TrainerCallback``.
+
+::
+
+    trainer = Trainer(model=model, args=args, train_dataset=ds,
+                      callbacks=[DriveCheckpoint("/content/drive/MyDrive/runs/lora")])
+    trainer.train()
+
+Run the same cell again after a crash, a disconnect or a new session: ``trainer.train()`` continues
+from the newest valid checkpoint as if never interrupted (no ``resume_from_checkpoint`` needed).
+
+What is saved and restored: the model (for a PEFT model, or any model with frozen parameters, only
+what trains: the adapter weights and buffers, not the frozen base), the optimizer, the LR scheduler,
+the grad scaler, ``TrainerState`` (global step, epoch, log history, best metric, FLOs, tokens seen), the
+Trainer's running loss sums (so the first loss logged after a resume is the one an uninterrupted run
+logs), the state of stateful callbacks (``EarlyStoppingCallback``'s patience), every RNG, and the data
+position: the epoch and the batch within it.
+
+When: ``every=`` counts optimizer steps (with gradient accumulation a save never lands between two
+micro-batches), or ``"epoch"`` / a duration; the session's deadline saves and stops the training cleanly
+(``control.should_training_stop``). A due save is written after the Trainer's own logging, evaluation
+and checkpointing of that step, so the checkpoint holds their results too.
+
+Data position: the training loader's batch sampler is replaced, at the start of ``train()``, by one that
+yields the same batches in the same order and can start an epoch at any batch
+(:mod:`keepalive.callbacks._hf_data`): a resume computes the epoch's order and continues at the saved
+batch without fetching the ones before it. Epochs completed before the restart are not run at all.
+Supported: map-style datasets with the Trainer's default sampling (random or sequential), one process.
+Other samplers and ``IterableDataset`` s: checkpoints at epoch ends only (a warning says so).
+
+The Trainer's own checkpoints (``save_strategy`` / ``save_steps``, written to ``output_dir``) are
+independent of this callback: they may stay on (e.g. for ``load_best_model_at_end`` or to push to the
+Hub) or be turned off (``save_strategy="no"``), which also removes their stall. With a keepalive
+checkpoint present, its state (validated, usually newer) replaces what ``resume_from_checkpoint=``
+loaded; without one, the Trainer's own resume runs as usual and keepalive checkpoints from there.
+
+How: the callback finds its ``Trainer`` when training begins and, for that ``train()`` call only, puts a
+wrapper in front of the instance's ``_run_epoch`` that skips completed epochs and hands the resumed
+epoch its step counter (the same arguments the Trainer's own resume passes). Nothing is patched
+globally and no subclass is needed.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Dict, List, Optional, Union
+
+import torch
+from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.trainer_callback import ExportableState
+
+from ..adapter import CheckpointAdapter, check_fits
+from ..config import CheckpointConfig
+from ..core import Checkpointer
+from ..errors import StateMismatchError
+from . import _hf_data
+from .torchstate import check_optimizer, own
+
+__all__ = ["DriveCheckpoint"]
+
+FORMAT = 1
+#: TrainerState fields that are training progress (the others are settings the Trainer recomputes)
+_STATE_FIELDS = ("epoch", "global_step", "num_input_tokens_seen", "total_flos", "log_history", "best_metric",
+                 "best_global_step", "best_model_checkpoint", "trial_name", "trial_params")
+#: a path that is never a Trainer checkpoint: the Trainer's resume branch runs, its file loads find nothing
+_NO_CHECKPOINT = os.path.join(os.sep, "nonexistent", "keepalive-positioned-resume")
+
+
+class DriveCheckpoint(CheckpointAdapter, TrainerCallback):
+    """Checkpoint a ``transformers.Trainer`` training to a local folder, a mounted Drive or any fsspec URL.
+
+    Pass it in ``Trainer(..., callbacks=[DriveCheckpoint(path)])`` (or ``trainer.add_callback``).
+    Options: see :class:`keepalive.config.CheckpointConfig`. What is saved, when, and how the position is
+    restored: see the module.
+    """
+
+    def __init__(self, path: Union[str, "os.PathLike[str]", None] = None, *,
+                 config: Optional[CheckpointConfig] = None, **options: Any):
+        cfg = CheckpointConfig.strict(path, config, options, "DriveCheckpoint")
+        self.core = Checkpointer(config=cfg, framework="transformers")
+        self._trainer: Optional[Trainer] = None
+        self._sampler: Optional[_hf_data.PositionedBatchSampler] = None
+        self._active = False
+        self._epoch = 0                 # the running epoch
+        self._epochs_begun = 0          # on_epoch_begin calls in this train() call
+        self._batches = 0               # batches (micro-batches) done in the running epoch
+        self._batches_counted = 0       # ... of which counted by the core (samples)
+        self._batch_size = 0
+        self._steps_in_epoch = 0
+        self._pending_step = False      # an optimizer step ended; its boundary is after the Trainer's logging
+        self._pending_epoch: Optional[int] = None  # an epoch ended (its number); boundary at the next event
+        self._resume: Optional[Dict[str, Any]] = None   # where the restored checkpoint continues
+        self._rng_tree: Optional[Dict[str, Any]] = None  # RNGs to put back at the resume point
+        self._finishing = False
+        self._complete = False          # the run had finished before this train() call
+        self._restored = False          # this train() call continues a keepalive checkpoint
+
+    def __repr__(self) -> str:
+        return f"DriveCheckpoint({self.core.url!r})"
+
+    # ------------------------------------------------------------------------------ train begin
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                       **kwargs: Any) -> None:
+        trainer = self._find_trainer()
+        self._trainer = trainer
+        core = self.core
+        core.new_fit()
+        self._active, self._finishing, self._complete = False, False, False
+        self._pending_step, self._pending_epoch, self._resume, self._rng_tree = False, None, None, None
+        self._epoch = self._batches = self._epochs_begun = 0
+        loader = kwargs.get("train_dataloader")
+        self._steps_in_epoch = _length(loader)
+        self._batch_size = int(trainer._train_batch_size)
+        if args.world_size > 1:
+            self._sampler, why = None, ("training on several processes: keepalive positions one process's "
+                                        "data only; checkpoints at epoch ends only")
+        else:
+            self._sampler, why = _hf_data.install(loader, int(args.data_seed if args.data_seed is not None
+                                                              else args.seed))
+        core.trigger.mid_epoch, core.mid_epoch_obstacle = self._sampler is not None, why or None
+        if why:
+            core.warn(why, key="hf-positionable")
+        tree = core.load(describe=self._describe, check=self._check_fits)  # may refuse: nothing changed
+        self._restored = tree is not None
+        if tree is not None:
+            self._restore(trainer, state, tree)
+        self._active = True
+        core.total_epochs = int(state.num_train_epochs or 0) or None
+        # The instance attribute comes before the class's method: this train() call only (see module)
+        trainer._run_epoch = _EpochRunner(self, trainer)  # type: ignore[method-assign,assignment]
+        if self._complete:
+            control.should_training_stop = True
+            return
+        core.check_storable(self._capture)  # a value that cannot be stored fails now
+        core.install_signal_handlers()
+
+    def _find_trainer(self) -> Trainer:
+        """The Trainer whose callback handler is calling us (callbacks are given no reference to it)."""
+        frame = sys._getframe(1)
+        while frame is not None:
+            obj = frame.f_locals.get("self")
+            if isinstance(obj, Trainer) and any(cb is self for cb in obj.callback_handler.callbacks):
+                return obj
+            frame = frame.f_back  # type: ignore[assignment]
+        raise RuntimeError("keepalive's DriveCheckpoint works inside transformers.Trainer.train(); "
+                           "pass it as Trainer(..., callbacks=[DriveCheckpoint(path)])")
+
+    # ---------------------------------------------------------------------------------- events
+    def on_epoch_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                       **kwargs: Any) -> None:
+        if not self._active:
+            return
+        epoch, self._epochs_begun = self._epochs_begun, self._epochs_begun + 1  # the Trainer's loop variable
+        if self._resume is not None and epoch < self._resume["epoch"]:
+            return  # completed before the restart: the runner skips it
+        self._epoch_boundary(control)
+        if self.core.stopped:
+            return
+        self._epoch, self._batches = epoch, 0
+        self.core.start_epoch()
+        resume = self._resume
+        if resume is not None and epoch == resume["epoch"]:
+            self._batches = int(resume["batch"])
+        self._batches_counted = self._batches
+        if resume is not None and epoch == resume["epoch"]:
+            if not self._batches:
+                self._put_back_rng()  # before the epoch's iterator is made (it draws a seed)
+
+    def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                      **kwargs: Any) -> None:
+        if not self._active:
+            return
+        self._put_back_rng()
+        self._step_boundary(control)
+
+    def on_substep_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                       **kwargs: Any) -> None:
+        if self._active:
+            self._batches += 1
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    **kwargs: Any) -> None:
+        if self._active:
+            self._batches += 1
+            self._pending_step = True  # acted on after the Trainer's logging / evaluation / saving
+
+    def on_epoch_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                     **kwargs: Any) -> None:
+        if not self._active:
+            return
+        self._put_back_rng()  # a resume at an epoch's very last step: the epoch-end work comes next
+        self._step_boundary(control)
+        if self.core.stopped:
+            # stopped for the deadline inside the epoch: no epoch-end logging / evaluation / saving
+            control.should_log = control.should_evaluate = control.should_save = False
+            return
+        known = self._steps_in_epoch > 0  # an IterableDataset's epoch has no length: it ends when it ends
+        if (self._batches >= self._steps_in_epoch) if known else not control.should_training_stop:
+            self._pending_epoch = self._epoch + 1
+
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                     **kwargs: Any) -> None:
+        if not self._active:
+            return
+        core = self.core
+        try:
+            if not core.stopped and not self._complete:
+                self._finishing = True
+                epochs = self._pending_epoch if self._pending_epoch is not None else self._epoch
+                if self._pending_epoch is not None:
+                    self._epoch, self._batches = epochs, 0
+                self._pending_epoch = None
+                core.end_epoch(self._capture, last=True, epoch=epochs)
+        finally:
+            self._active = False
+            core.uninstall_signal_handlers()
+            core.close()
+
+    # ------------------------------------------------------------------------------ boundaries
+    def _step_boundary(self, control: TrainerControl) -> None:
+        """The optimizer step that ended last, after the Trainer's own work for it: count, save, stop."""
+        if not self._pending_step:
+            return
+        self._pending_step = False
+        try:
+            decision = self.core.advance(self._capture, steps=1, batch=self._batches,
+                                         samples=self._batch_size * self._batches_since_step(),
+                                         can_save=self._sampler is not None)
+        except BaseException:  # an interrupt saved and now takes effect (or a failure): train() ends
+            self._active = False
+            raise
+        if decision.stop:
+            control.should_training_stop = True
+
+    def _batches_since_step(self) -> int:
+        """Batches of the optimizer step being counted (gradient accumulation: several)."""
+        new = max(0, self._batches - self._batches_counted)
+        self._batches_counted = self._batches
+        return new
+
+    def _epoch_boundary(self, control: TrainerControl) -> None:
+        if self._pending_epoch is None:
+            return
+        epochs, self._pending_epoch = self._pending_epoch, None
+        self._epoch, self._batches = epochs, 0
+        try:
+            decision = self.core.end_epoch(self._capture, epoch=epochs)
+        except BaseException:
+            self._active = False
+            raise
+        if decision.stop:
+            control.should_training_stop = True
+
+    def _put_back_rng(self) -> None:
+        tree, self._rng_tree = self._rng_tree, None
+        if tree is not None:
+            self.core.restore_rng(tree)
+
+    # --------------------------------------------------------------------------------- capture
+    def _model_state(self, model: torch.nn.Module) -> Dict[str, Any]:
+        """What trains: with frozen parameters (PEFT / LoRA, a frozen backbone), only the rest."""
+        frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+        return {k: v for k, v in model.state_dict().items() if k not in frozen}
+
+    def _objects(self, trainer: Trainer) -> Dict[str, Any]:
+        objects: Dict[str, Any] = {"model": trainer.model, "optimizer": trainer.optimizer}
+        if trainer.lr_scheduler is not None and hasattr(trainer.lr_scheduler, "state_dict"):
+            objects["scheduler"] = trainer.lr_scheduler
+        scaler = getattr(trainer.accelerator, "scaler", None)
+        if scaler is not None:
+            objects["scaler"] = scaler
+        return objects
+
+    def _capture(self) -> Dict[str, Any]:
+        trainer = self._trainer
+        assert trainer is not None
+        objects = {name: (self._model_state(obj) if name == "model" else obj.state_dict())
+                   for name, obj in self._objects(trainer).items()}
+        st = trainer.state
+        hf = {
+            "format": FORMAT,
+            "state": {name: getattr(st, name) for name in _STATE_FIELDS},
+            "trainer": {"tr_loss": trainer._tr_loss.detach(),
+                        "total_loss_scalar": float(trainer._total_loss_scalar),
+                        "globalstep_last_logged": int(trainer._globalstep_last_logged),
+                        "current_flos": float(trainer.current_flos)},
+            "callbacks": _callback_states(trainer),
+            "classes": {"model": type(trainer.model).__name__},
+            "finished": self._finishing,
+        }
+        data = {"epoch": self._epoch, "batch": self._batches, "steps_in_epoch": self._steps_in_epoch,
+                "batch_size": self._batch_size,
+                "gradient_accumulation_steps": int(trainer.args.gradient_accumulation_steps),
+                "order": None if self._sampler is None else [self._sampler.kind, self._sampler.seed]}
+        return {"objects": objects, "hf": hf, "data": data}
+
+    # --------------------------------------------------------------------------------- restore
+    def _describe(self, tree: Dict[str, Any]) -> str:
+        data = tree.get("data") or {}
+        if data.get("batch") and not (tree.get("hf") or {}).get("finished"):
+            return f"epoch {data['epoch']} continues at batch {data['batch']}/{data.get('steps_in_epoch')}"
+        return ""
+
+    def _check_fits(self, tree: Dict[str, Any]) -> None:
+        trainer = self._trainer
+        assert trainer is not None
+        where = self.core.resumed_from.url if self.core.resumed_from else self.core.url
+        saved = tree.get("objects") or {}
+        was = ((tree.get("hf") or {}).get("classes") or {}).get("model")
+        if was is not None and was != type(trainer.model).__name__:
+            raise StateMismatchError(f"model: the checkpoint {where} holds a {was}, this Trainer trains a "
+                                     f"{type(trainer.model).__name__}. Nothing was loaded. Use another run "
+                                     "(path or run=) for another model.")
+        check_fits("model", self._model_state(_model(trainer)), saved.get("model", {}), where=where,
+                   lacks="the model (or its trainable part, e.g. the LoRA adapters) differs")
+        check_optimizer("optimizer", _inner_optimizer(trainer.optimizer), saved.get("optimizer", {}))
+        data = tree.get("data") or {}
+        if data.get("batch"):
+            now = (self._batch_size, int(trainer.args.gradient_accumulation_steps), self._steps_in_epoch)
+            then = (data.get("batch_size"), data.get("gradient_accumulation_steps"), data.get("steps_in_epoch"))
+            if now != then:
+                raise StateMismatchError(
+                    f"the checkpoint {where} is inside epoch {data['epoch']} of a training with batch size, "
+                    f"gradient accumulation and batches per epoch {then}; this one has {now}. Nothing was "
+                    "loaded. Keep the settings to continue the run, or start a new run (path or run=).")
+            if self._sampler is None:
+                raise StateMismatchError(
+                    f"the checkpoint {where} is inside epoch {data['epoch']}, but this training's data cannot "
+                    f"be positioned ({self.core.mid_epoch_obstacle}). Nothing was loaded.")
+
+    def _restore(self, trainer: Trainer, state: TrainerState, tree: Dict[str, Any]) -> None:
+        objects = tree.get("objects") or {}
+        live = self._objects(trainer)
+        device = trainer.args.device
+        model = _model(trainer)
+        saved_model = {k: v.to(device=_device_of(model, k), copy=True) for k, v in objects["model"].items()}
+        missing = model.load_state_dict(saved_model, strict=False)
+        if missing.unexpected_keys:
+            raise StateMismatchError(f"model: unexpected keys {missing.unexpected_keys[:3]} in the checkpoint")
+        for name in ("optimizer", "scheduler", "scaler"):
+            if name in live and name in objects:
+                live[name].load_state_dict(own(objects[name]))
+        hf = tree.get("hf") or {}
+        for name, value in (hf.get("state") or {}).items():
+            if name in _STATE_FIELDS:
+                setattr(state, name, own(value))
+        acc = hf.get("trainer") or {}
+        if "tr_loss" in acc:
+            trainer._tr_loss = acc["tr_loss"].to(device=device, copy=True)
+            trainer._total_loss_scalar = float(acc["total_loss_scalar"])
+            trainer._globalstep_last_logged = int(acc["globalstep_last_logged"])
+            trainer.current_flos = float(acc["current_flos"])  # type: ignore[assignment]
+        _restore_callback_states(trainer, hf.get("callbacks") or {})
+        data = tree.get("data") or {}
+        if data.get("order") and self._sampler is not None:
+            self._sampler.kind, self._sampler.seed = data["order"][0], int(data["order"][1])
+        if hf.get("finished"):
+            self._complete = True
+            self.core.already_complete(message=f"run '{self.core.store.run}' already completed (global step "
+                                               f"{state.global_step}); its final state is restored and "
+                                               "nothing is trained. To train again, use another run "
+                                               "(path or run=).")
+            return
+        self._resume = {"epoch": int(data.get("epoch", 0)), "batch": int(data.get("batch", 0))}
+        self._rng_tree = {"rng": tree.get("rng")}  # only the RNGs: the tensors are loaded already
+
+
+class _EpochRunner:
+    """Stands in for ``trainer._run_epoch`` during one ``train()`` call (see the module)."""
+
+    def __init__(self, cb: DriveCheckpoint, trainer: Trainer):
+        self.cb, self.trainer = cb, trainer
+
+    def __call__(self, **kwargs: Any) -> Any:
+        cb, trainer = self.cb, self.trainer
+        run = type(trainer)._run_epoch.__get__(trainer)
+        if not cb._active or trainer._run_epoch is not self:
+            return run(**kwargs)
+        epoch = int(kwargs["epoch"])
+        resume = cb._resume
+        if cb._complete or cb.core.stopped or trainer.control.should_training_stop:
+            return None
+        if resume is not None and epoch < resume["epoch"]:
+            return None  # completed before the restart
+        sampler = cb._sampler
+        if sampler is not None:
+            sampler.set_epoch(epoch)
+        if resume is not None and epoch == resume["epoch"] and resume["batch"]:
+            done = int(resume["batch"])
+            if sampler is not None:
+                sampler.start = sampler.placeholders = done
+            # the Trainer's own resume arguments: its step counter, epoch fraction and accumulation
+            # boundaries continue at batch `done`; its SkipBatchSampler drops our placeholders
+            kwargs.update(resume_from_checkpoint=_NO_CHECKPOINT, epochs_trained=epoch,
+                          steps_trained_in_current_epoch=done)
+            ignore = trainer.args.ignore_data_skip
+            trainer.args.ignore_data_skip = False
+            try:
+                return run(**kwargs)
+            finally:
+                trainer.args.ignore_data_skip = ignore
+                cb._resume = None
+        if resume is not None and epoch >= resume["epoch"]:
+            cb._resume = None
+        if cb._restored:
+            # keepalive's checkpoint is in force: a Trainer checkpoint passed to train() as well must
+            # not make it skip batches of this epoch
+            kwargs.update(resume_from_checkpoint=None)
+        return run(**kwargs)
+
+
+# ------------------------------------------------------------------------------------ helpers
+def _length(loader: Any) -> int:
+    try:
+        return len(loader)
+    except TypeError:
+        return 0
+
+
+def _model(trainer: Trainer) -> torch.nn.Module:
+    if trainer.model is None:
+        raise RuntimeError("the Trainer has no model")
+    return trainer.model
+
+
+def _inner_optimizer(opt: Any) -> torch.optim.Optimizer:
+    return getattr(opt, "optimizer", opt)  # accelerate's AcceleratedOptimizer wraps the torch one
+
+
+def _device_of(model: torch.nn.Module, key: str) -> Any:
+    try:
+        return model.get_parameter(key).device
+    except (AttributeError, TypeError):
+        try:
+            return model.get_buffer(key).device
+        except (AttributeError, TypeError):
+            return next(model.parameters()).device
+
+
+def _exportable(trainer: Trainer) -> List[Any]:
+    return [cb for cb in trainer.callback_handler.callbacks
+            if isinstance(cb, ExportableState) and not isinstance(cb, DriveCheckpoint)]
+
+
+def _callback_states(trainer: Trainer) -> Dict[str, Any]:
+    """Stateful callbacks' attributes (EarlyStoppingCallback's patience counter, ...), by class and rank."""
+    out: Dict[str, Any] = {}
+    for cb in _exportable(trainer):
+        name = type(cb).__name__
+        out.setdefault(name, []).append(dict((cb.state() or {}).get("attributes") or {}))
+    return out
+
+
+def _restore_callback_states(trainer: Trainer, saved: Dict[str, Any]) -> None:
+    ranks: Dict[str, int] = {}
+    for cb in _exportable(trainer):
+        name = type(cb).__name__
+        i = ranks[name] = ranks.get(name, -1) + 1
+        states = saved.get(name) or []
+        if i < len(states):
+            for attr, value in states[i].items():
+                setattr(cb, attr, own(value))
