@@ -47,9 +47,10 @@ def test_sigkill_resume_is_bit_exact(tmp_path, workers, every, kills):
         if prev.killed_after_step and prev.last_committed:
             assert cur.resumed_step is not None, "a restart did not resume"
             assert prev.killed_after_step - cur.resumed_step <= 2 * n, (prev, cur)
+    redone = [p.killed_after_step - c.resumed_step for p, c in zip(report.trials, report.trials[1:])
+              if p.killed_after_step and c.resumed_step is not None]
     print(f"\nworkers={workers}: {report.kills} kills survived, torn folders seen after kills: "
-          f"{sum(t.torn_folders_after_kill for t in report.trials)}, "
-          f"steps redone per kill: {[p.killed_after_step - c.resumed_step for p, c in zip(report.trials, report.trials[1:]) if p.killed_after_step and c.resumed_step is not None]}")
+          f"{sum(t.torn_folders_after_kill for t in report.trials)}, steps redone per kill: {redone}")
 
 
 def test_sigkill_with_gradient_accumulation_and_time_based_saves(tmp_path):

@@ -1,0 +1,149 @@
+"""What a Lightning checkpoint leaves out but an exact mid-epoch resume needs, and the filter that
+keeps a Lightning checkpoint storable without pickling.
+
+Lightning's own checkpoint (``dump_checkpoint``) holds model, optimizers, schedulers, precision plugin,
+loops, callbacks, datamodule. Inside an epoch three more things carry training state:
+
+* the epoch's accumulators of ``self.log(..., on_epoch=True)`` values (``fit_loop.epoch_loop._results``):
+  without them a resumed epoch's ``train_loss_epoch`` averages only the batches after the restart;
+* the states of ``torchmetrics`` metrics of the module (not in its ``state_dict``: non-persistent);
+* the trainer's last metrics (``callback_metrics`` / ``logged_metrics`` / ``progress_bar_metrics``),
+  which callbacks read between validations (``ModelCheckpoint(monitor=..., every_n_train_steps=...)``).
+
+Each is captured as plain values and tensors and put back before training continues.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+
+from ..errors import UnsupportedStateError
+from ..state import encode
+
+_REDUCTIONS = ("mean", "sum", "max", "min")
+#: entries of a Lightning checkpoint that describe, not train: dropped when they cannot be stored
+_DESCRIPTIVE = ("hyper_parameters", "hparams_name", "hparams_type", "datamodule_hyper_parameters",
+                "datamodule_hparams_name", "datamodule_hparams_type")
+
+
+# ------------------------------------------------------------------------------ storability
+def storable_checkpoint(ckpt: Dict[str, Any], note: Callable[[str, str], None]) -> Dict[str, Any]:
+    """The checkpoint without entries keepalive cannot store (it never pickles): hyper-parameters that
+    hold objects (Lightning restores none of them in ``fit``) are left out with a note; anything else
+    that cannot be stored raises :class:`~keepalive.errors.UnsupportedStateError` naming it."""
+    out = dict(ckpt)
+    for key in _DESCRIPTIVE:
+        if key in out:
+            try:
+                encode(out[key])
+            except UnsupportedStateError as exc:
+                del out[key]
+                note(f"'{key}' of the Lightning checkpoint is not stored ({exc}); fit() restores no "
+                     "hyper-parameters, so the resume is unaffected.", f"lightning-drop:{key}")
+    return out
+
+
+# ------------------------------------------------------------------------- logged accumulators
+def capture_results(results: Any) -> List[Dict[str, Any]]:
+    """The running epoch's ``self.log`` accumulators (tensor values; Metric objects are restored
+    through :func:`capture_metrics`)."""
+    out: List[Dict[str, Any]] = []
+    for key, rm in (results or {}).items():
+        if not getattr(rm, "is_tensor", False):
+            continue
+        meta = rm.meta
+        reduce = getattr(meta.reduce_fx, "__name__", "")
+        if reduce not in _REDUCTIONS:
+            continue
+        entry: Dict[str, Any] = {
+            "key": key, "fx": meta.fx, "name": meta.name, "prog_bar": meta.prog_bar, "logger": meta.logger,
+            "on_step": meta.on_step, "on_epoch": meta.on_epoch, "reduce_fx": reduce,
+            "enable_graph": meta.enable_graph, "add_dataloader_idx": meta.add_dataloader_idx,
+            "metric_attribute": meta.metric_attribute, "sync_dist": bool(meta.sync.should),
+            "rank_zero_only": bool(getattr(meta.sync, "rank_zero_only", False)),
+            "has_reset": bool(rm.has_reset), "value": rm.value}
+        if hasattr(rm, "cumulated_batch_size"):
+            entry["cumulated_batch_size"] = rm.cumulated_batch_size
+        if rm._forward_cache is not None:
+            entry["forward_cache"] = rm._forward_cache
+        out.append(entry)
+    return out
+
+
+def restore_results(results: Any, saved: List[Dict[str, Any]], reduce_fn: Any) -> None:
+    """Recreate the accumulators in a fresh result collection (through its own ``log``, so their
+    metadata equals what the module's next ``self.log`` brings), then put the saved values in."""
+    for e in saved:
+        if e["fx"] + "." + e["name"] != e["key"]:
+            continue  # a dataloader-indexed key: not a training accumulator
+        value = e["value"]
+        results.log(e["fx"], e["name"], torch.zeros((), dtype=value.dtype, device=value.device),
+                    prog_bar=e["prog_bar"], logger=e["logger"], on_step=e["on_step"], on_epoch=e["on_epoch"],
+                    reduce_fx=e["reduce_fx"], enable_graph=e["enable_graph"],
+                    add_dataloader_idx=e["add_dataloader_idx"], batch_size=1, sync_dist=e["sync_dist"],
+                    sync_dist_fn=reduce_fn, metric_attribute=e["metric_attribute"],
+                    rank_zero_only=e["rank_zero_only"])
+        rm = results[e["key"]]
+        rm.value = value.clone()
+        if "cumulated_batch_size" in e:
+            rm.cumulated_batch_size = e["cumulated_batch_size"].clone()
+        fc = e.get("forward_cache")
+        rm._forward_cache = fc.clone() if fc is not None else None
+        rm._computed = None
+        rm.has_reset = e["has_reset"]
+
+
+# ------------------------------------------------------------------------------- torchmetrics
+def capture_metrics(module: torch.nn.Module) -> Dict[str, Any]:
+    """The states of the module's ``torchmetrics.Metric`` children (non-persistent: not in its
+    ``state_dict``)."""
+    tm = sys.modules.get("torchmetrics")
+    if tm is None:
+        return {}
+    out: Dict[str, Any] = {}
+    for name, m in module.named_modules():
+        if isinstance(m, tm.Metric) and getattr(m, "_defaults", None) is not None:
+            out[name] = {"states": {attr: getattr(m, attr) for attr in m._defaults},
+                         "update_count": int(getattr(m, "_update_count", 0))}
+    return out
+
+
+def restore_metrics(module: torch.nn.Module, saved: Dict[str, Any]) -> None:
+    if not saved:
+        return
+    mods = dict(module.named_modules())
+    for name, s in saved.items():
+        m = mods.get(name)
+        if m is None:
+            continue
+        for attr, v in s["states"].items():
+            if attr in getattr(m, "_defaults", {}):
+                if isinstance(v, torch.Tensor):
+                    v = v.clone()
+                elif isinstance(v, list):
+                    v = [t.clone() if isinstance(t, torch.Tensor) else t for t in v]
+                setattr(m, attr, v)
+        m._update_count = int(s.get("update_count", 0))
+        m._computed = None
+
+
+# --------------------------------------------------------------------------- trainer metrics
+def capture_trainer_metrics(trainer: Any) -> Dict[str, Any]:
+    lc = trainer._logger_connector
+    return {"callback": dict(lc._callback_metrics), "logged": dict(lc._logged_metrics),
+            "pbar": {k: v for k, v in lc._progress_bar_metrics.items() if isinstance(v, (int, float))}}
+
+
+def restore_trainer_metrics(trainer: Any, saved: Optional[Dict[str, Any]]) -> None:
+    if not saved:
+        return
+    lc = trainer._logger_connector
+    lc._callback_metrics.update({k: _owned(v) for k, v in saved.get("callback", {}).items()})
+    lc._logged_metrics.update({k: _owned(v) for k, v in saved.get("logged", {}).items()})
+    lc._progress_bar_metrics.update(saved.get("pbar", {}))
+
+
+def _owned(v: Any) -> Any:
+    return v.clone() if isinstance(v, torch.Tensor) else v

@@ -1,0 +1,374 @@
+"""``DriveCheckpoint`` for PyTorch Lightning: a ``Callback`` that makes re-running the same cell enough.
+
+::
+
+    trainer = Trainer(max_epochs=20, callbacks=[DriveCheckpoint("/content/drive/MyDrive/runs/lit")])
+    trainer.fit(model, datamodule=dm)   # after a reset: continues from the newest valid checkpoint
+
+No ``ckpt_path``: ``fit`` finds the run's newest valid checkpoint itself (falling back past torn or
+corrupt ones) and continues bit for bit as if never interrupted, inside an epoch too.
+
+What is saved: exactly what Lightning's own checkpoint holds (``trainer._checkpoint_connector.
+dump_checkpoint()``: model, optimizers, LR schedulers, precision plugin / GradScaler, the loops'
+progress, every callback's ``state_dict`` (``EarlyStopping``, ``ModelCheckpoint``, yours), the
+datamodule's state, your ``on_save_checkpoint`` additions), restored by Lightning's own code
+(``_CheckpointConnector``: model, datamodule, callbacks, then precision, loops, optimizers and
+schedulers); plus what Lightning leaves out: every RNG (python, numpy, torch CPU / CUDA), the data
+position, the epoch's ``self.log(on_epoch=True)`` accumulators, ``torchmetrics`` states and the
+trainer's last metrics (:mod:`keepalive.callbacks._lightning_state`). Checkpoints go to keepalive's
+store (manifest last, checksums, retention, spool for Drive / gs:// / s3://), never through
+``torch.save``; ``keepalive ls`` / ``verify`` see them.
+
+Data: the training ``DataLoader`` (map-style dataset, ``shuffle=True`` / ``False``) is rebuilt on a
+batch sampler that orders each epoch from a seed (``torch.initial_seed()`` when the run began, e.g.
+``seed_everything(42)``) and starts a resumed epoch at its saved sample without loading the skipped
+ones (:mod:`keepalive.callbacks._lightning_data`). Other loaders (``IterableDataset``, custom samplers):
+checkpoints at epoch ends only, said once.
+
+When: ``every=`` (epochs, optimizer steps = ``trainer.global_step``, a duration), before the session's
+deadline (then ``trainer.should_stop`` ends the fit cleanly: ``cb.stopped``), at the end of training, on
+Ctrl-C / SIGTERM (at the end of the running batch). Saves inside an epoch land between two batches,
+after that batch's validation and logging, never while gradients are accumulated (``accumulate_grad_
+batches``; with manual optimization a batch without an optimizer step counts as accumulating) and never
+right after a mid-epoch validation (a Lightning restart would skip re-running it): a save due there
+is made at the next such boundary.
+
+Works with ``lightning.pytorch`` and, by duck typing, with a ``pytorch_lightning`` ``Trainer`` (the same
+code under its older name). Single device; with several processes (DDP) it declines to run.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import weakref
+from typing import Any, Callable, Dict, List, Optional, Tuple, Type, Union
+
+import torch
+
+try:  # the unified package first; the classic namespace is the same code
+    import lightning.pytorch as pl
+except ImportError:  # pragma: no cover - depends on what is installed
+    import pytorch_lightning as pl  # type: ignore[no-redef]
+
+from ..adapter import CheckpointAdapter
+from ..config import CheckpointConfig
+from ..core import Checkpointer
+from ..errors import StateMismatchError
+from . import _lightning_data as data
+from . import _lightning_state as lstate
+from .torchstate import check_module
+
+__all__ = ["DriveCheckpoint"]
+
+FORMAT = 1
+_MASK63 = (1 << 63) - 1
+
+
+class DriveCheckpoint(CheckpointAdapter, pl.Callback):
+    """Checkpoint a Lightning ``Trainer.fit`` to a local folder, a mounted Drive or any fsspec URL.
+
+    Options: see :class:`keepalive.config.CheckpointConfig`. What is saved and restored, and when: see
+    the module. ``cb.counters`` / ``cb.step`` / ``cb.epoch`` count the run (``step`` =
+    ``trainer.global_step``); ``cb.save()`` works while a fit runs.
+    """
+
+    def __init__(self, path: Union[str, "os.PathLike[str]", None] = None, *,
+                 config: Optional[CheckpointConfig] = None, **options: Any):
+        super().__init__()
+        cfg = CheckpointConfig.strict(path, config, options, "DriveCheckpoint")
+        self.core = Checkpointer(config=cfg, framework="lightning")
+        self._trainer_ref: Optional["weakref.ReferenceType[Any]"] = None
+        self._restore: List[Tuple[Any, str, Any]] = []  # (object, attribute, what was there)
+        self.data_seed: Optional[int] = None
+        self.why_not: Optional[str] = None      # why the training data cannot be positioned
+        self._pending: Optional[Dict[str, Any]] = None  # restored right before training continues
+        self._validated = False                 # a validation ran since the last boundary
+        self._dropped_descriptive = False
+
+    def __repr__(self) -> str:
+        return f"DriveCheckpoint({self.core.url!r})"
+
+    @property
+    def trainer(self) -> Any:
+        """The ``Trainer`` whose fit this callback checkpoints (None outside a fit)."""
+        return self._trainer_ref() if self._trainer_ref is not None else None
+
+    # ----------------------------------------------------------------------------- fit lifecycle
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if stage != "fit":
+            return
+        if getattr(trainer, "world_size", 1) > 1:
+            raise RuntimeError("keepalive's Lightning DriveCheckpoint runs on one device (one process); this "
+                               f"Trainer has world_size={trainer.world_size}")
+        self._trainer_ref = weakref.ref(trainer)
+        self._attach(trainer)
+        self._resume(trainer, pl_module)
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        if self.core.resumed_from is not None and getattr(trainer, "ckpt_path", None):
+            self.core.warn(
+                f"fit(ckpt_path={trainer.ckpt_path!r}) replaced the run's newest checkpoint "
+                f"({self.core.resumed_from.name}) with that file: training continues from it, as Lightning "
+                "restores it (no RNG, data position or epoch accumulators). Leave ckpt_path out to let "
+                "DriveCheckpoint resume.", key="ckpt_path")
+            self._pending = None
+            c = self.core.counters
+            c["epoch"], c["step"], c["batch"] = trainer.current_epoch, trainer.global_step, 0
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        core = self.core
+        core.total_epochs = trainer.max_epochs if (trainer.max_epochs or -1) > 0 else None
+        core.check_storable(self._capture)  # a value that cannot be stored fails now, not at a save
+        core.install_signal_handlers()
+
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        if not trainer.sanity_checking:
+            self._validated = True
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self._end(trainer)
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if stage == "fit":
+            self._end(trainer)
+
+    def _end(self, trainer: Any) -> None:
+        self._detach()
+        self.core.uninstall_signal_handlers()
+        self.core.close()  # waits for the write in flight, releases the writer lease
+
+    # ------------------------------------------------------------------------------------ resume
+    def _resume(self, trainer: Any, pl_module: Any) -> None:
+        core = self.core
+        core.new_fit()
+        self._pending = None
+        tree = core.load(describe=self._describe, check=lambda t: self._check_fits(t, pl_module))
+        if tree is None:
+            self.data_seed = torch.initial_seed() & _MASK63
+            return
+        lt = tree["lightning"]
+        self.data_seed = int((tree.get("data") or {}).get("seed", torch.initial_seed() & _MASK63))
+        # Lightning's own restore takes it from here: _restore_modules_and_callbacks (model,
+        # datamodule, callbacks) and restore_training_state (precision, loops, optimizers, schedulers)
+        # read the checkpoint the connector holds when no ckpt_path is given.
+        trainer._checkpoint_connector._loaded_checkpoint = lt["checkpoint"]
+        self._pending = {"rng": tree.get("rng"), "results": lt.get("results") or [],
+                         "metrics": lt.get("metrics") or {}, "trainer_metrics": lt.get("trainer_metrics")}
+        if lt.get("finished"):
+            if lt.get("should_stop"):
+                trainer.should_stop = True  # it ended early (EarlyStopping): no more epochs now
+            max_epochs = trainer.max_epochs if trainer.max_epochs not in (None, -1) else None
+            if lt.get("should_stop") or (max_epochs is not None and core.counters["epoch"] >= max_epochs):
+                core.already_complete(max_epochs)
+
+    def _check_fits(self, tree: Dict[str, Any], pl_module: Any) -> None:
+        lt = tree.get("lightning")
+        where = self.core.resumed_from.url if self.core.resumed_from is not None else self.core.url
+        if not isinstance(lt, dict) or "checkpoint" not in lt:
+            raise StateMismatchError(f"checkpoint {where} was not written by the Lightning DriveCheckpoint "
+                                     f"(framework {tree.get('keepalive', {}).get('framework')!r}); use "
+                                     "another run (path or run=)")
+        check_module("model", pl_module, lt["checkpoint"].get("state_dict", {}), where)
+
+    def _describe(self, tree: Dict[str, Any]) -> str:
+        c = tree.get("counters") or {}
+        return f"inside epoch {c.get('epoch')} after batch {c['batch']}" if c.get("batch") else ""
+
+    def _restore_pending(self, trainer: Any) -> None:
+        """Right before training continues (the first epoch start of a resumed fit, where the run
+        that saved went on from its save): the RNGs, the epoch's accumulators, metrics."""
+        p, self._pending = self._pending, None
+        if p is None:
+            return
+        lstate.restore_trainer_metrics(trainer, p["trainer_metrics"])
+        lstate.restore_metrics(trainer.lightning_module, p["metrics"])
+        if self.core.counters["batch"]:
+            lstate.restore_results(trainer.fit_loop.epoch_loop._results, p["results"], trainer.strategy.reduce)
+            # as in the run that saved: past the epoch's first batch, so the module's next self.log
+            # adds to the accumulators instead of starting them over
+            trainer._logger_connector._first_loop_iter = False
+        if p["rng"]:
+            self.core.restore_rng({"rng": p["rng"]})
+
+    # ---------------------------------------------------------------------------- loop wrappers
+    def _attach(self, trainer: Any) -> None:
+        """Stand in front of four loop methods and the training data source of this trainer (its
+        instances only, until the fit ends): the boundaries where a save is exact."""
+        self._detach()
+        fit_loop = trainer.fit_loop
+        epoch_loop = fit_loop.epoch_loop
+        source = getattr(fit_loop, "_data_source", None)
+        needed = ((fit_loop, "on_advance_start"), (fit_loop, "on_advance_end"), (epoch_loop, "on_advance_end"),
+                  (trainer, "_checkpoint_connector"))
+        missing = [name for obj, name in needed if getattr(obj, name, None) is None]
+        if missing:
+            raise RuntimeError(f"keepalive's Lightning DriveCheckpoint does not know this Lightning "
+                               f"{pl.__version__} (no {missing}); it is tested with Lightning 2.6")
+        sigterm = _sigterm_exception()
+
+        def epoch_start(*a: Any, **k: Any) -> Any:
+            self._restore_pending(trainer)
+            self.core.start_epoch()
+            return orig_start(*a, **k)
+
+        def epoch_end(*a: Any, **k: Any) -> Any:
+            try:
+                result = orig_end(*a, **k)
+            except sigterm:
+                self._epoch_boundary(trainer)
+                raise
+            self._epoch_boundary(trainer)
+            return result
+
+        def batch_end(*a: Any, **k: Any) -> Any:
+            try:
+                result = orig_batch_end(*a, **k)
+            except sigterm:
+                self._step_boundary(trainer)
+                raise
+            self._step_boundary(trainer)
+            return result
+
+        orig_start = self._wrap(fit_loop, "on_advance_start", epoch_start)
+        orig_end = self._wrap(fit_loop, "on_advance_end", epoch_end)
+        orig_batch_end = self._wrap(epoch_loop, "on_advance_end", batch_end)
+        if source is not None and callable(getattr(source, "dataloader", None)):
+            orig_loader = source.dataloader
+
+            def dataloader() -> Any:
+                return self._position(trainer, orig_loader())
+
+            self._wrap(source, "dataloader", dataloader)
+        else:
+            self.why_not = f"Lightning {pl.__version__} builds its training data in an unknown way"
+
+    def _wrap(self, obj: Any, name: str, fn: Callable[..., Any]) -> Any:
+        original = getattr(obj, name)
+        self._restore.append((obj, name, obj.__dict__.get(name, _ABSENT)))
+        setattr(obj, name, fn)
+        return original
+
+    def _detach(self) -> None:
+        for obj, name, before in reversed(self._restore):
+            if before is _ABSENT:
+                obj.__dict__.pop(name, None)
+            else:
+                setattr(obj, name, before)
+        self._restore = []
+
+    def _position(self, trainer: Any, loaders: Any) -> Any:
+        why: Optional[str]
+        if trainer.overfit_batches:
+            positioned, why = loaders, ("Trainer(overfit_batches=...) resamples the data: checkpoints at "
+                                        "epoch ends only")
+        else:
+            positioned, why = data.position(loaders, self.data_seed or 0, lambda: trainer.current_epoch,
+                                            lambda msg, key: self.core.warn(msg, key=key))
+        self.why_not = why
+        self.core.trigger.mid_epoch = why is None
+        self.core.mid_epoch_obstacle = why
+        if why is not None:
+            self.core.warn(why, key=f"lightning-data:{why}")
+        return positioned
+
+    # -------------------------------------------------------------------------------- boundaries
+    def _step_boundary(self, trainer: Any) -> None:
+        """After a training batch, its validation (if any) and its logging."""
+        core = self.core
+        epoch_loop = trainer.fit_loop.epoch_loop
+        steps = int(trainer.global_step) - core.counters["step"]
+        if trainer.lightning_module.automatic_optimization:
+            pending = bool(epoch_loop._should_accumulate())
+        else:
+            pending = steps == 0  # no optimizer step in this batch: gradients may be accumulated
+        validated, self._validated = self._validated, False
+        bp = epoch_loop.batch_progress
+        can_save = (self.why_not is None and not validated and not bp.is_last_batch
+                    and not trainer.should_stop)
+        decision = core.advance(self._capture, steps=max(steps, 0), batch=int(bp.current.completed),
+                                samples=self._batch_samples(trainer), can_save=can_save, pending=pending)
+        if decision.stop:
+            self._stop(trainer)
+
+    def _epoch_boundary(self, trainer: Any) -> None:
+        """After an epoch: its validation, epoch-end hooks, epoch schedulers and epoch metrics done."""
+        self._validated = False
+        if self.core.stopped:
+            return  # the checkpoint of the deadline stop is the run's; this partial epoch's end is not
+        core = self.core
+        decision = core.end_epoch(self._capture, last=self._is_last_epoch(trainer),
+                                  epoch=int(trainer.current_epoch))
+        if decision.stop:
+            self._stop(trainer)
+
+    def _is_last_epoch(self, trainer: Any) -> bool:
+        fit_loop = trainer.fit_loop
+        max_epochs, max_steps = fit_loop.max_epochs, fit_loop.max_steps
+        if max_epochs not in (None, -1) and fit_loop.epoch_progress.current.processed >= max_epochs:
+            return True
+        if max_steps not in (None, -1) and trainer.global_step >= max_steps:
+            return True
+        return bool(trainer.should_stop and fit_loop._can_stop_early)
+
+    def _stop(self, trainer: Any) -> None:
+        """The deadline: the state is saved; end the fit cleanly now (no validation first). The
+        settings changed for that are put back when the fit ends."""
+        trainer.should_stop = True
+        # a stop Lightning would refuse before min_epochs / min_steps, and a validation before it stops
+        for obj, name, value in ((trainer.fit_loop, "min_epochs", 0), (trainer.fit_loop.epoch_loop, "min_steps", None),
+                                 (trainer, "limit_val_batches", 0)):
+            self._restore.append((obj, name, obj.__dict__.get(name, _ABSENT)))
+            setattr(obj, name, value)
+
+    def _batch_samples(self, trainer: Any) -> int:
+        loader = getattr(trainer.fit_loop, "_combined_loader", None)
+        for dl in getattr(loader, "flattened", []) or []:
+            if isinstance(dl, data.PositionedLoader):
+                return int(dl._keepalive_sampler.batch_size)
+        return 0
+
+    # ----------------------------------------------------------------------------------- capture
+    def _capture(self) -> Dict[str, Any]:
+        trainer = self.trainer
+        if trainer is None:
+            raise RuntimeError("DriveCheckpoint: no fit is running")
+        ckpt = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        ckpt = lstate.storable_checkpoint(ckpt, self._say_once)
+        lt: Dict[str, Any] = {
+            "format": FORMAT, "version": pl.__version__, "checkpoint": ckpt,
+            "finished": bool(self.core.finished), "should_stop": bool(trainer.should_stop),
+            "metrics": lstate.capture_metrics(trainer.lightning_module),
+            "trainer_metrics": lstate.capture_trainer_metrics(trainer)}
+        if self.core.counters["batch"]:
+            lt["results"] = lstate.capture_results(trainer.fit_loop.epoch_loop._results)
+        return {"lightning": lt, "data": {"seed": self.data_seed, "positioned": self.why_not is None}}
+
+    def _say_once(self, message: str, key: str) -> None:
+        """A note that is news, not a problem: said once per callback."""
+        seen = self.__dict__.setdefault("_said", set())
+        if key not in seen:
+            seen.add(key)
+            self.core.say(message)
+
+    def save(self, *, sync: bool = False) -> None:
+        """Save now (in the background unless ``sync``); exact at the boundaries keepalive uses, so
+        prefer ``every=``. Works while a fit runs."""
+        if self.trainer is None:
+            raise RuntimeError("DriveCheckpoint.save() works while a fit runs (e.g. from a callback)")
+        super().save(sync=sync)
+
+
+_ABSENT = object()
+
+
+def _sigterm_exception() -> Tuple[Type[BaseException], ...]:
+    """Lightning's SIGTERMException classes (both namespaces, when installed)."""
+    found: List[Type[BaseException]] = []
+    for module in ("lightning.pytorch.utilities.exceptions", "pytorch_lightning.utilities.exceptions"):
+        if module.split(".")[0] not in sys.modules:  # never import a namespace the user does not use
+            continue
+        try:
+            found.append(__import__(module, fromlist=["SIGTERMException"]).SIGTERMException)
+        except (ImportError, AttributeError):
+            pass
+    return tuple(found)
