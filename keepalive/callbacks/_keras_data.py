@@ -56,8 +56,8 @@ import numpy as np
 
 from ..dataorder import EpochOrder, mix
 
-__all__ = ["ResumableData", "bind_passes", "batch_samples", "default_data_seed", "resume_at",
-           "set_epoch_length", "unbind_passes"]
+__all__ = ["ResumableData", "bind_passes", "batch_samples", "default_data_seed", "inexact_input",
+           "pass_length", "resume_at", "sample_batch", "set_epoch_length", "unbind_passes"]
 
 
 def default_data_seed() -> int:
@@ -286,3 +286,59 @@ def batch_samples(adapter: Any, first: int, n: int) -> int:
         return sum(last if nb and b == nb - 1 else bs for b in range(first, first + n))
     except Exception:  # noqa: BLE001 - an estimate only
         return 0
+
+
+def sample_batch(iterator: Any, data: Optional[ResumableData]) -> Any:
+    """One batch of ``fit``'s input (or its symbolic shapes), found WITHOUT drawing from the input
+    pipeline, to build an unbuilt model before the first step; None where no such batch can be had.
+
+    Why: a model without known input shapes (no ``keras.Input``, a subclassed model) and the compiled
+    metrics are built by Keras inside the first step on the TensorFlow backend; a checkpoint can only
+    be loaded into variables that exist, before that step. Taking a batch from the pipeline would
+    shift the data order (a generator, ResumableData's pass plan), so each input type is peeked at.
+    """
+    adapter: Any = getattr(iterator, "data_adapter", None)
+    try:
+        if data is not None:
+            return data.get(data.epoch, data.start)
+        name = type(adapter).__name__
+        if name == "ArrayDataAdapter":
+            return keras.tree.map_structure(lambda a: None if a is None else a[:1], adapter._inputs)
+        if name == "TFDatasetAdapter":
+            return keras.tree.map_structure(
+                lambda spec: keras.KerasTensor(tuple(spec.shape), spec.dtype.name),
+                adapter._dataset.element_spec)
+        if name == "GeneratorDataAdapter" and getattr(adapter, "_first_batches", None):
+            return adapter._first_batches[0]  # Keras peeked at it already (and puts it back)
+        if name == "PyDatasetAdapter":
+            return adapter.py_dataset[0]
+    except Exception:  # noqa: BLE001 - an unknown layout: the caller says what that means
+        return None
+    return None
+
+
+def inexact_input(iterator: Any, data: Optional[ResumableData]) -> Optional[str]:
+    """Why this fit's input cannot resume exactly (said once, at the start of ``fit``), or None."""
+    if data is not None:
+        return None
+    adapter = getattr(iterator, "data_adapter", None)
+    name = type(adapter).__name__
+    what = {"TFDatasetAdapter": "a tf.data.Dataset (its shuffle buffer, random map()s and iterator "
+                                "position live inside TensorFlow and cannot be saved)",
+            "GeneratorDataAdapter": "a Python generator (its position cannot be saved or restored)"}.get(name)
+    if what is None and name == "PyDatasetAdapter" and (getattr(adapter, "shuffle", False)
+                                                         or getattr(adapter, "enqueuer", None) is not None):
+        what = ("a keras.utils.PyDataset with shuffle=True or workers (its order is drawn when a pass "
+                "starts, ahead of the checkpoint)")
+    if what is None:
+        return None
+    return (f"this fit reads {what}: a resumed run restarts at the last epoch end and its data order "
+            "will differ from an uninterrupted run's, so the resume is not bit-exact. For an exact "
+            "resume (also inside an epoch), pass NumPy arrays or a PyDataset wrapped in "
+            "keepalive.callbacks.keras.ResumableData(x, y, batch_size=...).")
+
+
+def pass_length(iterator: Any) -> Optional[int]:
+    """The number of batches of the running pass over the data, when Keras knows it."""
+    n = getattr(iterator, "steps_per_epoch", None) or getattr(iterator, "_num_batches", None)
+    return int(n) if n else None

@@ -22,10 +22,12 @@ from .. import rng
 from ..adapter import check_fits
 from ..errors import StateMismatchError
 
-__all__ = ["CALLBACK_STATE", "assign", "callback_state", "callback_states", "describe", "fit_locals",
-           "history_state", "keyed_callbacks", "restore_callback_states", "restore_history",
-           "restore_metrics", "seed_mismatch", "set_callback_state", "set_torch_rng", "tf_global_seed",
-           "variable_array"]
+__all__ = ["CALLBACK_STATE", "assign", "assign_if_fits", "callback_state", "callback_states", "capture_tree",
+           "describe",
+           "ensure_built", "fit_locals", "history_state", "keyed_callbacks", "load_start",
+           "load_variables",
+           "restore_callback_states", "restore_history", "restore_metrics", "seed_mismatch",
+           "set_callback_state", "set_torch_rng", "stage_of", "tf_global_seed", "variable_array"]
 
 
 # ------------------------------------------------------------------------------- framework RNGs
@@ -175,6 +177,90 @@ def restore_metrics(model: Any, saved: Sequence[Any]) -> bool:
     return True
 
 
+def load_variables(model: Any, tree: Dict[str, Any], where: str) -> None:
+    """Load a checkpoint's model and optimizer variables, after checking that every saved variable
+    fits its live one (else StateMismatchError, and nothing is loaded)."""
+    objects, names = tree.get("objects", {}), (tree.get("keras") or {}).get("names") or {}
+    pairs = [("model", list(model.variables))]
+    if model.optimizer is not None:
+        pairs.append(("optimizer", list(model.optimizer.variables)))
+    for name, live in pairs:
+        if objects.get(name) is None:
+            raise StateMismatchError(f"checkpoint {where} has no {name} state; nothing was loaded")
+        check_fits(name, live, objects[name], where=where, lacks="the architecture (or the optimizer) "
+                   "differs", names=names.get(name) or [v.path for v in live])
+    for name, live in pairs:
+        assign(live, objects[name])
+
+
+def assign_if_fits(variables: Sequence[Any], saved: Any) -> bool:
+    """Load saved arrays into variables when they fit (else nothing); whether they were loaded."""
+    live = list(variables)
+    try:
+        check_fits("state", live, saved, where="")
+    except StateMismatchError:
+        return False
+    assign(live, saved)
+    return True
+
+
+def load_start(model: Any, tree: Dict[str, Any]) -> None:
+    """An earlier stage's end state as the start of a new one: the model's variables, and the
+    optimizer's when it is the same (not recompiled), each only where it fits."""
+    objects = tree.get("objects") or {}
+    assign_if_fits(model.variables, objects.get("model"))
+    if model.optimizer is not None:
+        assign_if_fits(model.optimizer.variables, objects.get("optimizer"))
+
+
+def _unbuilt(model: Any) -> bool:
+    metrics, loss, opt = (getattr(model, a, None) for a in ("_compile_metrics", "_compile_loss", "optimizer"))
+    return (not all(layer.built for layer in model._flatten_layers())
+            or any(m is not None and not m.built for m in (metrics, loss, opt)))
+
+
+def _one_sample(batch: Any) -> Any:
+    """A batch of one sample: sliced from arrays, zeros for symbolic shapes (tf.data specs)."""
+    def one(a: Any) -> Any:
+        if a is None:
+            return None
+        if isinstance(a, keras.KerasTensor):
+            return np.zeros((1,) + tuple(d or 1 for d in a.shape[1:]), dtype=a.dtype)
+        return a[:1]
+
+    batch = tuple(batch) if isinstance(batch, list) else batch
+    return keras.tree.map_structure(one, batch)
+
+
+def ensure_built(model: Any, batch: Any) -> Optional[str]:
+    """Build the model, its compiled metrics / loss and its optimizer now, from one input batch (or
+    its shapes), as Keras would in the first step: a checkpoint is loaded into these variables before
+    that step. Returns a problem (for a warning) when the model cannot be built here."""
+    if not _unbuilt(model):
+        return None
+    if batch is not None:
+        try:
+            if not all(layer.built for layer in model._flatten_layers()):
+                # Eagerly, on one sample (inference: no RNG drawn, no statistics updated). Not
+                # symbolically: on TensorFlow that creates a frozen layer's variables as untrainable
+                # tf.Variables, which stay untrainable after an unfreeze (no gradients, silently).
+                x, _, _ = keras.utils.unpack_x_y_sample_weight(_one_sample(batch))
+                model(x, training=False)
+            model._symbolic_build(data_batch=batch)  # compiled metrics, loss and the optimizer
+            return None
+        except Exception as exc:  # noqa: BLE001 - said below; Keras builds it in the first step
+            reason = f"building it from the first batch's shapes failed ({exc})"
+    else:
+        reason = "its input shapes cannot be read from this fit's input without consuming a batch"
+    if all(layer.built for layer in model._flatten_layers()):
+        if model.optimizer is not None and not model.optimizer.built:
+            model.optimizer.build(model.trainable_variables)
+        return None  # only compiled metrics unbuilt: their running means restart at a resume
+    return (f"the model is not built before its first step and {reason}: a checkpoint cannot be "
+            "loaded into it. Give it an input shape (keras.Input(...), model.build(shape)) or call it "
+            "on a batch before fit.")
+
+
 def fit_locals(model: Any) -> Dict[str, Any]:
     """The local variables of the ``fit`` call that runs the callbacks (its epoch iterator and
     callback list), found by walking up from the callback hook; empty if the layout is unknown."""
@@ -199,6 +285,30 @@ CALLBACK_STATE = {
 }
 
 
+def _csv_text(cb: Any) -> str:
+    """What a CSVLogger has written so far (it flushes after every epoch)."""
+    from keras.src.utils import file_utils
+
+    if not file_utils.exists(cb.filename):
+        return ""
+    with file_utils.File(cb.filename, "r") as f:
+        return f.read()
+
+
+def _csv_restore(cb: Any, text: str) -> None:
+    """Make a CSVLogger's file hold the saved epochs' lines and continue after them: with
+    ``append=False`` it truncated its file at the start of fit, with ``append=True`` it may hold lines
+    of epochs that ran after the checkpoint (they run again)."""
+    f = getattr(cb, "csv_file", None)
+    if f is None or f.closed:
+        return
+    f.seek(0)
+    f.truncate()
+    f.write(text)
+    f.flush()
+    cb.append_header = not text
+
+
 def _has_state_dict(cb: Any) -> bool:
     return hasattr(cb, "state_dict") and hasattr(cb, "load_state_dict")
 
@@ -210,7 +320,8 @@ def keyed_callbacks(callbacks: Sequence[Any]) -> Dict[str, Any]:
     for cb in callbacks:
         if isinstance(cb, (keras.callbacks.History, keras.callbacks.ProgbarLogger)):
             continue
-        if not (any(isinstance(cb, cls) for cls in CALLBACK_STATE) or _has_state_dict(cb)):
+        if not (any(isinstance(cb, cls) for cls in CALLBACK_STATE) or _has_state_dict(cb)
+                or isinstance(cb, keras.callbacks.CSVLogger)):
             continue
         name = type(cb).__name__
         n = seen.get(name, 0)
@@ -223,6 +334,8 @@ def callback_state(cb: Any) -> Dict[str, Any]:
     """A callback's state: its ``state_dict()``, else the attributes of :data:`CALLBACK_STATE`."""
     if _has_state_dict(cb):
         return {"state_dict": cb.state_dict()}
+    if isinstance(cb, keras.callbacks.CSVLogger):
+        return {"csv_text": _csv_text(cb)}
     for cls, attrs in CALLBACK_STATE.items():
         if isinstance(cb, cls):
             out = {}
@@ -240,6 +353,9 @@ def set_callback_state(cb: Any, state: Dict[str, Any]) -> None:
     """The inverse of :func:`callback_state` (arrays copied: loaded ones are read-only views)."""
     if "state_dict" in state and hasattr(cb, "load_state_dict"):
         cb.load_state_dict(state["state_dict"])
+        return
+    if "csv_text" in state:
+        _csv_restore(cb, str(state["csv_text"]))
         return
     for a, v in state.items():
         if isinstance(v, list) and v and hasattr(v[0], "shape"):
@@ -276,6 +392,31 @@ def restore_history(model: Any, saved: Optional[Dict[str, Any]]) -> None:
         history.epoch = [int(e) for e in saved.get("epoch", [])]
         history.history = {k: list(v) for k, v in (saved.get("history") or {}).items()}
 
+def capture_tree(model: Any, callbacks: Sequence[Any], *, epochs: int, finished: bool, ended_early: bool,
+                 stage: Dict[str, int], stages: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
+    """The Keras part of a checkpoint: variables (views, copied by the host snapshot), callback states,
+    History, and which fit (stage) of the run it is in (see :func:`stage_of`)."""
+    opt = model.optimizer
+    mvars, ovars = list(model.variables), list(opt.variables) if opt is not None else []
+    return {
+        "objects": {"model": [variable_array(v) for v in mvars],
+                    "optimizer": [variable_array(v) for v in ovars],
+                    "metrics": [variable_array(v) for v in model.metrics_variables]},
+        "keras": {"names": {"model": [v.path for v in mvars], "optimizer": [v.path for v in ovars]},
+                  "callbacks": callback_states(callbacks), "history": history_state(model),
+                  "finished": bool(finished), "ended_early": bool(finished and ended_early),
+                  "epochs": epochs, "backend": keras.backend.backend(), "stages": list(stages),
+                  "stage": dict(stage)},
+    }
+
+
+def stage_of(tree: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    """Which ``fit`` of the run (stage) a checkpoint belongs to and where that stage began:
+    ``{"index", "epoch_base", "step_base", "done"}`` (checkpoints from before stages: stage 0)."""
+    keras_part = (tree or {}).get("keras") or {}
+    st = dict(keras_part.get("stage") or {})
+    return {"index": int(st.get("index", 0)), "epoch_base": int(st.get("epoch_base", 0)),
+            "step_base": int(st.get("step_base", 0)), "done": bool(keras_part.get("finished"))}
 
 
 def describe(tree: Dict[str, Any]) -> str:

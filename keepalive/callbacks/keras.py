@@ -18,18 +18,24 @@ valid checkpoint and continues; one line says what was resumed. Restored:
   schedule), and any callback with ``state_dict()`` / ``load_state_dict()``;
 * the data order (see below).
 
-Data order: an input wrapped in :class:`ResumableData` (``from keepalive.callbacks.keras import
-ResumableData``, around NumPy arrays or a ``keras.utils.PyDataset``) resumes exactly anywhere, also in
-the middle of an epoch, so any ``every=`` works. Plain arrays resume exactly at epoch ends (TensorFlow
-backend: when the re-run sets the same ``keras.utils.set_random_seed``; a differing seed is reported);
-``tf.data``, generators and other PyDatasets resume at epoch ends in whatever order the pipeline
-produces then. Details: the module docstring of ``keepalive.callbacks._keras_data``.
+Data order: :class:`ResumableData` (around arrays or a ``PyDataset``) resumes exactly anywhere, also
+inside an epoch. Plain arrays resume exactly at epoch ends (TensorFlow: with the same
+``keras.utils.set_random_seed``); ``tf.data`` and generators inexactly, which the start of ``fit``
+says. Details: ``keepalive.callbacks._keras_data``.
 
-Where to put it: anywhere in ``callbacks=[...]``; it arranges to save after all other callbacks'
-epoch ends. Options (``every=``, ``keep=``, ...): :class:`keepalive.config.CheckpointConfig`.
-Before the session's time limit (Colab / Kaggle, ``KEEPALIVE_BUDGET``) it saves and sets
-``model.stop_training`` with a message; check ``ckpt.stopped`` after ``fit``. What cannot be
-restored (TF1-style unseeded graph ops): see ``keepalive.callbacks._keras_state``.
+Models without input shapes (no ``keras.Input``, subclassed) and compiled metrics are built at the
+start of ``fit`` from a peeked batch, so a checkpoint (with a resumed epoch's running metrics) loads
+before the first step. ``CSVLogger``'s file is saved with the checkpoint and continues after a resume.
+
+Several fits with one callback (transfer learning: freeze, fit, unfreeze, recompile, fit) are stages
+of one run: the n-th ``fit`` that completes is stage n (one that raised or stopped is the same stage
+run again); counters go on across stages. Re-running the whole script after a kill in stage n skips
+each earlier ``fit`` (no epoch runs; its History and the newest weights are loaded) and resumes stage
+n exactly; a kill before stage n's first save restores stage n-1's end. Create the callback once.
+
+Put it anywhere in ``callbacks=[...]`` (it saves after all other callbacks' epoch ends). Options:
+:class:`keepalive.config.CheckpointConfig`. Before the session's time limit it saves and sets
+``model.stop_training`` (check ``ckpt.stopped``). Not restorable: ``keepalive.callbacks._keras_state``.
 """
 from __future__ import annotations
 
@@ -39,12 +45,21 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 
 import keras
 
-from ..adapter import CheckpointAdapter, check_fits
+from ..adapter import CheckpointAdapter
 from ..config import CheckpointConfig
 from ..core import Checkpointer
-from ..errors import StateMismatchError
 from . import _keras_state as kstate
-from ._keras_data import ResumableData, batch_samples, bind_passes, resume_at, set_epoch_length, unbind_passes
+from ._keras_data import (
+    ResumableData,
+    batch_samples,
+    bind_passes,
+    inexact_input,
+    pass_length,
+    resume_at,
+    sample_batch,
+    set_epoch_length,
+    unbind_passes,
+)
 
 __all__ = ["DriveCheckpoint", "ResumableData"]
 
@@ -98,6 +113,11 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
         self.track = list(track)
         self.data: Optional[ResumableData] = None
         self._active = False
+        self._stage = 0  # this fit's stage: module docstring, "Several fits"
+        self._stages: List[Dict[str, Any]] = []  # completed stages: {"epochs", "history"}
+        self._loaded = False  # the run's newest checkpoint was read (once, at the first fit)
+        self._tree: Optional[Dict[str, Any]] = None  # it, kept for a later stage it belongs to
+        self._base = {"epoch": 0, "step": 0}  # the counters where this stage began
         self._reset_fit_state()
         _LIVE.add(self)
 
@@ -119,10 +139,9 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
         return self.core.trigger.mid_epoch
 
     def _place(self, epoch: Optional[int] = None, batch: Optional[int] = None) -> None:
-        """Where Keras says the run stands (the epoch ``fit`` starts / runs, the batch a resumed epoch
-        can start at): the core's counters follow. (No core method sets a position yet.)"""
+        """Where Keras says the run stands (epoch of this fit, a resumed epoch's first batch)."""
         if epoch is not None:
-            self.core.counters["epoch"] = int(epoch)
+            self.core.counters["epoch"] = self._base["epoch"] + int(epoch)
         if batch is not None:
             self.core.counters["batch"] = self._offset = int(batch)
 
@@ -131,6 +150,7 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
         """A fit that raised (no on_train_end): release its signal handlers and writer lease."""
         self._active = False
         self._tail = None
+        self._loaded, self._tree = False, None  # run again: from the newest checkpoint, same stage
         try:
             self.core.close()
         except Exception as exc:  # noqa: BLE001 - cleaning up after someone else's failure
@@ -142,31 +162,63 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
             if other._active:
                 other._abandon()
         self._reset_fit_state()
-        core = self.core
-        core.new_fit()
-        self._fit = kstate.fit_locals(self.model)
+        core, model = self.core, self.model
+        self._fit = kstate.fit_locals(model)
         epochs = self._epochs()
-        core.total_epochs = epochs or None
         self._callbacks = self._find_callbacks()
         self._bind_data()
-        model = self.model
         model._initial_epoch = None
-        if model.optimizer is not None and not model.optimizer.built:
-            model.optimizer.build(model.trainable_variables)
-        tree = core.load(describe=kstate.describe)
-        if tree is None:
+        it = self._fit.get("epoch_iterator")
+        for key, problem in (("inexact-data", inexact_input(it, self.data)),
+                             ("build", kstate.ensure_built(model, sample_batch(it, self.data)))):
+            if problem:
+                core.warn(problem, key=key)
+        if self._loaded:
+            core.new_fit(keep_counters=True)  # a further stage: the counters go on
+        else:
+            core.new_fit()
+            self._tree, self._loaded = core.load(describe=kstate.describe), True
+        tree, self._tree = self._tree, None
+        self._begin_stage(tree, epochs)
+        core.total_epochs = (self._base["epoch"] + epochs) or None
+        self._install_tail()
+        core.install_signal_handlers()
+        self._active = True
+        if tree is not None and not self._nothing_to_do and core.counters["epoch"] - self._base["epoch"] >= epochs:
+            self._nothing_to_do = True
+            self._already_complete(epochs, core.counters["epoch"] - self._base["epoch"])
+
+    def _already_complete(self, epochs: int, done: int, why: str = "") -> None:
+        k = self._stage
+        self.core.already_complete(epochs, detail=" (weights restored)", message=None if k == 0 and not why
+                                   else why or f"fit {k + 1} of run '{self.core.store.run}' already completed "
+                                   f"{done} epoch(s) of {epochs}; nothing to do (its end state restored)")
+
+    def _begin_stage(self, tree: Optional[Dict[str, Any]], epochs: int) -> None:
+        """Match this fit with the checkpoint's stage (module docstring, "Several fits")."""
+        core, k, saved = self.core, self._stage, kstate.stage_of(tree)
+        if tree is not None:
+            self._stages = list(((tree.get("keras") or {}).get("stages") or [])[:saved["index"]])
+        if tree is not None and saved["index"] > k:  # completed before the restart: skipped
+            self._tree, self._nothing_to_do = tree, True
+            self._pending = {"history": (self._stages[k] if k < len(self._stages) else {}).get("history")}
+            kstate.assign_if_fits(self.model.variables, (tree.get("objects") or {}).get("model"))
+            self.model._initial_epoch = max(epochs, int(self._fit.get("initial_epoch") or 0))
+            self._already_complete(epochs, epochs, why=(
+                f"fit {k + 1} of run '{core.store.run}' had completed before the restart (the checkpoint "
+                f"is in fit {saved['index'] + 1}): skipped, the newest weights loaded"))
+        elif tree is not None and saved["index"] == k:
+            self._base = {"epoch": saved["epoch_base"], "step": saved["step_base"]}
+            self._restore(tree, epochs)
+        else:  # a new stage; from an earlier stage's end when this stage's fit raised before a save
+            if tree is not None:
+                kstate.load_start(self.model, tree)
+                self._pending = {"rng": tree.get("rng")}
+            self._base = {"epoch": core.counters["epoch"], "step": core.counters["step"]}
             first = int(self._fit.get("initial_epoch") or 0)  # fit(initial_epoch=...) of the user
             self._place(epoch=first)
             if self.data is not None:
                 self.data.plan(first, 0)
-        else:
-            self._restore(tree, epochs)
-        self._install_tail()
-        core.install_signal_handlers()
-        self._active = True
-        if tree is not None and not self._nothing_to_do and core.counters["epoch"] >= epochs:
-            self._nothing_to_do = True
-            core.already_complete(epochs, detail=" (weights restored)")
 
     def _epochs(self) -> int:
         """fit(epochs=...): from the callback params, else from fit's own arguments (a CallbackList
@@ -199,22 +251,12 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
 
     # -------------------------------------------------------------------------------- restore
     def _restore(self, tree: Dict[str, Any], epochs: int) -> None:
-        core, model, opt = self.core, self.model, self.model.optimizer
-        objects, where = tree.get("objects", {}), core.resumed_from.url if core.resumed_from else "?"
-        names = (tree.get("keras") or {}).get("names") or {}
-        pairs = [("model", list(model.variables))]
-        if opt is not None:
-            pairs.append(("optimizer", list(opt.variables)))
-        for name, live in pairs:  # nothing is loaded unless every saved variable fits its live one
-            if objects.get(name) is None:
-                raise StateMismatchError(f"checkpoint {where} has no {name} state; nothing was loaded")
-            check_fits(name, live, objects[name], where=where, lacks="the architecture (or the optimizer) "
-                       "differs", names=names.get(name) or [v.path for v in live])
-        for name, live in pairs:
-            kstate.assign(live, objects[name])
+        core, model = self.core, self.model
+        objects = tree.get("objects", {})
+        kstate.load_variables(model, tree, core.resumed_from.url if core.resumed_from else "?")
         saved = tree.get("keras", {}) or {}
-        epoch = core.counters["epoch"]
-        batch, problems = resume_at(self.data, tree.get("data", {}) or {}, epoch, core.counters["batch"])
+        epoch = core.counters["epoch"] - self._base["epoch"]  # the epoch of this fit
+        batch, problems = resume_at(self.data, tree.get("data") or {}, epoch, int(tree["counters"].get("batch", 0)))
         for line in problems:
             core.warn(line)
         it = self._fit.get("epoch_iterator")
@@ -250,9 +292,8 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
         if saved_rng:
             self.core.restore_rng(pending)
             if self._offset and keras.backend.backend() == "torch" and "torch_cpu" in saved_rng:
-                # The torch backend wraps each pass in a torch DataLoader whose creation draws a seed
-                # from torch's global generator. An uninterrupted run made that draw at the start of
-                # this epoch, before the state was saved: put the generator back after it.
+                # Each pass's torch DataLoader draws a seed from torch's generator, which an uninterrupted
+                # run did at this epoch's start, before the save: put the generator back after it.
                 self._torch_rng_again = saved_rng["torch_cpu"]
         pending["callbacks"] = pending["history"] = pending["rng"] = None
 
@@ -282,6 +323,9 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
             return
         core = self.core
         done = int(batch) + 1  # batches done in this pass (batch = last step of the execution)
+        length = pass_length(self._fit.get("epoch_iterator"))
+        if length:  # the last execution of a pass may hold fewer than steps_per_execution steps
+            done = min(done, length)
         n = max(0, done - self._pass_done)
         self._pass_done = done
         first = core.counters["batch"]
@@ -310,7 +354,7 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
             self._short_epoch = None
         done = int(epoch) + 1
         last = done >= self._epochs() or bool(self.model.stop_training)
-        if core.end_epoch(self._capture, last=last, epoch=done).stop:
+        if core.end_epoch(self._capture, last=last, epoch=self._base["epoch"] + done).stop:
             self.model.stop_training = True
 
     def on_train_end(self, logs: Logs = None) -> None:
@@ -327,6 +371,10 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
                 # fit ended without our last-epoch marker (e.g. stopped by a callback after us)
                 core.epoch_boundary(self._capture, last=True)
         finally:
+            if core.finished:  # this fit (stage) is complete: the next fit is the next stage
+                if len(self._stages) <= self._stage:
+                    self._stages.append({"epochs": self._epochs(), "history": kstate.history_state(self.model)})
+                self._stage += 1
             self.model._initial_epoch = None
             if self._adapter is not None:
                 unbind_passes(self._adapter)
@@ -340,22 +388,12 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
 
     # ------------------------------------------------------------------------------- capture
     def _capture(self) -> Dict[str, Any]:
-        model, core = self.model, self.core
-        opt = model.optimizer
-        mvars = list(model.variables)
-        ovars = list(opt.variables) if opt is not None else []
-        epochs = self._epochs()
-        tree = {
-            "objects": {"model": [kstate.variable_array(v) for v in mvars],
-                        "optimizer": [kstate.variable_array(v) for v in ovars],
-                        "metrics": [kstate.variable_array(v) for v in model.metrics_variables]},
-            "keras": {"names": {"model": [v.path for v in mvars], "optimizer": [v.path for v in ovars]},
-                      "callbacks": kstate.callback_states(self._callbacks),
-                      "history": kstate.history_state(model), "finished": bool(core.finished),
-                      "ended_early": bool(core.finished and core.counters["epoch"] < epochs),
-                      "epochs": epochs, "backend": keras.backend.backend()},
-            "data": {"kind": "resumable" if self.data is not None else "keras"},
-        }
+        core, epochs = self.core, self._epochs()
+        stage = {"index": self._stage, "epoch_base": self._base["epoch"], "step_base": self._base["step"]}
+        tree = kstate.capture_tree(self.model, self._callbacks, epochs=epochs, finished=core.finished,
+                                   ended_early=core.counters["epoch"] - self._base["epoch"] < epochs,
+                                   stage=stage, stages=self._stages)
+        tree["data"] = {"kind": "resumable" if self.data is not None else "keras"}
         if self.data is not None:
             tree["data"].update(seed=self.data.seed, batches_per_epoch=self.data.batches_per_epoch)
         return tree
