@@ -222,6 +222,11 @@ class Lab:
         except OSError:
             return ""
 
+    def kernel_state(self, notebook: str) -> str:
+        """The server's execution state of the kernel of ``notebook`` (idle, busy, starting, ...)."""
+        sessions = [s for s in self.api("sessions") if s.get("path") == notebook]
+        return str(sessions[0]["kernel"].get("execution_state", "")) if len(sessions) == 1 else ""
+
     def kernel_pid(self, notebook: str) -> int:
         """The PID of the kernel of ``notebook``: its id from /api/sessions, then the process whose
         command line names that kernel's connection file."""
@@ -464,8 +469,16 @@ def _story(lab: Lab, browser, tmp_path: Path) -> None:
                       lambda: browser.find_elements(By.CSS_SELECTOR, ".jp-Dialog"), timeout=30)
     assert "restart" in dialog[0].text.lower() or "died" in dialog[0].text.lower(), dialog[0].text
     dialog[0].find_element(By.CSS_SELECTOR, ".jp-Dialog-button.jp-mod-accept").click()
-    wait_for("the restarted kernel", lambda: page.kernel_status() == "idle" and lab.kernel_pid(name) != killed_pid,
-             timeout=60)
+    # the server's view of the kernel (the page's indicator can lag behind on a loaded machine)
+    def restarted() -> bool:
+        if lab.kernel_state(name) != "idle":
+            return False
+        try:
+            return lab.kernel_pid(name) != killed_pid
+        except AssertionError:  # between the old process and the new one
+            return False
+
+    wait_for("the restarted kernel", restarted, timeout=120)
     mark("kernel restarted")
 
     # 4. after the "reset": the setup cells, then %resume_training typed into a new last cell

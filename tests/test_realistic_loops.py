@@ -240,7 +240,9 @@ def test_accumulation_time_based_saves_random_kills(root, accum_ref):
     t.start("--kill-at", "1:4", killed=True)  # after epoch 1's batch 3: one batch accumulated
     assert "pending" in t.events("KILL")[0].fields
     steps = EPOCHS * 4
-    report = run_to_completion(t.base, total_steps=steps, kills=4, rng=random.Random(13),
+    # kills land before the last two steps: a kill after the final save would leave the next start
+    # nothing to do (fewer kills than planned, depending on the load)
+    report = run_to_completion(t.base, total_steps=steps - 2, kills=4, rng=random.Random(13),
                                run_dir=str(t.run_dir), max_substep_delay=0.09, env=t.env)
     assert report.kills == 4
     resumed = [tr.resumed_step for tr in report.trials]

@@ -299,6 +299,24 @@ class FitLog:
         self.cursor = hit + 1
         return hit + 1
 
+    def find_like(self, fit: Dict[str, Any], current: int, phase: Optional[int]) -> Optional[int]:
+        """A fit of a cell the run has not seen (another cell, or the same one edited, e.g. a demo
+        cell that interrupted itself and a plain cell that resumes): the run's fit at the same place,
+        and of the same ``fine_tune`` phase, in the cell execution of the checkpoint's fit ``current``."""
+        if not 0 < current <= len(self.entries):
+            return None
+        e = self.entries[current - 1]
+        same = [j for j, x in enumerate(self.entries)
+                if x.get("key") == e.get("key") and x.get("cell") == e.get("cell")]
+        if not 0 < fit["index"] <= len(same):
+            return None
+        j = same[fit["index"] - 1]
+        was = self.entries[j].get("phase")
+        if j < self.cursor or (phase is not None and was is not None and was != phase):
+            return None
+        self.cursor = j + 1
+        return j + 1
+
     def add(self, fit: Dict[str, Any], phase: Optional[int]) -> int:
         """A new fit of the run: its number."""
         self.entries.append(dict(fit, phase=phase))

@@ -179,6 +179,12 @@ class DriveCheckpoint(RunViews, Callback):  # RunViews: no epoch / step (a callb
         fit_id = self._fits.next_id()
         k = self._fits.find(fit_id)  # its number in the run, if the run has seen it
         pos = tree["fastai"]["position"] if tree is not None else None
+        if pos is not None and k is None and not pos["done"]:  # inside a fit: at a fit's end, new fits
+            k = self._fits.find_like(fit_id, pos["fit"], phase)  # start from there (another cell)
+            if k is not None:
+                core.warn(f"this fit call is not recorded in run '{core.store.run}' (another cell, or the cell "
+                          f"was edited): it is taken as fit {k}, at its place in the cell that wrote the "
+                          "checkpoint", key="fastai-fit-like")
         if pos is not None and k is None and not pos["done"]:
             k = pos["fit"]
             self._fits.pass_all()

@@ -207,8 +207,11 @@ def accum() -> None:
     loader = loader_for(Indexed(args.samples))
     ckpt = checkpoint(model=model, optimizer=opt, scheduler=sched)
     if args.control == "guard-off":
-        ckpt._gradients_pending = lambda: False
+        import keepalive.callbacks.torch as adapter
+
+        adapter.gradients_pending = lambda optimizers: False  # the adapter's pending-gradient test
         ckpt._steps_of = lambda stepped, pending: 1
+        assert not adapter.gradients_pending(ckpt._optimizers)  # the patch point exists
     acc, iters = args.accum, len(loader)
     for epoch in ckpt.epochs(args.epochs):
         epoch_began(ckpt, epoch)
