@@ -149,6 +149,11 @@ class Checkpointer:
         self.total_epochs: Optional[int] = None
         # DDP (issue 16): the torch.distributed process group (looked up at each use; one rank without)
         self.group = _distributed.GROUP
+        #: FSDP2 (issue 16): the adapter's sharded objects (:class:`keepalive.dcp.ShardedObjects`, set
+        #: by the torch adapter when a registered object holds DTensor state), saved through DCP
+        self.sharded: Any = None
+        self._sharded_thread: Optional[threading.Thread] = None  # its save in flight (the commit)
+        self._sharded_error: Optional[BaseException] = None
         # only rank 0 shows progress bars (every rank runs the same loop)
         self.training_progress = (None if quiet or not self.group.is_main
                                   else _progress.TrainingProgress(self))
@@ -299,6 +304,9 @@ class Checkpointer:
         if reason != "by hand":
             self._refresh_context()
         tree = self.build_tree(capture)
+        if self.sharded:  # FSDP2 (issue 16): sharded state through DCP, same manifest-last commit
+            self._save_sharded(tree, reason=reason, finished=finished, sync=sync)
+            return
         if self.group.active:
             # DDP (issue 16): a collective; rank 0 writes one checkpoint holding every rank's part
             parts = self.group.gather(_distributed.rank_part(tree))
@@ -321,9 +329,76 @@ class Checkpointer:
         self._last_saved_step = self.counters["step"]
         self.trigger.saved()
 
+    def _save_sharded(self, tree: Dict[str, Any], *, reason: str, finished: bool, sync: bool) -> None:
+        """FSDP2 (issue 16): one global checkpoint whose sharded objects go through
+        ``torch.distributed.checkpoint`` (:mod:`keepalive.dcp`). A collective: rank 0 names the folder,
+        every rank's RNG / data position reach rank 0 (gather) and rank 0 copies the rest of the state
+        to host memory; every rank stages its shards (``dcp.async_save``) and writes them into the
+        folder in the background (durable, checksummed while written); then their manifest entries
+        reach rank 0, which writes the rest of the state and the manifest, LAST. Written to the run
+        folder directly (no spool). ``sync`` (or ``background=False``): returns after the commit."""
+        from . import dcp as _dcp  # layer 2; imports torch, as the adapter that set self.sharded did
+
+        group = self.group
+        self._sharded_wait()  # one save in flight: the previous one is committed first
+        self.writer.wait()  # and an earlier (unsharded) write
+        step, epoch = self.counters["step"], self.counters["epoch"]
+        folder_name = group.all_gather(self.store.new_name(step) if group.is_main else None)[0]
+        folder = _dcp.local_folder(self.store.backend.join(self.store.path, folder_name))
+        if folder is None:
+            raise NotImplementedError(f"sharded (FSDP2 / DTensor) checkpoints need a local run folder "
+                                      f"(a mounted Drive is one), not {self.url}")
+        tree[_dcp.DCP_KEY] = self.sharded.describe()
+        parts = group.gather(_distributed.rank_part(tree))
+        files: Any = None
+        meta: Dict[str, Any] = {}
+        if parts is not None:  # rank 0: the rest of the state, in host memory now
+            if group.active:
+                tree = _distributed.combine(tree, parts)
+            meta = dict(self.metadata, reason=reason, finished=finished, counters=dict(self.counters),
+                        world_size=group.world_size, sharded="dcp")
+            self.store.lease.progress = dict(self.counters)
+            files = self.writer.snapshot.take(tree)
+        log.info("saving step %d (epoch %d) with DCP shards: %s", step, epoch, reason)
+        shards = self.sharded.start_save(folder)  # returns once staged in host memory
+
+        def commit() -> None:
+            try:
+                written = self.sharded.gather_files(shards.result())
+                if written is not None:  # rank 0: every rank's shards are durable: the manifest
+                    result = self.store.commit(files, step=step, epoch=epoch, metadata=meta,
+                                               name=folder_name, written=written)
+                    self.writer.last_result = result
+                    for callback in self.writer.on_commit:
+                        callback(result)
+            except BaseException as exc:  # noqa: BLE001 - said by _sharded_wait
+                self._sharded_error = exc
+
+        if sync or not self.writer.background:
+            commit()
+            self._sharded_wait()
+            group.barrier()  # no rank goes on (or exits) before the manifest is written
+        else:
+            self._sharded_thread = threading.Thread(target=commit, name="keepalive-dcp-commit")
+            self._sharded_thread.start()
+        self._last_saved_step = step
+        self.trigger.saved()
+
+    def _sharded_wait(self) -> None:
+        """FSDP2 (issue 16): wait for the sharded save in flight (shards and manifest); say a failure."""
+        thread, self._sharded_thread = self._sharded_thread, None
+        if thread is not None:
+            thread.join()
+        error, self._sharded_error = self._sharded_error, None
+        if error is not None:
+            self.warn(f"sharded checkpoint write to {self.url} failed ({type(error).__name__}: {error}); "
+                      "the previous checkpoint stays the newest, training goes on")
+
     def flush(self, timeout: Optional[float] = None) -> None:
         """Wait for the in-flight write (bounded by ``timeout`` seconds when given), then for the
         spooled checkpoints' uploads (bounded by ``timeout`` or ``flush_timeout``)."""
+        if self.sharded:
+            self._sharded_wait()  # FSDP2 (issue 16): the sharded save in flight
         self.writer.wait(timeout)
         self.sink.flush(timeout, end_of_run=self.finished or self.stopped)
 

@@ -415,22 +415,37 @@ class CheckpointStore:
     def _new_name(self, step: int) -> str:
         return f"{CKPT_PREFIX}{step:010d}-{uuid.uuid4().hex[:8]}"
 
+    def new_name(self, step: int) -> str:
+        """A fresh checkpoint folder name for ``step`` (FSDP2, issue 16: every rank writes its shards
+        into it before rank 0 commits it with ``commit(name=...)``)."""
+        return self._new_name(int(step))
+
     def commit(self, files: Mapping[str, FileContent], *, step: int, epoch: Optional[int] = None,
                metadata: Optional[Mapping[str, Any]] = None,
-               progress: Optional[Callable[[int], None]] = None) -> WriteResult:
+               progress: Optional[Callable[[int], None]] = None, name: Optional[str] = None,
+               written: Sequence[Mapping[str, Any]] = ()) -> WriteResult:
         """Write one checkpoint: every file, then the manifest; then apply retention.
 
         ``files`` maps a file name to bytes or to a sequence of buffers written one after the other
         (so a large state is streamed without being joined). Returns once the manifest is written.
+        FSDP2 (issue 16): ``name`` is the folder (from :meth:`new_name`) into which other processes
+        already wrote the files ``written`` describes (manifest entries: name, size, checksum; each
+        durable); they are committed by the same manifest, written last.
         """
         if not self.lease.held:
             self.open_for_writing()
         t0 = time.perf_counter()
-        name = self._new_name(int(step))
+        name = name or self._new_name(int(step))
         folder = self.backend.join(self.path, name)
         self._writing = name
         try:
             entries, total = self._write_files(folder, files, progress)
+            for entry in written:  # FSDP2 (issue 16): shard files other ranks wrote here
+                if entry["name"] == MANIFEST or "/" in entry["name"]:
+                    raise ValueError(f"invalid checkpoint file name {entry['name']!r}")
+                entries.append({"name": entry["name"], "size": int(entry["size"]),
+                                "checksum": entry["checksum"]})
+                total += int(entry["size"])
             self.lease.check()
             manifest = self._manifest(name, entries, step=int(step), epoch=epoch, metadata=metadata)
             data = json.dumps(manifest, indent=1, sort_keys=True).encode()

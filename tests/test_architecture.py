@@ -32,7 +32,7 @@ LAYERS: Dict[str, int] = {
     # 1 storage
     "backends": 1, "state": 1, "store": 1, "rng": 1, "dataorder": 1,
     # 2 runs
-    "spool": 2, "writer": 2, "resume": 2, "runs": 2,
+    "spool": 2, "writer": 2, "resume": 2, "runs": 2, "dcp": 2,
     # 3 session
     "session": 3, "trigger": 3, "progress": 3, "notebook": 3, "distributed": 3,
     # 4 core

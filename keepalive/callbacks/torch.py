@@ -41,6 +41,7 @@ then raise ``KeyboardInterrupt`` / exit; a second one acts at once.
 from __future__ import annotations
 
 import os
+import sys
 import weakref
 import zlib
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union
@@ -65,6 +66,16 @@ from .torchstate import (
 )
 
 __all__ = ["DriveCheckpoint"]
+
+
+def _holds_dtensors(obj: Any) -> bool:
+    """FSDP2 (issue 16): whether ``obj`` has DTensor parameters; without ``torch.distributed.tensor``
+    imported there are none, and keepalive.dcp (which imports torch's DCP) is not imported."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return False
+    from ..dcp import holds_dtensors
+
+    return holds_dtensors(obj)
 
 
 class DriveCheckpoint(CheckpointAdapter):
@@ -131,7 +142,16 @@ class DriveCheckpoint(CheckpointAdapter):
         if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
             raise TypeError(f"{name}: a {type(obj).__name__} has no state_dict()/load_state_dict(); "
                             "put plain values in ckpt.extras instead")
-        self.objects[name] = obj
+        if _holds_dtensors(obj):
+            # FSDP2 (issue 16): sharded state is saved and loaded through torch.distributed.checkpoint
+            # by the core (keepalive.dcp), not in rank 0's tensors
+            from ..dcp import ShardedObjects
+
+            if self.core.sharded is None:
+                self.core.sharded = ShardedObjects()
+            self.core.sharded.add(name, obj)
+        else:
+            self.objects[name] = obj
         if isinstance(obj, torch.optim.Optimizer):
             self._optimizers.append(obj)
             self._hparams[name] = hyperparameters(obj)
@@ -154,7 +174,7 @@ class DriveCheckpoint(CheckpointAdapter):
         """
         if self._resumed:
             return self.core.resumed_from is not None
-        tree = self.core.load(check=lambda t: check_objects(self.objects, t, self.core.resumed_from.url))
+        tree = self.core.load(check=self._check_fits)
         self._resumed = True
         if tree is None:
             self.data_seed = torch.initial_seed() & ((1 << 63) - 1)
@@ -162,6 +182,8 @@ class DriveCheckpoint(CheckpointAdapter):
         objects = tree.get("objects", {})
         for name, obj in self.objects.items():
             obj.load_state_dict(objects[name])
+        if self.core.sharded:  # FSDP2 (issue 16): a collective, DCP reshards if the world size changed
+            self.core.sharded.load(self.core.resumed_from.path)
         restore_gradients(self.objects, (tree.get("data") or {}).get("pending_grads"))
         self._saved_data = dict(tree.get("data") or {})
         self.data_seed = int(self._saved_data.get("seed", torch.initial_seed()))
@@ -173,6 +195,13 @@ class DriveCheckpoint(CheckpointAdapter):
         if self.core.counters["batch"] and self._saved_data.get("epoch_rng") is not None:
             self._resume_rng = tree.get("rng")
         return True
+
+    def _check_fits(self, tree: Dict[str, Any]) -> None:
+        check_objects(self.objects, tree, self.core.resumed_from.url)
+        if self.core.sharded:  # FSDP2 (issue 16): the checkpoint must hold their DCP part
+            from ..dcp import check_saved
+
+            check_saved(tree, self.core.sharded, self.core.resumed_from.url)
 
     # ------------------------------------------------------------------------------------ loops
     def epochs(self, n: int) -> Iterator[int]:

@@ -1,0 +1,264 @@
+"""FSDP2 / DTensor state through ``torch.distributed.checkpoint`` (DCP), inside keepalive's checkpoints.
+
+A model sharded with ``torch.distributed.fsdp.fully_shard`` (and its optimizer) holds ``DTensor``
+state: no rank has all of it, so it cannot go into rank 0's ``tensors.safetensors`` as DDP's replicated
+state does. It is written by torch's own Distributed Checkpoint instead, into keepalive's checkpoint
+folder, and committed by keepalive's manifest (issue 16)::
+
+    ckpt-0000000012-3f9a1c2e/
+        __0_0.distcp  __1_0.distcp   <- each rank's shards (dcp.save, every rank writes its own)
+        .metadata                    <- DCP's plan (rank 0, the DCP coordinator)
+        state.json  tensors.safetensors   <- everything else (counters, every rank's RNG and data
+                                             position, unsharded objects), rank 0
+        MANIFEST.json                <- LAST, by rank 0, naming every file above with size and xxh3
+
+How one save goes (:meth:`keepalive.core.Checkpointer.save` drives it): rank 0 picks the folder name
+and every rank learns it; ``get_state_dict`` + ``dcp.save`` with :class:`KeepaliveWriter` (torch's
+``FileSystemWriter`` whose streams are hashed while written, files fsync'ed) write the shards; every
+rank sends the names, sizes and checksums of the files *it* wrote to rank 0 with the same
+``gather_object`` that carries its RNG and data position; rank 0 writes the rest and the manifest.
+``dcp.save`` returns on a rank only after its files are durable and the coordinator wrote
+``.metadata``, and rank 0 gets a rank's list only after that rank's ``dcp.save`` returned, so the
+manifest is written after every shard is durable: a SIGKILL of any rank at any moment leaves either a
+complete checkpoint or a folder without manifest (skipped by readers, removed by the writer), and
+``keepalive verify`` re-reads every shard file against the manifest.
+
+Resume: :meth:`ShardedObjects.load` builds the live sharded state dict (``get_state_dict``), fills it
+with ``dcp.load`` from the checkpoint folder (``FileSystemReader``) and puts it back with
+``set_state_dict``. DCP reshards on load, so another world size loads too (the rest of the state is
+then carried over as :func:`keepalive.distributed.localize` says).
+
+Limits: the run folder must be a local path (a mounted Drive is one); the sharded checkpoint is written
+directly to it, not through the local spool; one sharded model (any number of optimizers over it).
+Saves run in the background (``dcp.async_save``: the training waits for the copy to host memory);
+``background=False`` or a final / signal save waits for the commit.
+
+This module imports torch: only :mod:`keepalive.callbacks.torch` imports it, when a registered object
+holds DTensor state.
+"""
+from __future__ import annotations
+
+import io
+from concurrent.futures import Future
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Dict, Generator, List, Mapping, Optional
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from .store import new_hasher
+
+#: the key of a checkpoint's state tree that says its sharded objects are in DCP files
+DCP_KEY = "dcp"
+
+
+def holds_dtensors(obj: Any) -> bool:
+    """Whether ``obj`` (a module or an optimizer) has parameters that are DTensors (FSDP2, TP)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - a torch without DTensor
+        return False
+    if isinstance(obj, torch.nn.Module):
+        return any(isinstance(p, DTensor) for p in obj.parameters())
+    if isinstance(obj, torch.optim.Optimizer):
+        return any(isinstance(p, DTensor) for g in obj.param_groups for p in g["params"])
+    return False
+
+
+class _HashingStream(io.RawIOBase):
+    """A write stream that hashes (xxh3) and counts what passes through it; the rest is the file's."""
+
+    def __init__(self, raw: Any, algorithm: str):
+        self.raw = raw
+        self.hasher = new_hasher(algorithm)
+        self.size = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        view = memoryview(b).cast("B")
+        n = self.raw.write(view)
+        self.hasher.update(view[:n] if n is not None else view)
+        self.size += n if n is not None else len(view)
+        return n if n is not None else len(view)
+
+    def tell(self) -> int:
+        return self.raw.tell()
+
+    def fileno(self) -> int:
+        return self.raw.fileno()
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+    def close(self) -> None:  # the file itself is closed by the context manager
+        self.raw.flush()
+
+
+class _HashingFileSystem(FileSystem):
+    """torch's local ``FileSystem``, recording name, size and checksum of every file written here."""
+
+    def __init__(self, algorithm: str = "xxh3_64"):
+        super().__init__()
+        self.algorithm = algorithm
+        self.written: Dict[str, Dict[str, Any]] = {}
+
+    @contextmanager
+    def create_stream(self, path: Any, mode: str) -> Generator[io.IOBase, None, None]:
+        if "w" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with super().create_stream(path, mode) as raw:
+            stream = _HashingStream(raw, self.algorithm)
+            yield stream  # type: ignore[misc]
+        name = Path(path).name
+        self.written[name] = {"name": name, "size": stream.size, "checksum": stream.hasher.hexdigest()}
+
+    def rename(self, path: Any, new_path: Any) -> None:
+        super().rename(path, new_path)
+        entry = self.written.pop(Path(path).name, None)
+        if entry is not None:  # DCP writes .metadata.tmp, then renames it
+            entry["name"] = Path(new_path).name
+            self.written[entry["name"]] = entry
+
+
+class KeepaliveWriter(FileSystemWriter):
+    """DCP's ``FileSystemWriter`` into a keepalive checkpoint folder: every file fsync'ed (DCP's
+    ``sync_files``) and its manifest entry (:attr:`written`) recorded while it is written, so no
+    shard is read back to be checksummed."""
+
+    def __init__(self, folder: str, algorithm: str = "xxh3_64", **kwargs: Any):
+        super().__init__(folder, sync_files=True, **kwargs)
+        self.hashing = _HashingFileSystem(algorithm)
+        self.fs = self.hashing
+
+    @property
+    def written(self) -> List[Dict[str, Any]]:
+        """Manifest entries (name, size, checksum) of the files this rank wrote."""
+        return sorted(self.hashing.written.values(), key=lambda e: e["name"])
+
+
+class ShardedObjects:
+    """The registered objects whose state is sharded (an FSDP2 model and its optimizers), saved and
+    loaded together through DCP (``get_state_dict`` needs the model with its optimizers)."""
+
+    def __init__(self) -> None:
+        self.models: Dict[str, torch.nn.Module] = {}
+        self.optimizers: Dict[str, torch.optim.Optimizer] = {}
+        self._side: Any = None
+
+    def __bool__(self) -> bool:
+        return bool(self.models or self.optimizers)
+
+    def add(self, name: str, obj: Any) -> None:
+        if isinstance(obj, torch.nn.Module):
+            if self.models:
+                raise ValueError(f"{name}: one sharded (FSDP2 / DTensor) model per DriveCheckpoint is "
+                                 f"supported; {sorted(self.models)} is registered already")
+            self.models[name] = obj
+        elif isinstance(obj, torch.optim.Optimizer):
+            self.optimizers[name] = obj
+        else:
+            raise TypeError(f"{name}: a {type(obj).__name__} with DTensor state is not supported")
+
+    @property
+    def names(self) -> List[str]:
+        return sorted(self.models) + sorted(self.optimizers)
+
+    def _model(self) -> torch.nn.Module:
+        if not self.models:
+            raise ValueError(f"sharded optimizers {sorted(self.optimizers)} need their FSDP2 model "
+                             "registered too (model=...)")
+        return next(iter(self.models.values()))
+
+    def state_dict(self) -> Dict[str, Any]:
+        """``{"model": ..., "optim": ...}`` as ``get_state_dict`` gives it (sharded, keyed by FQN)."""
+        model = self._model()
+        msd, osd = get_state_dict(model, list(self.optimizers.values()))
+        return {"model": msd, "optim": osd}
+
+    def start_save(self, folder: str) -> "Future[List[Dict[str, Any]]]":
+        """``dcp.async_save`` into ``folder``: returns once the state is staged in host memory (the
+        training's stall); the future gives this rank's manifest entries once its files are durable
+        and DCP's ``.metadata`` is written. Its collectives run on a gloo group of their own
+        (:meth:`side_group`), so they never interleave with the training's (FSDP, keepalive's)."""
+        writer = KeepaliveWriter(folder)
+        pending: Any = dcp.async_save(self.state_dict(), storage_writer=writer,
+                                      process_group=self.side_group())
+        done: "Future[List[Dict[str, Any]]]" = Future()
+
+        def finished(f: Any) -> None:
+            try:
+                f.result()
+                done.set_result(writer.written)
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
+                done.set_exception(exc)
+
+        pending.add_done_callback(finished)
+        return done
+
+    def side_group(self) -> Any:
+        """A gloo process group of every rank for the background writes (created at the first save:
+        a collective every rank enters at the same boundary)."""
+        if self._side is None:
+            self._side = torch.distributed.new_group(backend="gloo")
+        return self._side
+
+    def gather_files(self, written: List[Dict[str, Any]]) -> Optional[List[Dict[str, Any]]]:
+        """Every rank's manifest entries on rank 0 (None elsewhere), over :meth:`side_group`."""
+        side = self.side_group()
+        world = torch.distributed.get_world_size(side)
+        rank = torch.distributed.get_rank(side)
+        out: Optional[List[Any]] = [None] * world if rank == 0 else None
+        torch.distributed.gather_object(written, out, dst=torch.distributed.get_global_rank(side, 0),
+                                        group=side)
+        return None if out is None else [entry for part in out for entry in part]
+
+    def save(self, folder: str, process_group: Any = None) -> List[Dict[str, Any]]:
+        """Write this rank's shards (and, on the coordinator, DCP's ``.metadata``) into ``folder``; a
+        collective. Returns the manifest entries of the files this rank wrote, all durable."""
+        writer = KeepaliveWriter(folder)
+        dcp.save(self.state_dict(), storage_writer=writer, process_group=process_group)
+        return writer.written
+
+    def load(self, folder: str, process_group: Any = None) -> None:
+        """Fill the live sharded objects from the DCP files in ``folder`` (resharded by DCP when the
+        world size changed); a collective."""
+        model = self._model()
+        optimizers = list(self.optimizers.values())
+        state = self.state_dict()
+        dcp.load(state, storage_reader=FileSystemReader(folder), process_group=process_group)
+        set_state_dict(model, optimizers, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+
+    def describe(self) -> Dict[str, Any]:
+        """What a checkpoint's tree says about its DCP part (:data:`DCP_KEY`)."""
+        return {"objects": self.names, "classes": {n: type(o).__name__ for n, o in
+                                                   {**self.models, **self.optimizers}.items()}}
+
+
+def local_folder(path: str) -> Optional[str]:
+    """``path`` when it is a local folder DCP's file system can write (else None)."""
+    return path if "://" not in path or path.startswith("file://") else None
+
+
+def check_saved(tree: Mapping[str, Any], sharded: ShardedObjects, where: str) -> None:
+    """Refuse a checkpoint without the DCP part the live sharded objects need (e.g. written by a run
+    without FSDP2), before anything is changed."""
+    from .errors import StateMismatchError
+
+    part = tree.get(DCP_KEY) or {}
+    missing = [n for n in sharded.names if n not in (part.get("objects") or [])]
+    if missing:
+        raise StateMismatchError(
+            f"checkpoint {where} has no sharded (DCP) state for {missing}: it was written by a run "
+            "whose objects were not sharded (FSDP2). Register the same objects as the run that wrote "
+            "it, or start a new run")
+
+
+__all__ = ["DCP_KEY", "KeepaliveWriter", "ShardedObjects", "check_saved", "holds_dtensors", "local_folder"]

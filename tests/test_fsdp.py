@@ -1,0 +1,226 @@
+"""FSDP2 / DTensor state (issue 16) through torch.distributed.checkpoint, under ``torchrun
+--nproc_per_node=2`` (gloo, CPU). The training is tests/scripts/fsdp_train.py (``fully_shard``,
+AdamW, dropout, a shuffled DistributedSampler).
+
+* ranks SIGKILLed at random moments (inside saves too: shard writes are slowed), the job restarted by
+  torchrun's elastic agent: the final full weights (gathered from the shards) are bit-identical to an
+  uninterrupted run; every checkpoint that verifies names every rank's shard file;
+* a negative control (the sharded state is not restored on resume) differs;
+* one rank killed while writing its shard: that save leaves a folder without manifest, every
+  checkpoint ``keepalive verify`` calls valid has all shards, and a missing shard makes one invalid;
+* 2 -> 1 processes: DCP reshards the model and optimizer, the message says it is not bit-identical.
+
+Processes are started here and stopped by their PIDs / their own session.
+"""
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Dict, List, Optional
+
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+if not dist.is_available() or not dist.is_gloo_available():  # pragma: no cover
+    pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
+try:
+    from torch.distributed.fsdp import fully_shard  # noqa: F401
+except ImportError:  # pragma: no cover
+    pytest.skip("this torch has no FSDP2 (fully_shard)", allow_module_level=True)
+
+from keepalive.store import MANIFEST, CheckpointStore  # noqa: E402
+from servers import free_port  # noqa: E402  (tests/servers.py)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.join(HERE, "scripts", "fsdp_train.py")
+ROOT = os.path.dirname(HERE)
+STEPS_PER_EPOCH = 12  # 96 samples, batch 4, 2 ranks
+RESUME_RE = re.compile(r"resuming run .* step (\d+)")
+
+
+class Job:
+    """One ``torchrun --nproc_per_node=N`` job of the FSDP2 script; output collected by a thread."""
+
+    def __init__(self, tmp, name: str, *, restarts: int = 0, env: Optional[Dict[str, str]] = None,
+                 nproc: int = 2, run_dir: Optional[str] = None):
+        self.run_dir = run_dir or str(tmp / f"{name}-run")
+        self.out_dir = str(tmp / f"{name}-out")
+        full_env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
+                        PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {}))
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+               f"--max-restarts={restarts}", "--monitor-interval=0.2",
+               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+               SCRIPT, self.run_dir, self.out_dir]
+        self.proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, start_new_session=True)
+        self.output: List[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in iter(self.proc.stdout.readline, ""):
+            self.output.append(line)
+        self.proc.stdout.close()
+
+    def text(self) -> str:
+        return "".join(self.output)
+
+    def pids(self, after: int, timeout: float = 60.0) -> Optional[tuple]:
+        """``(attempt, {rank: pid})`` of the newest attempt after ``after``; None if the job ended."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            names = os.listdir(self.out_dir) if os.path.isdir(self.out_dir) else []
+            attempts = sorted({int(n.split(".")[1]) for n in names if n.startswith("pid.")}, reverse=True)
+            for attempt in attempts:
+                if attempt <= after:
+                    break
+                try:
+                    return attempt, {r: int(open(os.path.join(self.out_dir, f"pid.{attempt}.{r}")).read())
+                                     for r in (0, 1)}
+                except (OSError, ValueError):
+                    continue
+            if self.proc.poll() is not None:
+                return None
+            time.sleep(0.05)
+        raise AssertionError(f"no attempt after {after} started:\n{self.text()}")
+
+    def wait(self, timeout: float = 120.0) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            raise AssertionError(f"the job did not finish in {timeout} s:\n{self.text()}") from None
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # our own session (start_new_session), by id
+            self.proc.wait()
+
+    def final(self) -> Dict[str, "torch.Tensor"]:
+        return torch.load(os.path.join(self.out_dir, "final.pt"))
+
+
+def run_job(tmp, name: str, **kwargs) -> Job:
+    job = Job(tmp, name, **kwargs)
+    try:
+        job.wait()
+    finally:
+        job.stop()
+    return job
+
+
+def same_weights(a: Dict[str, "torch.Tensor"], b: Dict[str, "torch.Tensor"]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def shard_names(info) -> List[str]:
+    return sorted(f["name"] for f in info.manifest["files"] if f["name"].endswith(".distcp"))
+
+
+def valid_checkpoints(run_dir: str) -> list:
+    store = CheckpointStore(run_dir)
+    return [info for info in store.list() if store.verify(info).valid]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted two-rank run's final full weights."""
+    job = run_job(tmp_path_factory.mktemp("fsdp"), "reference")
+    assert job.proc.returncode == 0, job.text()
+    return job.final()
+
+
+def test_ranks_killed_at_random_resume_bit_exactly(tmp_path, reference):
+    rng = random.Random(int(os.environ.get("KEEPALIVE_TEST_SEED", "16")))
+    kills = 3
+    job = Job(tmp_path, "killed", restarts=kills + 3,
+              env={"FSDP_SLOW_SHARD": "0.1", "FSDP_STEP_SLEEP": "0.05", "FSDP_KEEP": "0"})
+    log = []
+    attempt = -1
+    try:
+        for _ in range(kills):
+            found = job.pids(attempt)
+            if found is None:
+                break
+            attempt, pids = found
+            while f"attempt {attempt}\n" not in job.text() and job.proc.poll() is None:
+                time.sleep(0.02)  # until this attempt trains
+            time.sleep(rng.uniform(0.2, 1.2))  # a few steps (and saves) later
+            if job.proc.poll() is not None:
+                break
+            victim = rng.choice((0, 1))
+            text = job.text()
+            committed = [int(m) for m in re.findall(r"^COMMITTED (\d+)$", text, re.M)]
+            resumes_before = len(RESUME_RE.findall(text))
+            try:
+                os.kill(pids[victim], signal.SIGKILL)
+            except ProcessLookupError:
+                break
+            log.append((victim, max(committed, default=None), resumes_before))
+        assert job.wait() == 0, job.text()
+    finally:
+        job.stop()
+    text = job.text()
+    resumed = [int(s) for s in RESUME_RE.findall(text)]
+    print("kills (rank, last committed step, resumes before):", log, "resumed at:", resumed)
+    assert len(log) >= 2, f"only {len(log)} kills landed:\n{text}"
+    for _, committed, resumes_before in log:  # never resumed before a save committed before a kill
+        if committed is not None:
+            assert len(resumed) > resumes_before and resumed[resumes_before] >= committed, (log, resumed)
+    assert same_weights(job.final(), reference), "the resumed FSDP2 run differs from the reference"
+    infos = valid_checkpoints(job.run_dir)
+    assert infos and all(shard_names(i) == ["__0_0.distcp", "__1_0.distcp"] for i in infos)
+    assert all(".metadata" in {f["name"] for f in i.manifest["files"]} for i in infos)
+
+
+def test_negative_control_without_the_sharded_state_differs(tmp_path, reference):
+    job = run_job(tmp_path, "broken", restarts=1, env={"FSDP_SELF_KILL": "1:10", "FSDP_BROKEN": "1"})
+    assert job.proc.returncode == 0, job.text()
+    assert RESUME_RE.search(job.text()), job.text()
+    assert not same_weights(job.final(), reference), "the control should differ: the test is blind"
+
+
+def test_rank_killed_while_writing_its_shard_leaves_no_valid_checkpoint_without_it(tmp_path):
+    # rank 1 SIGKILLs itself inside its 3rd shard file (the save at step 9), no restart
+    job = run_job(tmp_path, "inshard", env={"FSDP_KILL_IN_SHARD": "1:3", "FSDP_SLOW_SHARD": "0.05"})
+    text = job.text()
+    assert job.proc.returncode != 0 and "COMMITTED 6" in text and "COMMITTED 9" not in text, text
+    names = sorted(n for n in os.listdir(job.run_dir) if n.startswith("ckpt-"))
+    torn = [n for n in names if not os.path.exists(os.path.join(job.run_dir, n, MANIFEST))]
+    assert torn and all(n.startswith("ckpt-0000000009-") for n in torn), names
+    infos = valid_checkpoints(job.run_dir)
+    assert [i.step for i in infos] == [3, 6]
+    assert all(shard_names(i) == ["__0_0.distcp", "__1_0.distcp"] for i in infos)
+    cli = [sys.executable, "-m", "keepalive", "verify", job.run_dir]
+    done = subprocess.run(cli, capture_output=True, text=True, cwd=ROOT, timeout=60)
+    said = done.stdout + done.stderr
+    assert [line.split("/")[-1] for line in said.splitlines() if line.startswith("OK ")] == [
+        i.name for i in infos], said  # the two committed ones are OK, the torn one is not
+    assert re.search(r"BAD .*ckpt-0000000009-\w+: no manifest", said), said
+    # a shard missing from a committed checkpoint: verify calls it invalid, naming the file
+    os.remove(os.path.join(infos[-1].path, "__1_0.distcp"))
+    done = subprocess.run(cli, capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert done.returncode != 0 and "__1_0.distcp is missing" in done.stdout + done.stderr, done.stdout
+
+
+def test_two_to_one_process_reshards_and_says_so(tmp_path):
+    # saves every 4 steps run in the background; the one at step 20 waits for the commit of 16
+    first = run_job(tmp_path, "two", env={"FSDP_SELF_KILL": "1:21", "FSDP_EVERY": "4"})
+    committed = [int(m) for m in re.findall(r"^COMMITTED (\d+)$", first.text(), re.M)]
+    assert first.proc.returncode != 0 and max(committed) in (16, 20), first.text()
+    saved = max(committed)
+    one = run_job(tmp_path, "one", nproc=1, run_dir=first.run_dir)
+    text = one.text()
+    assert one.proc.returncode == 0, text
+    assert "written by 2 process(es), this run has 1" in text and "not bit-identical" in text, text
+    assert re.search(rf"resuming run .* step {saved}\b", text), text
+    # epoch 1 (from step 12) had (saved - 12) batches x 4 samples x 2 ranks done; one process takes
+    # the remaining samples of its 96 in batches of 4, then a whole epoch of 24 batches
+    left = (96 - (saved - 12) * 8) // 4
+    assert f"DONE rank 0 step {saved + left + 24}" in text, text
