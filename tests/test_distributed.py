@@ -12,15 +12,12 @@ The training is tests/scripts/ddp_train.py. Processes are started here and stopp
 from __future__ import annotations
 
 import os
-import queue
 import random
 import re
 import signal
-import subprocess
 import sys
-import threading
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import pytest
 
@@ -33,10 +30,10 @@ from keepalive import distributed as kd  # noqa: E402
 from keepalive.resume import read_state  # noqa: E402
 from keepalive.store import MANIFEST, CheckpointStore  # noqa: E402
 from servers import free_port  # noqa: E402  (tests/servers.py)
+from torchrunkit import TorchrunJob  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "scripts", "ddp_train.py")
-ROOT = os.path.dirname(HERE)
 EPOCHS, STEPS_PER_EPOCH = 3, 12  # 96 samples, batch 4, 2 ranks
 TOTAL = EPOCHS * STEPS_PER_EPOCH
 RESUME_RE = re.compile(r"resuming run .* step (\d+)")
@@ -75,70 +72,19 @@ def test_no_process_group_is_a_group_of_one():
 
 
 # ----------------------------------------------------------------------------------- torchrun jobs
-class Job:
-    """One ``torchrun --nproc_per_node=2`` job of the DDP script; output collected by a thread."""
+class Job(TorchrunJob):
+    """One ``torchrun --nproc_per_node=2`` job of the DDP script (or the notebook-style launch, or
+    one plain process)."""
 
-    def __init__(self, tmp, name: str, *, restarts: int = 0, env: Optional[Dict[str, str]] = None,
-                 nproc: int = 2, run_dir: Optional[str] = None):
-        self.run_dir = run_dir or str(tmp / f"{name}-run")
-        self.out_dir = str(tmp / f"{name}-out")
-        full_env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
-                        PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {}))
+    def __init__(self, tmp, name: str, **kwargs):
+        super().__init__(tmp, name, SCRIPT, **kwargs)
+
+    def command(self, nproc: int, restarts: int) -> List[str]:
         if nproc == -2:  # the notebook launch: torch.multiprocessing.start_processes, 2 processes
-            cmd = [sys.executable, SCRIPT, "--spawn", str(free_port()), self.run_dir, self.out_dir]
-        elif nproc:
-            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-                   f"--max-restarts={restarts}", "--monitor-interval=0.2",
-                   # the c10d rendezvous (on a free port) starts every restart afresh
-                   "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-                   SCRIPT, self.run_dir, self.out_dir]
-        else:  # one plain process, no process group
-            cmd = [sys.executable, SCRIPT, self.run_dir, self.out_dir]
-        self.proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, start_new_session=True)
-        self.lines: "queue.Queue[Optional[str]]" = queue.Queue()
-        self.output: List[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in iter(self.proc.stdout.readline, ""):
-            self.output.append(line)
-        self.proc.stdout.close()
-
-    def text(self) -> str:
-        return "".join(self.output)
-
-    def pids(self, after: int, timeout: float = 60.0) -> Optional[tuple]:
-        """``(attempt, {rank: pid})`` of the newest attempt after ``after`` (torchrun counts restarts
-        from 0), once both ranks wrote their PID; None if the job ended first."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            names = os.listdir(self.out_dir) if os.path.isdir(self.out_dir) else []
-            attempts = sorted({int(n.split(".")[1]) for n in names if n.startswith("pid.")}, reverse=True)
-            for attempt in attempts:
-                if attempt <= after:
-                    break
-                try:
-                    return attempt, {r: int(open(os.path.join(self.out_dir, f"pid.{attempt}.{r}")).read())
-                                     for r in (0, 1)}
-                except (OSError, ValueError):
-                    continue
-            if self.proc.poll() is not None:
-                return None
-            time.sleep(0.05)
-        raise AssertionError(f"no attempt after {after} started:\n{self.text()}")
-
-    def wait(self, timeout: float = 150.0) -> int:
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.stop()
-            raise AssertionError(f"the job did not finish in {timeout} s:\n{self.text()}") from None
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # our own session (start_new_session), by id
-            self.proc.wait()
+            return [sys.executable, SCRIPT, "--spawn", str(free_port()), self.run_dir, self.out_dir]
+        if not nproc:  # one plain process, no process group
+            return [sys.executable, SCRIPT, self.run_dir, self.out_dir]
+        return super().command(nproc, restarts)
 
     def finals(self) -> List[Dict[str, "torch.Tensor"]]:
         return [torch.load(os.path.join(self.out_dir, f"final.{r}.pt")) for r in (0, 1)]

@@ -20,9 +20,8 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import pytest
 
@@ -36,7 +35,7 @@ except ImportError:  # pragma: no cover
     pytest.skip("this torch has no FSDP2 (fully_shard)", allow_module_level=True)
 
 from keepalive.store import MANIFEST, CheckpointStore  # noqa: E402
-from servers import free_port  # noqa: E402  (tests/servers.py)
+from torchrunkit import TorchrunJob  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "scripts", "fsdp_train.py")
@@ -45,62 +44,11 @@ STEPS_PER_EPOCH = 12  # 96 samples, batch 4, 2 ranks
 RESUME_RE = re.compile(r"resuming run .* step (\d+)")
 
 
-class Job:
-    """One ``torchrun --nproc_per_node=N`` job of the FSDP2 script; output collected by a thread."""
+class Job(TorchrunJob):
+    """One ``torchrun --nproc_per_node=N`` job of the FSDP2 script."""
 
-    def __init__(self, tmp, name: str, *, restarts: int = 0, env: Optional[Dict[str, str]] = None,
-                 nproc: int = 2, run_dir: Optional[str] = None):
-        self.run_dir = run_dir or str(tmp / f"{name}-run")
-        self.out_dir = str(tmp / f"{name}-out")
-        full_env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
-                        PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {}))
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-               f"--max-restarts={restarts}", "--monitor-interval=0.2",
-               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-               SCRIPT, self.run_dir, self.out_dir]
-        self.proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, start_new_session=True)
-        self.output: List[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in iter(self.proc.stdout.readline, ""):
-            self.output.append(line)
-        self.proc.stdout.close()
-
-    def text(self) -> str:
-        return "".join(self.output)
-
-    def pids(self, after: int, timeout: float = 60.0) -> Optional[tuple]:
-        """``(attempt, {rank: pid})`` of the newest attempt after ``after``; None if the job ended."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            names = os.listdir(self.out_dir) if os.path.isdir(self.out_dir) else []
-            attempts = sorted({int(n.split(".")[1]) for n in names if n.startswith("pid.")}, reverse=True)
-            for attempt in attempts:
-                if attempt <= after:
-                    break
-                try:
-                    return attempt, {r: int(open(os.path.join(self.out_dir, f"pid.{attempt}.{r}")).read())
-                                     for r in (0, 1)}
-                except (OSError, ValueError):
-                    continue
-            if self.proc.poll() is not None:
-                return None
-            time.sleep(0.05)
-        raise AssertionError(f"no attempt after {after} started:\n{self.text()}")
-
-    def wait(self, timeout: float = 120.0) -> int:
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.stop()
-            raise AssertionError(f"the job did not finish in {timeout} s:\n{self.text()}") from None
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # our own session (start_new_session), by id
-            self.proc.wait()
+    def __init__(self, tmp, name: str, **kwargs):
+        super().__init__(tmp, name, SCRIPT, **kwargs)
 
     def final(self) -> Dict[str, "torch.Tensor"]:
         return torch.load(os.path.join(self.out_dir, "final.pt"))
