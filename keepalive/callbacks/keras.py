@@ -67,6 +67,10 @@ if not keras.__version__.startswith("3."):  # pragma: no cover - Keras 2 has ano
     raise ImportError(f"keepalive.callbacks.keras needs Keras 3, found {keras.__version__}")
 
 _LIVE: "weakref.WeakSet[DriveCheckpoint]" = weakref.WeakSet()
+#: the callback whose fit is running, held strongly: a fit that raised skips on_train_end, and a
+#: callback created inline (callbacks=[DriveCheckpoint(...)]) may then be garbage only for the WeakSet;
+#: the next fit must still find it to release its writer lease (else: RunLockedError, depending on GC)
+_RUNNING: List["DriveCheckpoint"] = []
 Logs = Optional[Dict[str, Any]]
 
 
@@ -149,6 +153,8 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
     def _abandon(self) -> None:
         """A fit that raised (no on_train_end): release its signal handlers and writer lease."""
         self._active = False
+        if self in _RUNNING:
+            _RUNNING.remove(self)
         self._tail = None
         self._loaded, self._tree = False, None  # run again: from the newest checkpoint, same stage
         try:
@@ -158,7 +164,7 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
 
     def on_train_begin(self, logs: Logs = None) -> None:
         # fit runs one at a time: an "active" checkpointer now belongs to a fit that raised
-        for other in [self, *list(_LIVE)]:
+        for other in [self, *list(_LIVE), *list(_RUNNING)]:
             if other._active:
                 other._abandon()
         self._reset_fit_state()
@@ -184,6 +190,7 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
         self._install_tail()
         core.install_signal_handlers()
         self._active = True
+        _RUNNING.append(self)
         if tree is not None and not self._nothing_to_do and core.counters["epoch"] - self._base["epoch"] >= epochs:
             self._nothing_to_do = True
             self._already_complete(epochs, core.counters["epoch"] - self._base["epoch"])
@@ -365,6 +372,8 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
         if not self._active:
             return
         self._active = False
+        if self in _RUNNING:
+            _RUNNING.remove(self)
         core = self.core
         try:
             if not core.finished and not core.stopped:
