@@ -81,11 +81,6 @@ def resolve_run_url(path: Union[str, "os.PathLike[str]", None], run: Optional[st
     return os.fspath(path)
 
 
-def say(message: str, *, quiet: bool = False) -> None:
-    """One line of news for the user (:func:`keepalive.report.say`)."""
-    report.say(message, quiet=quiet)
-
-
 def active_checkpointers() -> List["Checkpointer"]:
     """The checkpointers alive in this process (the magics use it to find the run a cell trained)."""
     return list(_ACTIVE)
@@ -673,4 +668,4 @@ def _flush_all_at_exit() -> None:
             log.error("could not finish the last checkpoint of %s: %s", ckpt.url, exc)
 
 
-__all__ = ["Checkpointer", "active_checkpointers", "default_dir", "resolve_run_url", "say"]
+__all__ = ["Checkpointer", "active_checkpointers", "default_dir", "resolve_run_url"]
