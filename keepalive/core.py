@@ -326,46 +326,57 @@ class Checkpointer:
 
     def _save_sharded(self, tree: Dict[str, Any], *, reason: str, finished: bool, sync: bool) -> None:
         """FSDP2 (issue 16): one global checkpoint whose sharded objects go through
-        ``torch.distributed.checkpoint`` (:mod:`keepalive.dcp`). A collective: rank 0 names the folder,
-        every rank's RNG / data position reach rank 0 (gather) and rank 0 copies the rest of the state
-        to host memory; every rank stages its shards (``dcp.async_save``) and writes them into the
-        folder in the background (durable, checksummed while written); then their manifest entries
-        reach rank 0, which writes the rest of the state and the manifest, LAST. Written to the run
-        folder directly (no spool). ``sync`` (or ``background=False``): returns after the commit."""
-        from . import dcp as _dcp  # layer 2; imports torch, as the adapter that set self.sharded did
+        ``torch.distributed.checkpoint`` (:mod:`keepalive.dcp`). A collective, in two halves.
 
-        group = self.group
+        The training waits only for the first: every rank copies its shards to host memory (into
+        buffers kept from the previous save) and freezes its own RNG / data position (rank 0: the
+        whole unsharded rest of the state). The second runs in a thread, over a process group of its
+        own: rank 0 names the folder; every rank writes its shards into it (``dcp.save``, durable,
+        checksummed while written); every rank's part and its manifest entries reach rank 0, which
+        writes the rest of the state and the manifest, LAST. A rank whose write failed sends a line
+        saying why instead: rank 0 then writes no manifest and says it, once for all ranks.
+        Written to the run folder directly (no spool).
+        ``sync`` (or ``background=False``): returns after the commit."""
+        from . import dcp as _dcp  # layer 2; imports torch, as the adapter that set self.sharded did
+        from .state import frozen_copy
+
+        if _dcp.local_folder(self.store.url) is None:
+            raise NotImplementedError(f"sharded (FSDP2 / DTensor) checkpoints need a local run folder "
+                                      f"(a mounted Drive is one), not {self.url}")
+        group, sharded = self.group, self.sharded
         self._sharded_wait()  # one save in flight: the previous one is committed first
         self.writer.wait()  # and an earlier (unsharded) write
         step, epoch = self.counters["step"], self.counters["epoch"]
-        folder_name = group.all_gather(self.store.new_name(step) if group.is_main else None)[0]
-        folder = _dcp.local_folder(self.store.backend.join(self.store.path, folder_name))
-        if folder is None:
-            raise NotImplementedError(f"sharded (FSDP2 / DTensor) checkpoints need a local run folder "
-                                      f"(a mounted Drive is one), not {self.url}")
-        tree[_dcp.DCP_KEY] = self.sharded.describe()
-        parts = group.gather(_distributed.rank_part(tree))
-        files: Any = None
-        meta: Dict[str, Any] = {}
-        if parts is not None:  # rank 0: the rest of the state, in host memory now
-            if group.active:
-                tree = _distributed.combine(tree, parts)
-            meta = dict(self.metadata, reason=reason, finished=finished, counters=dict(self.counters),
-                        world_size=group.world_size, sharded="dcp")
+        tree[_dcp.DCP_KEY] = sharded.describe()
+        own = frozen_copy(_distributed.rank_part(tree))
+        rest = frozen_copy(tree) if group.is_main else None
+        meta = dict(self.metadata, reason=reason, finished=finished, counters=dict(self.counters),
+                    world_size=group.world_size, sharded="dcp")
+        if group.is_main:
             self.store.lease.progress = dict(self.counters)
-            files = self.writer.snapshot.take(tree)
         log.info("saving step %d (epoch %d) with DCP shards: %s", step, epoch, reason)
-        shards = self.sharded.start_save(folder)  # returns once staged in host memory
+        staged = sharded.stage()  # the stall: this rank's shards in host memory
 
         def commit() -> None:
             try:
-                written = self.sharded.gather_files(shards.result())
-                if written is not None:  # rank 0: every rank's shards are durable: the manifest
-                    result = self.store.commit(files, step=step, epoch=epoch, metadata=meta,
-                                               name=folder_name, written=written)
-                    self.writer.last_result = result
-                    for callback in self.writer.on_commit:
-                        callback(result)
+                folder_name = sharded.first_rank_value(self.store.new_name(step) if group.is_main else None)
+                try:
+                    written: Any = sharded.write(staged, self.store.backend.join(self.store.path, folder_name))
+                except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is one
+                    written = _dcp.describe_failure(exc)  # a line for rank 0, which then commits nothing
+                parts = sharded.gather((own, written))
+                if parts is None:  # not rank 0: a failure is said there, once, for every rank
+                    return
+                failed = sorted({w for _, w in parts if isinstance(w, str)})
+                if failed:
+                    raise _dcp.ShardWriteError(f"{'; '.join(failed)}; no manifest written for step {step}")
+                full = _distributed.combine(rest, [p for p, _ in parts]) if group.active else rest
+                files = self.writer.snapshot.take(full)
+                result = self.store.commit(files, step=step, epoch=epoch, metadata=meta, name=folder_name,
+                                           written=[entry for _, w in parts for entry in w])
+                self.writer.last_result = result
+                for callback in self.writer.on_commit:
+                    callback(result)
             except BaseException as exc:  # noqa: BLE001 - said by _sharded_wait
                 self._sharded_error = exc
 
@@ -656,6 +667,8 @@ class Checkpointer:
             if self.training_progress is not None:
                 self.training_progress.close()
             self.sink.close()
+            if self.sharded:
+                self.sharded.close()  # FSDP2 (issue 16): its staging buffers
             self._opened = False
 
 

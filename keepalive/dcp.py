@@ -12,16 +12,18 @@ folder, and committed by keepalive's manifest (issue 16)::
                                              position, unsharded objects), rank 0
         MANIFEST.json                <- LAST, by rank 0, naming every file above with size and xxh3
 
-How one save goes (:meth:`keepalive.core.Checkpointer.save` drives it): rank 0 picks the folder name
-and every rank learns it; ``get_state_dict`` + ``dcp.save`` with :class:`KeepaliveWriter` (torch's
-``FileSystemWriter`` whose streams are hashed while written, files fsync'ed) write the shards; every
-rank sends the names, sizes and checksums of the files *it* wrote to rank 0 with the same
-``gather_object`` that carries its RNG and data position; rank 0 writes the rest and the manifest.
-``dcp.save`` returns on a rank only after its files are durable and the coordinator wrote
-``.metadata``, and rank 0 gets a rank's list only after that rank's ``dcp.save`` returned, so the
-manifest is written after every shard is durable: a SIGKILL of any rank at any moment leaves either a
-complete checkpoint or a folder without manifest (skipped by readers, removed by the writer), and
-``keepalive verify`` re-reads every shard file against the manifest.
+How one save goes (:meth:`keepalive.core.Checkpointer._save_sharded` drives it). The training waits
+for :meth:`ShardedObjects.stage` only: ``get_state_dict`` and a copy of this rank's shards into host
+buffers kept from the previous save. The rest runs in a thread over a gloo group of its own: rank 0
+names the folder; ``dcp.save`` with :class:`KeepaliveWriter` (torch's ``FileSystemWriter`` whose
+streams are hashed while written, files fsync'ed) writes the shards; every rank sends the names, sizes
+and checksums of the files *it* wrote to rank 0 with the same ``gather_object`` that carries its RNG and
+data position; rank 0 writes the rest and the manifest. ``dcp.save`` returns on a rank only after its
+files are durable and the coordinator wrote ``.metadata``, and rank 0 gets a rank's list only after
+that rank's ``dcp.save`` returned, so the manifest is written after every shard is durable: a SIGKILL
+of any rank at any moment leaves either a complete checkpoint or a folder without manifest (skipped by
+readers, removed by the writer), and ``keepalive verify`` re-reads every shard file against the
+manifest.
 
 Resume: :meth:`ShardedObjects.load` builds the live sharded state dict (``get_state_dict``), fills it
 with ``dcp.load`` from the checkpoint folder (``FileSystemReader``) and puts it back with
@@ -30,8 +32,8 @@ then carried over as :func:`keepalive.distributed.localize` says).
 
 Limits: the run folder must be a local path (a mounted Drive is one); the sharded checkpoint is written
 directly to it, not through the local spool; one sharded model (any number of optimizers over it).
-Saves run in the background (``dcp.async_save``: the training waits for the copy to host memory);
-``background=False`` or a final / signal save waits for the commit.
+Saves run in the background (the training waits for the copy to host memory); ``background=False``
+or a final / signal save waits for the commit.
 
 This module imports torch: only :mod:`keepalive.callbacks.torch` imports it, when a registered object
 holds DTensor state.
@@ -39,7 +41,6 @@ holds DTensor state.
 from __future__ import annotations
 
 import io
-from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Dict, Generator, List, Mapping, Optional
@@ -151,6 +152,7 @@ class ShardedObjects:
         self.models: Dict[str, torch.nn.Module] = {}
         self.optimizers: Dict[str, torch.optim.Optimizer] = {}
         self._side: Any = None
+        self._stager: Any = None
 
     def __bool__(self) -> bool:
         return bool(self.models or self.optimizers)
@@ -182,25 +184,32 @@ class ShardedObjects:
         msd, osd = get_state_dict(model, list(self.optimizers.values()))
         return {"model": msd, "optim": osd}
 
-    def start_save(self, folder: str) -> "Future[List[Dict[str, Any]]]":
-        """``dcp.async_save`` into ``folder``: returns once the state is staged in host memory (the
-        training's stall); the future gives this rank's manifest entries once its files are durable
-        and DCP's ``.metadata`` is written. Its collectives run on a gloo group of their own
-        (:meth:`side_group`), so they never interleave with the training's (FSDP, keepalive's)."""
+    def stage(self) -> Dict[str, Any]:
+        """This rank's sharded state copied to host memory: the part of a save the training waits for.
+
+        The copy goes into buffers kept from the previous save (DCP's ``DefaultStager``, kept for the
+        life of the checkpointer; pinned when CUDA is there), so only the first save allocates and
+        faults in memory; ``dcp.async_save``'s default stager allocates afresh every time (3x slower
+        here, ``benchmarks/fsdp_save.py``). One save is in flight at a time (the core waits for the
+        previous one first), so the buffers are never copied into while they are written out. Also
+        creates :meth:`side_group` at the first save (a collective every rank enters here)."""
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        self.side_group()
+        if self._stager is None:
+            self._stager = DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(),
+                                                        use_shared_memory=False, use_async_staging=False,
+                                                        use_non_blocking_copy=False))
+        return self._stager.stage(self.state_dict())  # type: ignore[return-value]
+
+    def write(self, staged: Dict[str, Any], folder: str) -> List[Dict[str, Any]]:
+        """``dcp.save`` of a :meth:`stage`'d state into ``folder`` over :meth:`side_group` (run in the
+        background: its collectives never interleave with the training's, FSDP's or keepalive's); a
+        collective. Returns the manifest entries of the files this rank wrote, all durable, once DCP's
+        ``.metadata`` is written too."""
         writer = KeepaliveWriter(folder)
-        pending: Any = dcp.async_save(self.state_dict(), storage_writer=writer,
-                                      process_group=self.side_group())
-        done: "Future[List[Dict[str, Any]]]" = Future()
-
-        def finished(f: Any) -> None:
-            try:
-                f.result()
-                done.set_result(writer.written)
-            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
-                done.set_exception(exc)
-
-        pending.add_done_callback(finished)
-        return done
+        dcp.save(staged, storage_writer=writer, process_group=self.side_group())
+        return writer.written
 
     def side_group(self) -> Any:
         """A gloo process group of every rank for the background writes (created at the first save:
@@ -209,22 +218,27 @@ class ShardedObjects:
             self._side = torch.distributed.new_group(backend="gloo")
         return self._side
 
-    def gather_files(self, written: List[Dict[str, Any]]) -> Optional[List[Dict[str, Any]]]:
-        """Every rank's manifest entries on rank 0 (None elsewhere), over :meth:`side_group`."""
+    def first_rank_value(self, value: Any) -> Any:
+        """Rank 0's ``value`` on every rank, over :meth:`side_group` (the folder name of a save)."""
+        box = [value]
+        torch.distributed.broadcast_object_list(box, src=torch.distributed.get_global_rank(self.side_group(), 0),
+                                                group=self.side_group())
+        return box[0]
+
+    def gather(self, value: Any) -> Optional[List[Any]]:
+        """Every rank's ``value`` on rank 0 (None elsewhere), over :meth:`side_group`."""
         side = self.side_group()
         world = torch.distributed.get_world_size(side)
         rank = torch.distributed.get_rank(side)
         out: Optional[List[Any]] = [None] * world if rank == 0 else None
-        torch.distributed.gather_object(written, out, dst=torch.distributed.get_global_rank(side, 0),
-                                        group=side)
-        return None if out is None else [entry for part in out for entry in part]
+        torch.distributed.gather_object(value, out, dst=torch.distributed.get_global_rank(side, 0), group=side)
+        return out
 
-    def save(self, folder: str, process_group: Any = None) -> List[Dict[str, Any]]:
-        """Write this rank's shards (and, on the coordinator, DCP's ``.metadata``) into ``folder``; a
-        collective. Returns the manifest entries of the files this rank wrote, all durable."""
-        writer = KeepaliveWriter(folder)
-        dcp.save(self.state_dict(), storage_writer=writer, process_group=process_group)
-        return writer.written
+    def close(self) -> None:
+        """Free the staging buffers (after the last save)."""
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
 
     def load(self, folder: str, process_group: Any = None) -> None:
         """Fill the live sharded objects from the DCP files in ``folder`` (resharded by DCP when the
@@ -240,6 +254,19 @@ class ShardedObjects:
         """What a checkpoint's tree says about its DCP part (:data:`DCP_KEY`)."""
         return {"objects": self.names, "classes": {n: type(o).__name__ for n, o in
                                                    {**self.models, **self.optimizers}.items()}}
+
+
+class ShardWriteError(RuntimeError):
+    """A rank could not write its shards: that save has no manifest (the previous one stays newest)."""
+
+
+def describe_failure(exc: BaseException) -> str:
+    """One line for a failed shard write; DCP's ``CheckpointException`` carries every failed rank's
+    exception (its ``str`` is their tracebacks)."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        return "; ".join(f"rank {rank}: {type(e).__name__}: {e}" for rank, (e, _) in sorted(failures.items()))
+    return f"{type(exc).__name__}: {exc}"
 
 
 def local_folder(path: str) -> Optional[str]:
@@ -261,4 +288,5 @@ def check_saved(tree: Mapping[str, Any], sharded: ShardedObjects, where: str) ->
             "it, or start a new run")
 
 
-__all__ = ["DCP_KEY", "KeepaliveWriter", "ShardedObjects", "check_saved", "holds_dtensors", "local_folder"]
+__all__ = ["DCP_KEY", "KeepaliveWriter", "ShardWriteError", "ShardedObjects", "check_saved", "describe_failure",
+            "holds_dtensors", "local_folder"]

@@ -312,8 +312,9 @@ class Run:
 
     def summary(self) -> Dict[str, Any]:
         """JSON-safe facts for ``keepalive status``: ``run``, ``url``, ``checkpoints``,
-        ``newest`` / ``newest_step`` / ``newest_epoch`` / ``newest_created`` (UTC ISO), and when they
-        apply ``broken``, ``pending_uploads`` and ``error``."""
+        ``newest`` / ``newest_step`` / ``newest_epoch`` / ``newest_created`` (UTC ISO) / ``world_size``
+        / ``sharded`` (of the newest checkpoint: issue 16), and when they apply ``broken``,
+        ``pending_uploads`` and ``error``."""
         entry: Dict[str, Any] = {"run": self.name, "url": self.url, "newest_step": None,
                                  "newest_epoch": None, "newest_created": None, "checkpoints": 0}
         if self.error is not None:
@@ -326,7 +327,7 @@ class Run:
             created = None if newest.created is None else time.strftime("%Y-%m-%dT%H:%M:%SZ",
                                                                          time.gmtime(newest.created))
             entry.update(newest_step=newest.step, newest_epoch=newest.epoch, newest_created=created,
-                         newest=newest.name)
+                         newest=newest.name, world_size=newest.world_size or 1, sharded=newest.sharded)
         pending = len(self.pending_uploads())
         if pending:
             entry["pending_uploads"] = pending

@@ -245,6 +245,28 @@ def _copy_torch_into(t, slot: np.ndarray) -> None:
         dst.copy_(t.detach())
 
 
+def frozen_copy(tree: Any) -> Any:
+    """A copy of a state tree whose tensors and arrays are copies (on their own device), so it can be
+    encoded later while the training changes the originals (FSDP2 saves, :mod:`keepalive.dcp`, take
+    the small unsharded rest of the state this way and encode it in the background). Containers are
+    rebuilt; immutable leaves are shared."""
+    if _is_torch_tensor(tree):
+        return tree.detach().clone()
+    if isinstance(tree, np.ndarray):
+        return tree.copy()
+    if isinstance(tree, bytearray):
+        return bytes(tree)
+    if isinstance(tree, tuple):
+        return tuple(frozen_copy(v) for v in tree)
+    if isinstance(tree, list):
+        return [frozen_copy(v) for v in tree]
+    if isinstance(tree, (set, frozenset)):
+        return type(tree)(frozen_copy(v) for v in tree)
+    if isinstance(tree, Mapping):
+        return {k: frozen_copy(v) for k, v in tree.items()}
+    return tree
+
+
 def to_files(tree: Any) -> Dict[str, Any]:
     """The files of a state without keeping a reusable buffer (one-off saves and tests)."""
     return HostSnapshot().take(tree)

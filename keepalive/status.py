@@ -230,6 +230,14 @@ def _hardware_lines(hw: Mapping[str, Any]) -> List[str]:
     return lines
 
 
+def _processes(run: Mapping[str, Any]) -> str:
+    """", 2 ranks" / ", 2 ranks, DCP shards" for a run written by torch.distributed (issue 16)."""
+    world, sharded = int(run.get("world_size") or 1), run.get("sharded")
+    if world == 1 and not sharded:
+        return ""
+    return f", {world} rank{'s' if world > 1 else ''}" + (", DCP shards" if sharded else "")
+
+
 def _run_lines(r: Mapping[str, Any]) -> List[str]:
     lines = [f"  checkpoints in {r.get('checkpoint_dir')}:"]
     entries = r.get("runs") or []
@@ -240,7 +248,7 @@ def _run_lines(r: Mapping[str, Any]) -> List[str]:
             lines.append(f"            {run['run']}: unreadable ({run['error']})")
         elif run.get("checkpoints"):
             lines.append(f"            {run['run']}: {run['checkpoints']} checkpoint(s), newest step "
-                         f"{run.get('newest_step')} epoch {run.get('newest_epoch')} "
+                         f"{run.get('newest_step')} epoch {run.get('newest_epoch')}{_processes(run)} "
                          f"({run.get('newest_created') or 'time unknown'})")
         else:
             lines.append(f"            {run['run']}: no committed checkpoint")
@@ -252,7 +260,8 @@ def _run_lines(r: Mapping[str, Any]) -> List[str]:
             state = f"unreadable ({run['error']})"
         elif run.get("checkpoints"):
             state = (f"{'finished' if run.get('finished') else 'UNFINISHED'}, {run['checkpoints']} "
-                     f"checkpoint(s), newest step {run.get('newest_step')} epoch {run.get('newest_epoch')}")
+                     f"checkpoint(s), newest step {run.get('newest_step')} epoch {run.get('newest_epoch')}"
+                     f"{_processes(run)}")
         else:
             state = "no committed checkpoint"
         lines.append(f"            {run['run']}: {state} in {run['url']}")

@@ -176,6 +176,26 @@ class CheckpointInfo:
     def committed(self) -> bool:
         return self.manifest is not None
 
+    @property
+    def world_size(self) -> Optional[int]:
+        """How many processes wrote it (torch.distributed, issue 16); None for one or when unknown."""
+        size = ((self.manifest or {}).get("metadata") or {}).get("world_size")
+        return int(size) if isinstance(size, int) and size > 1 else None
+
+    @property
+    def sharded(self) -> Optional[str]:
+        """``"dcp"`` when its sharded (FSDP2) state is in DCP shard files, one per rank (issue 16)."""
+        kind = ((self.manifest or {}).get("metadata") or {}).get("sharded")
+        return str(kind) if kind else None
+
+    @property
+    def processes(self) -> str:
+        """"" for one process, else e.g. ``"2 ranks"`` / ``"2 ranks, DCP shards"`` (``ls``, ``status``)."""
+        if self.world_size is None and not self.sharded:
+            return ""
+        ranks = f"{self.world_size or 1} rank{'s' if (self.world_size or 1) > 1 else ''}"
+        return f"{ranks}, DCP shards" if self.sharded else ranks
+
     def sort_key(self):
         return (self.step if self.step is not None else -1, self.seq or 0, self.created or 0.0, self.name)
 
@@ -188,6 +208,7 @@ class CheckpointInfo:
             "epoch": self.epoch, "created": created, "size_bytes": self.size_bytes,
             "valid": self.valid if self.valid is not None else self.committed and self.error is None,
             "error": self.error, "source": self.source, "cached": self.cached,
+            "world_size": self.world_size or 1, "sharded": self.sharded,
         }
 
 

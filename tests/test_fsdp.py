@@ -8,12 +8,15 @@ AdamW, dropout, a shuffled DistributedSampler).
 * a negative control (the sharded state is not restored on resume) differs;
 * one rank killed while writing its shard: that save leaves a folder without manifest, every
   checkpoint ``keepalive verify`` calls valid has all shards, and a missing shard makes one invalid;
+* one rank's shard write failing (ENOSPC): no manifest for that save, one line saying so (rank 0
+  names the rank), training goes on and the next saves commit;
 * 2 -> 1 processes: DCP reshards the model and optimizer, the message says it is not bit-identical.
 
 Processes are started here and stopped by their PIDs / their own session.
 """
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -151,10 +154,37 @@ def test_rank_killed_while_writing_its_shard_leaves_no_valid_checkpoint_without_
     assert [line.split("/")[-1] for line in said.splitlines() if line.startswith("OK ")] == [
         i.name for i in infos], said  # the two committed ones are OK, the torn one is not
     assert re.search(r"BAD .*ckpt-0000000009-\w+: no manifest", said), said
+    # ls and status say how many processes wrote the run and that its state is in DCP shards
+    listed = subprocess.run([sys.executable, "-m", "keepalive", "ls", job.run_dir], capture_output=True,
+                            text=True, cwd=ROOT, timeout=60).stdout
+    assert len(re.findall(r"unverified \(2 ranks, DCP shards\)", listed)) == 2, listed
+    status = [sys.executable, "-m", "keepalive", "status", "--dir", str(tmp_path)]
+    shown = subprocess.run(status, capture_output=True, text=True, cwd=ROOT, timeout=60).stdout
+    assert re.search(r"inshard-run: 2 checkpoint\(s\), newest step 6 epoch 0, 2 ranks, DCP shards", shown), shown
+    report = json.loads(subprocess.run(status + ["--json"], capture_output=True, text=True, cwd=ROOT,
+                                       timeout=60).stdout)
+    [run] = [r for r in report["runs"] if r["run"] == "inshard-run"]
+    assert run["world_size"] == 2 and run["sharded"] == "dcp", run
     # a shard missing from a committed checkpoint: verify calls it invalid, naming the file
     os.remove(os.path.join(infos[-1].path, "__1_0.distcp"))
     done = subprocess.run(cli, capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert done.returncode != 0 and "__1_0.distcp is missing" in done.stdout + done.stderr, done.stdout
+
+
+def test_one_rank_failing_to_write_its_shard_commits_nothing_says_so_and_trains_on(tmp_path, reference):
+    # rank 1's 3rd shard file (the save at step 9) fails with ENOSPC; rank 0 wrote its shard
+    job = run_job(tmp_path, "enospc", env={"FSDP_FAIL_SHARD": "1:3"})
+    text = job.text()
+    assert job.proc.returncode == 0, text
+    committed = [int(m) for m in re.findall(r"^COMMITTED (\d+)$", text, re.M)]
+    assert 9 not in committed and 6 in committed and 12 in committed, text
+    # said once, on one line, by rank 0 for both ranks, naming the failed rank; the run goes on
+    said = [line for line in text.splitlines() if "sharded checkpoint write to" in line]
+    assert len(said) == 1 and "Traceback" not in text, text
+    assert re.search(r"ShardWriteError: rank 1: OSError: \[Errno 28\] No space left .*no manifest written for "
+                     r"step 9\).*training goes on", said[0]), said
+    assert all(i.step != 9 for i in valid_checkpoints(job.run_dir))
+    assert same_weights(job.final(), reference)
 
 
 def test_two_to_one_process_reshards_and_says_so(tmp_path):

@@ -10,7 +10,8 @@ and ``COMMITTED n`` after each checkpoint commit.
 Environment (test knobs): FSDP_EPOCHS (3), FSDP_EVERY (3 steps), FSDP_KEEP (3; 0 = keep all),
 FSDP_STEP_SLEEP (seconds per step), FSDP_SLOW_SHARD (seconds each DCP file write waits before its first byte: kills
 land inside saves), FSDP_SELF_KILL="rank:step" (that rank SIGKILLs itself after that step, in the first
-attempt only), FSDP_BROKEN=1 (negative control: the sharded state is not restored on resume).
+attempt only), FSDP_FAIL_SHARD="rank:n" (that rank's n-th shard file fails with ENOSPC),
+FSDP_BROKEN=1 (negative control: the sharded state is not restored on resume).
 """
 import faulthandler
 import os
@@ -64,7 +65,8 @@ def main(run_dir: str, out_dir: str) -> None:
 
     slow = knob("FSDP_SLOW_SHARD", 0.0)
     kill_in_rank, kill_in_file = pair("FSDP_KILL_IN_SHARD")
-    if slow or kill_in_rank is not None:
+    fail_rank, fail_file = pair("FSDP_FAIL_SHARD")
+    if slow or kill_in_rank is not None or fail_rank is not None:
         # each DCP file write takes a while: SIGKILLs land between shards and manifest; with
         # FSDP_KILL_IN_SHARD="rank:n" that rank SIGKILLs itself inside its n-th shard file
         from keepalive import dcp as kdcp
@@ -77,6 +79,8 @@ def main(run_dir: str, out_dir: str) -> None:
             time.sleep(slow)  # once per file (torch.save makes many small writes)
             if raw.name.endswith(".distcp"):
                 opened[0] += 1
+                if rank == fail_rank and opened[0] == fail_file:
+                    raise OSError(28, "No space left on device (injected by FSDP_FAIL_SHARD)")
 
         def slow_write(self, b):
             n = original_write(self, b)
