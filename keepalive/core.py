@@ -370,6 +370,7 @@ class Checkpointer:
                 failed = sorted({w for _, w in parts if isinstance(w, str)})
                 if failed:
                     raise _dcp.ShardWriteError(f"{'; '.join(failed)}; no manifest written for step {step}")
+                assert rest is not None  # rank 0 froze it
                 full = _distributed.combine(rest, [p for p, _ in parts]) if group.active else rest
                 files = self.writer.snapshot.take(full)
                 result = self.store.commit(files, step=step, epoch=epoch, metadata=meta, name=folder_name,
