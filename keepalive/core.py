@@ -335,14 +335,12 @@ class Checkpointer:
         checksummed while written); every rank's part and its manifest entries reach rank 0, which
         writes the rest of the state and the manifest, LAST. A rank whose write failed sends a line
         saying why instead: rank 0 then writes no manifest and says it, once for all ranks.
-        Written to the run folder directly (no spool).
+        The folder is in the run folder when checkpoints go to it directly (a local path), else in
+        this machine's spool, whose uploader sends the committed checkpoint on (one machine).
         ``sync`` (or ``background=False``): returns after the commit."""
         from . import dcp as _dcp  # layer 2; imports torch, as the adapter that set self.sharded did
         from .state import frozen_copy
 
-        if _dcp.local_folder(self.store.url) is None:
-            raise NotImplementedError(f"sharded (FSDP2 / DTensor) checkpoints need a local run folder "
-                                      f"(a mounted Drive is one), not {self.url}")
         group, sharded = self.group, self.sharded
         self._sharded_wait()  # one save in flight: the previous one is committed first
         self.writer.wait()  # and an earlier (unsharded) write
@@ -359,9 +357,25 @@ class Checkpointer:
 
         def commit() -> None:
             try:
-                folder_name = sharded.first_rank_value(self.store.new_name(step) if group.is_main else None)
+                target: Any = None
+                after: Callable[[], None] = lambda: None  # noqa: E731
+                folder: Dict[str, str] = {}
+                failure: Optional[BaseException] = None
+                if group.is_main:  # the run folder (local) or this machine's spool: every rank sees it
+                    try:
+                        target, after = self.sink.sharded_target()
+                        name = target.new_name(step)
+                        folder = {"path": target.backend.join(target.path, name), "name": name}
+                    except Exception as exc:  # noqa: BLE001 - the other ranks wait for the folder
+                        folder = {"error": f"{type(exc).__name__}: {exc}"}
+                        failure = exc
+                folder = sharded.first_rank_value(folder)
+                if "error" in folder:  # said by rank 0
+                    if failure is not None:
+                        raise failure
+                    return
                 try:
-                    written: Any = sharded.write(staged, self.store.backend.join(self.store.path, folder_name))
+                    written: Any = sharded.write(staged, folder["path"])
                 except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is one
                     written = _dcp.describe_failure(exc)  # a line for rank 0, which then commits nothing
                 parts = sharded.gather((own, written))
@@ -373,8 +387,9 @@ class Checkpointer:
                 assert rest is not None  # rank 0 froze it
                 full = _distributed.combine(rest, [p for p, _ in parts]) if group.active else rest
                 files = self.writer.snapshot.take(full)
-                result = self.store.commit(files, step=step, epoch=epoch, metadata=meta, name=folder_name,
-                                           written=[entry for _, w in parts for entry in w])
+                result = target.commit(files, step=step, epoch=epoch, metadata=meta, name=folder["name"],
+                                       written=[entry for _, w in parts for entry in w])
+                after()  # the spool's uploader sends it on
                 self.writer.last_result = result
                 for callback in self.writer.on_commit:
                     callback(result)

@@ -30,8 +30,10 @@ with ``dcp.load`` from the checkpoint folder (``FileSystemReader``) and puts it 
 ``set_state_dict``. DCP reshards on load, so another world size loads too (the rest of the state is
 then carried over as :func:`keepalive.distributed.localize` says).
 
-Limits: the run folder must be a local path (a mounted Drive is one); the sharded checkpoint is written
-directly to it, not through the local spool; one sharded model (any number of optimizers over it).
+Where: into the run folder when checkpoints go to it directly (a local path); else (gs://, s3://, a
+Drive mount the spool fronts) into this machine's spool, whose uploader sends the committed checkpoint
+on, manifest last, as any other (so one machine: ranks elsewhere do not see this spool). One sharded
+model (any number of optimizers over it).
 Saves run in the background (the training waits for the copy to host memory); ``background=False``
 or a final / signal save waits for the commit.
 
@@ -240,13 +242,19 @@ class ShardedObjects:
             self._stager.close()
             self._stager = None
 
-    def load(self, folder: str, process_group: Any = None) -> None:
-        """Fill the live sharded objects from the DCP files in ``folder`` (resharded by DCP when the
-        world size changed); a collective."""
+    def load(self, folder: str, process_group: Any = None, storage_options: Optional[dict] = None) -> None:
+        """Fill the live sharded objects from the DCP files in ``folder`` (a local path, or an fsspec
+        URL where the spool uploaded them) and reshard them when the world size changed; a collective."""
         model = self._model()
         optimizers = list(self.optimizers.values())
         state = self.state_dict()
-        dcp.load(state, storage_reader=FileSystemReader(folder), process_group=process_group)
+        if local_folder(folder) is not None:
+            reader: Any = FileSystemReader(folder[len("file://"):] if folder.startswith("file://") else folder)
+        else:
+            from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+            reader = FsspecReader(folder, **(storage_options or {}))
+        dcp.load(state, storage_reader=reader, process_group=process_group)
         set_state_dict(model, optimizers, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
 

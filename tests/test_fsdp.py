@@ -10,6 +10,7 @@ AdamW, dropout, a shuffled DistributedSampler).
   checkpoint ``keepalive verify`` calls valid has all shards, and a missing shard makes one invalid;
 * one rank's shard write failing (ENOSPC): no manifest for that save, one line saying so (rank 0
   names the rank), training goes on and the next saves commit;
+* to s3:// (moto): through the spool and its uploader; a new machine resumes from the bucket;
 * 2 -> 1 processes: DCP reshards the model and optimizer, the message says it is not bit-identical.
 
 Processes are started here and stopped by their PIDs / their own session.
@@ -20,6 +21,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -185,6 +187,31 @@ def test_one_rank_failing_to_write_its_shard_commits_nothing_says_so_and_trains_
                      r"step 9\).*training goes on", said[0]), said
     assert all(i.step != 9 for i in valid_checkpoints(job.run_dir))
     assert same_weights(job.final(), reference)
+
+
+def test_to_a_bucket_through_the_spool_then_resumed_on_a_new_machine_from_the_bucket(tmp_path, reference):
+    """s3:// (moto on 127.0.0.1): the shards go to this machine's spool, whose uploader sends each
+    committed checkpoint on, manifest last; a rank dies; the spool is deleted (a new VM); the job
+    resumes from the bucket (DCP reads the shards through fsspec) and ends bit-identical."""
+    from servers import S3Server
+
+    with S3Server() as s3:
+        env = {"FSDP_STORAGE_OPTIONS": json.dumps(s3.storage_options), "KEEPALIVE_SPOOL": str(tmp_path / "spool"),
+               "FSDP_EVERY": "4", "FSDP_KEEP": "0"}
+        url = s3.url("fsdp-run")
+        first = run_job(tmp_path, "first", run_dir=url, env=dict(env, FSDP_SELF_KILL="1:22"))
+        assert first.proc.returncode != 0, first.text()
+        store = CheckpointStore(url, storage_options=s3.storage_options)
+        uploaded = [i for i in store.list() if store.verify(i).valid]
+        assert uploaded and all(shard_names(i) == ["__0_0.distcp", "__1_0.distcp"] for i in uploaded), uploaded
+        newest = max(i.step for i in uploaded)
+        shutil.rmtree(tmp_path / "spool")  # a new machine: only the bucket is left
+        second = run_job(tmp_path, "second", run_dir=url, env=env)
+        text = second.text()
+        assert second.proc.returncode == 0, text
+        resumed = [int(m) for m in RESUME_RE.findall(text)]
+        assert resumed == [newest] and newest >= 4, (newest, text)
+        assert same_weights(second.final(), reference)
 
 
 def test_two_to_one_process_reshards_and_says_so(tmp_path):

@@ -183,7 +183,8 @@ class DriveCheckpoint(CheckpointAdapter):
         for name, obj in self.objects.items():
             obj.load_state_dict(objects[name])
         if self.core.sharded:  # FSDP2 (issue 16): a collective, DCP reshards if the world size changed
-            self.core.sharded.load(self.core.resumed_from.path)
+            self.core.sharded.load(self.core.resumed_from.url,
+                                   storage_options=self.core.sink.storage_options)
         restore_gradients(self.objects, (tree.get("data") or {}).get("pending_grads"))
         self._saved_data = dict(tree.get("data") or {})
         self.data_seed = int(self._saved_data.get("seed", torch.initial_seed()))

@@ -251,6 +251,34 @@ class SpooledStore:
         self._enforce_bound(up)
         return result
 
+    def sharded_target(self) -> "tuple[CheckpointStore, Callable[[], None]]":
+        """Where every rank writes the files of a sharded (FSDP2) checkpoint itself, and what to call
+        once rank 0 committed it there (issue 16): the destination when checkpoints go to it directly
+        and it is a local folder; else this machine's spool, whose uploader then sends the checkpoint
+        on, manifest last. Ranks on other machines do not see this machine's spool: a multi-node job
+        needs a run folder every machine mounts."""
+        if not self.spooling:
+            if self.local:
+                if self.mount is not None:
+                    self.mount.check()
+                return self.dest, lambda: None
+            raise NotImplementedError(f"sharded (FSDP2 / DTensor) checkpoints to {self.url} are written "
+                                      "through the local spool, and spool='never' was given")
+        if int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) < int(os.environ.get("WORLD_SIZE", "1") or 1):
+            raise NotImplementedError(f"sharded (FSDP2 / DTensor) checkpoints of a job on several machines "
+                                      f"need a run folder every machine sees (shared storage), not {self.url} "
+                                      "through each machine's spool")
+        spool = self._open_spool()
+        up = self._attach()
+        spool.seq_floor = max(spool.seq_floor, up.spool.seq_floor)
+
+        def committed() -> None:
+            up.spool.seq_floor = max(up.spool.seq_floor, spool.seq_floor)
+            up.notify()
+            self._enforce_bound(up)
+
+        return spool, committed
+
     def _enforce_bound(self, up: Uploader) -> None:
         limit = self.max_bytes
         total, dropped = up.enforce_bound(limit)

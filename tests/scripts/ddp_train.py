@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 from keepalive.callbacks.torch import DriveCheckpoint
+from keepalive.distributed import init_process_group
 
 
 def knob(name, default):
@@ -38,16 +39,6 @@ def pair(name):
     return int(rank), int(step)
 
 
-def init_process_group(restart: int) -> None:
-    """``init_process_group("gloo")``, with the rendezvous keys of each torchrun restart apart: seen
-    with torch 2.13, a restarted gloo group sometimes reads the previous attempt's peer addresses from
-    the agent's store and fails (connection refused) until a later restart."""
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                          int(os.environ["WORLD_SIZE"]), is_master=False)
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt-{restart}", store),
-                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
-
-
 def spawned(rank: int, world: int, port: int, run_dir: str, out_dir: str) -> None:
     """One process of the notebook launch (README "Several GPUs / machines"): what a notebook cell's
     function does under ``torch.multiprocessing.start_processes``."""
@@ -59,7 +50,7 @@ def main(run_dir: str, out_dir: str) -> None:
     distributed = dist.is_initialized() or "WORLD_SIZE" in os.environ
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if distributed and not dist.is_initialized():
-        init_process_group(restart)
+        init_process_group("gloo")  # keepalive.distributed: each torchrun restart's keys apart
     rank = dist.get_rank() if distributed else 0
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, f"pid.{restart}.{rank}"), "w") as f:

@@ -11,9 +11,11 @@ Environment (test knobs): FSDP_EPOCHS (3), FSDP_EVERY (3 steps), FSDP_KEEP (3; 0
 FSDP_STEP_SLEEP (seconds per step), FSDP_SLOW_SHARD (seconds each DCP file write waits before its first byte: kills
 land inside saves), FSDP_SELF_KILL="rank:step" (that rank SIGKILLs itself after that step, in the first
 attempt only), FSDP_FAIL_SHARD="rank:n" (that rank's n-th shard file fails with ENOSPC),
-FSDP_BROKEN=1 (negative control: the sharded state is not restored on resume).
+FSDP_STORAGE_OPTIONS (JSON, for an s3:// RUN_DIR), FSDP_BROKEN=1 (negative control: the sharded state
+is not restored on resume).
 """
 import faulthandler
+import json
 import os
 import signal
 import sys
@@ -28,6 +30,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 from keepalive.callbacks.torch import DriveCheckpoint
+from keepalive.distributed import init_process_group
 
 
 def knob(name, default):
@@ -42,22 +45,18 @@ def pair(name):
     return int(rank), int(step)
 
 
-def init_process_group(restart: int) -> None:
-    """As tests/scripts/ddp_train.py: each torchrun restart's gloo rendezvous keys apart."""
+def init(restart: int) -> None:
     if "MASTER_ADDR" not in os.environ:  # one plain process: a process group of one
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(knob("FSDP_PORT", 29577)),
-                          RANK="0", WORLD_SIZE="1")
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                          int(os.environ["WORLD_SIZE"]), is_master=os.environ["WORLD_SIZE"] == "1"
-                          and "TORCHELASTIC_RUN_ID" not in os.environ)
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt-{restart}", store),
-                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{knob('FSDP_PORT', 29577)}", rank=0,
+                                world_size=1)
+    else:  # under torchrun: keepalive's restart-safe init_process_group
+        init_process_group("gloo")
 
 
 def main(run_dir: str, out_dir: str) -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung rank's stacks, when asked
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    init_process_group(restart)
+    init(restart)
     rank, world = dist.get_rank(), dist.get_world_size()
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, f"pid.{restart}.{rank}"), "w") as f:
@@ -93,7 +92,7 @@ def main(run_dir: str, out_dir: str) -> None:
     if os.environ.get("FSDP_BROKEN"):
         from keepalive import dcp as kdcp
 
-        kdcp.ShardedObjects.load = lambda self, folder, process_group=None: None
+        kdcp.ShardedObjects.load = lambda *args, **kwargs: None
 
     torch.set_num_threads(1)
     data = torch.Generator().manual_seed(0)
@@ -111,8 +110,9 @@ def main(run_dir: str, out_dir: str) -> None:
         fully_shard(layer, mesh=mesh)
     fully_shard(net, mesh=mesh)
     opt = torch.optim.AdamW(net.parameters(), lr=0.01)
+    options = json.loads(os.environ.get("FSDP_STORAGE_OPTIONS") or "null")  # an s3:// run (moto)
     ckpt = DriveCheckpoint(run_dir, model=net, optimizer=opt, every=knob("FSDP_EVERY", 3),
-                           keep=knob("FSDP_KEEP", 3) or None)
+                           keep=knob("FSDP_KEEP", 3) or None, storage_options=options)
     if rank == 0:
         ckpt.core.writer.on_commit.append(lambda r: print(f"COMMITTED {r.info.step}", flush=True))
     step_sleep = knob("FSDP_STEP_SLEEP", 0.0)
