@@ -156,13 +156,14 @@ def reference(tmp_path_factory):
     try:
         with Kernel(kernel_env(tmp), cwd=str(tmp)) as k:
             k.run_ok(SETUP)
-            k.run_ok(accelerate_cell(tmp / "run", tmp, 0.0, 0), timeout=300)
+            k.run_ok(multiprocessing_cell(tmp / "run", tmp, 0.0), timeout=300)
     finally:
         stop_children(tmp)
     return str(tmp / "final.pt")
 
 
 def test_notebook_launcher_restarts_a_killed_rank_which_resumes_bit_exactly(tmp_path, reference):
+    pytest.importorskip("accelerate")
     rng = random.Random(int(os.environ.get("KEEPALIVE_TEST_SEED", "16")))
     run_dir = tmp_path / "run"
     try:
