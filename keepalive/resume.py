@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
-from .state import from_files
+from .state import STATE_FILE, TENSOR_FILE, from_files
 from .store import CheckpointInfo, CheckpointStore
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -21,8 +21,9 @@ __all__ = ["read_state", "load_newest"]
 
 def read_state(info: CheckpointInfo, store: CheckpointStore) -> Dict[str, Any]:
     """The state tree of checkpoint ``info`` held by ``store``; raises
-    :class:`~keepalive.errors.CheckpointCorruptError` when any byte differs from its manifest."""
-    return from_files(store.read_files(info), info.url)
+    :class:`~keepalive.errors.CheckpointCorruptError` when any byte differs from its manifest (every
+    file is checked; only the state's own two are kept in memory, not an FSDP2 checkpoint's shards)."""
+    return from_files(store.read_files(info, only=(STATE_FILE, TENSOR_FILE)), info.url)
 
 
 def load_newest(store: CheckpointStore, spool: Optional["Spool"] = None, *, quiet: bool = False

@@ -614,18 +614,21 @@ class CheckpointStore:
                                lambda info, store: store.check(info), on_corrupt=on_corrupt)
         return found[0] if found else None
 
-    def read_files(self, info: CheckpointInfo) -> Dict[str, Buffer]:
-        """Every file of a checkpoint, verified against its manifest (size and checksum).
+    def read_files(self, info: CheckpointInfo, only: Optional[Sequence[str]] = None) -> Dict[str, Buffer]:
+        """Every file of a checkpoint, verified against its manifest (size and checksum); with
+        ``only``, just those files are returned and the others are verified without being kept (an
+        FSDP2 checkpoint's DCP shards, which DCP reads itself: issue 16).
 
         Local files are memory-mapped (copy-on-write) rather than read, so a large state costs one
         checksum pass over the page cache and no copy. Raises :class:`CheckpointCorruptError`.
         """
-        return self._verified_files(info, keep=True)
+        return self._verified_files(info, keep=True, only=only)
 
     def read_file(self, info: CheckpointInfo, name: str) -> bytes:
         return bytes(self.read_files(info)[name])
 
-    def _verified_files(self, info: CheckpointInfo, keep: bool) -> Dict[str, Buffer]:
+    def _verified_files(self, info: CheckpointInfo, keep: bool,
+                        only: Optional[Sequence[str]] = None) -> Dict[str, Buffer]:
         manifest = info.manifest
         if not manifest or info.error:
             raise CheckpointCorruptError(info.url, info.error or "no manifest")
@@ -633,8 +636,9 @@ class CheckpointStore:
         out: Dict[str, Buffer] = {}
         for entry in manifest["files"]:
             fpath = self.backend.join(info.path, entry["name"])
+            wanted = keep and (only is None or entry["name"] in only)
             try:
-                data, size, digest = self._read_and_hash(fpath, algorithm, keep)
+                data, size, digest = self._read_and_hash(fpath, algorithm, wanted)
             except FileNotFoundError:
                 raise CheckpointCorruptError(info.url, f"file {entry['name']} is missing") from None
             except OSError as exc:
@@ -648,7 +652,7 @@ class CheckpointStore:
                 raise CheckpointCorruptError(
                     info.url, f"file {entry['name']} fails its {algorithm} checksum "
                               f"({digest} != {entry['checksum']}): its bytes changed after commit")
-            if keep:
+            if wanted:
                 out[entry["name"]] = data
         return out
 

@@ -7,7 +7,8 @@ AdamW, dropout, a shuffled DistributedSampler).
   uninterrupted run; every checkpoint that verifies names every rank's shard file;
 * a negative control (the sharded state is not restored on resume) differs;
 * one rank killed while writing its shard: that save leaves a folder without manifest, every
-  checkpoint ``keepalive verify`` calls valid has all shards, and a missing shard makes one invalid;
+  checkpoint ``keepalive verify`` calls valid has all shards, a flipped byte in a shard makes the
+  resume fall back to the older checkpoint (saying so), and a missing shard makes one invalid;
 * one rank's shard write failing (ENOSPC): no manifest for that save, one line saying so (rank 0
   names the rank), training goes on and the next saves commit;
 * to s3:// (moto): through the spool and its uploader; a new machine resumes from the bucket;
@@ -167,8 +168,20 @@ def test_rank_killed_while_writing_its_shard_leaves_no_valid_checkpoint_without_
                                        timeout=60).stdout)
     [run] = [r for r in report["runs"] if r["run"] == "inshard-run"]
     assert run["world_size"] == 2 and run["sharded"] == "dcp", run
+    # a flipped byte in a shard of the newest: the resume falls back to the older one and says why
+    shard = os.path.join(infos[-1].path, "__0_0.distcp")
+    with open(shard, "r+b") as f:
+        f.seek(os.path.getsize(shard) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x10]))
+    again = run_job(tmp_path, "again", run_dir=job.run_dir, env={"FSDP_EPOCHS": "1"})
+    said_again = again.text()
+    assert again.proc.returncode == 0, said_again
+    assert re.search(r"__0_0\.distcp fails its xxh3_64 checksum", said_again), said_again
+    assert [int(s) for s in RESUME_RE.findall(said_again)] == [3], said_again
     # a shard missing from a committed checkpoint: verify calls it invalid, naming the file
-    os.remove(os.path.join(infos[-1].path, "__1_0.distcp"))
+    os.remove(os.path.join(valid_checkpoints(job.run_dir)[-1].path, "__1_0.distcp"))
     done = subprocess.run(cli, capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert done.returncode != 0 and "__1_0.distcp is missing" in done.stdout + done.stderr, done.stdout
 
