@@ -11,6 +11,8 @@ AdamW, dropout, a shuffled DistributedSampler).
   resume fall back to the older checkpoint (saying so), and a missing shard makes one invalid;
 * one rank's shard write failing (ENOSPC): no manifest for that save, one line saying so (rank 0
   names the rank), training goes on and the next saves commit;
+* SIGTERM reaching one rank: one global save (both shards), every rank stops; the run resumes and ends
+  bit-identical;
 * to s3:// (moto): through the spool and its uploader; a new machine resumes from the bucket;
 * 2 -> 1 processes: DCP reshards the model and optimizer, the message says it is not bit-identical.
 
@@ -225,6 +227,19 @@ def test_to_a_bucket_through_the_spool_then_resumed_on_a_new_machine_from_the_bu
         resumed = [int(m) for m in RESUME_RE.findall(text)]
         assert resumed == [newest] and newest >= 4, (newest, text)
         assert same_weights(second.final(), reference)
+
+
+def test_sigterm_on_one_rank_saves_once_globally_then_all_stop_and_the_run_resumes_bit_exactly(tmp_path, reference):
+    job = run_job(tmp_path, "term", env={"FSDP_SIGTERM": "1:16", "FSDP_EVERY": "100"})
+    text = job.text()
+    assert job.proc.returncode != 0 and "DONE" not in text, text  # every rank stopped
+    assert "SIGTERM: saved epoch 1, step 16" in text, text
+    infos = CheckpointStore(job.run_dir).list()
+    assert [i.step for i in infos] == [16] and infos[0].manifest["metadata"]["reason"] == "SIGTERM received"
+    assert shard_names(infos[0]) == ["__0_0.distcp", "__1_0.distcp"]
+    again = run_job(tmp_path, "again", run_dir=job.run_dir, env={"FSDP_EVERY": "100"})
+    assert again.proc.returncode == 0 and RESUME_RE.findall(again.text()) == ["16"], again.text()
+    assert same_weights(again.final(), reference)
 
 
 def test_two_to_one_process_reshards_and_says_so(tmp_path):

@@ -10,7 +10,8 @@ and ``COMMITTED n`` after each checkpoint commit.
 Environment (test knobs): FSDP_EPOCHS (3), FSDP_EVERY (3 steps), FSDP_KEEP (3; 0 = keep all),
 FSDP_STEP_SLEEP (seconds per step), FSDP_SLOW_SHARD (seconds each DCP file write waits before its first byte: kills
 land inside saves), FSDP_SELF_KILL="rank:step" (that rank SIGKILLs itself after that step, in the first
-attempt only), FSDP_FAIL_SHARD="rank:n" (that rank's n-th shard file fails with ENOSPC),
+attempt only), FSDP_SIGTERM="rank:step" (that rank sends itself SIGTERM after that step, first attempt only),
+FSDP_FAIL_SHARD="rank:n" (that rank's n-th shard file fails with ENOSPC),
 FSDP_STORAGE_OPTIONS (JSON, for an s3:// RUN_DIR), FSDP_BROKEN=1 (negative control: the sharded state
 is not restored on resume).
 """
@@ -117,6 +118,7 @@ def main(run_dir: str, out_dir: str) -> None:
         ckpt.core.writer.on_commit.append(lambda r: print(f"COMMITTED {r.info.step}", flush=True))
     step_sleep = knob("FSDP_STEP_SLEEP", 0.0)
     kill_rank, kill_step = pair("FSDP_SELF_KILL")
+    term_rank, term_step = pair("FSDP_SIGTERM")
     for epoch in ckpt.epochs(knob("FSDP_EPOCHS", 3)):
         sampler.set_epoch(epoch)
         for x, y in ckpt.batches(loader):
@@ -130,6 +132,8 @@ def main(run_dir: str, out_dir: str) -> None:
                 time.sleep(step_sleep)
             if rank == kill_rank and step == kill_step and restart == 0:
                 os.kill(os.getpid(), signal.SIGKILL)
+            if rank == term_rank and step == term_step and restart == 0:
+                os.kill(os.getpid(), signal.SIGTERM)  # a preempted VM: save once, globally, all stop
     full = get_model_state_dict(net, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
         torch.save({k: v.detach().clone() for k, v in full.items()}, os.path.join(out_dir, "final.pt"))
