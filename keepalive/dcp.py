@@ -26,7 +26,8 @@ readers, removed by the writer), and ``keepalive verify`` re-reads every shard f
 manifest.
 
 Resume: :meth:`ShardedObjects.load` builds the live sharded state dict (``get_state_dict``), fills it
-with ``dcp.load`` from the checkpoint folder (``FileSystemReader``) and puts it back with
+with ``dcp.load`` from the checkpoint folder (``FileSystemReader``; ``FsspecReader`` for one in a
+bucket) and puts it back with
 ``set_state_dict``. DCP reshards on load, so another world size loads too (the rest of the state is
 then carried over as :func:`keepalive.distributed.localize` says).
 

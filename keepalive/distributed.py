@@ -187,6 +187,7 @@ def localize(tree: Dict[str, Any], rank: int, world_size: int) -> Tuple[Dict[str
 #: the process group of this process (stateless: looks torch.distributed up at each use)
 GROUP = ProcessGroup()
 
+
 def init_process_group(backend: Optional[str] = None, **kwargs: Any) -> None:
     """``torch.distributed.init_process_group(backend, **kwargs)`` for a job that torchrun's elastic
     agent restarts (``torchrun --max-restarts``, accelerate's ``notebook_launcher(max_restarts=...)``).
