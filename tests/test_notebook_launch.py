@@ -179,7 +179,7 @@ def interrupt_and_wait(k, out_dir) -> None:
 
 def test_notebook_launcher_restarts_a_killed_rank_which_resumes_bit_exactly(tmp_path, reference):
     """The elastic agent restarts both ranks inside the cell and they resume. Seen with torch 2.13
-    (about 1 fork round in 5 here, with or without keepalive loaded): a process the agent forks can
+    (about 1 restart in 10 here; a launch without keepalive loaded hung too): a process the agent forks can
     deadlock in torch's TCPStore constructor (a lock another thread of the kernel held at fork time)
     and the cell hangs. The test then does what the README tells a user: interrupt the cell and run
     it again; the run resumes from the newest checkpoint all the same. It says which path it took."""
