@@ -14,9 +14,7 @@ from __future__ import annotations
 import os
 import random
 import re
-import signal
 import sys
-import time
 from typing import Dict, List
 
 import pytest
@@ -28,9 +26,9 @@ if not dist.is_available() or not dist.is_gloo_available():  # pragma: no cover
 
 from keepalive import distributed as kd  # noqa: E402
 from keepalive.resume import read_state  # noqa: E402
-from keepalive.store import MANIFEST, CheckpointStore  # noqa: E402
+from keepalive.store import CheckpointStore  # noqa: E402
 from servers import free_port  # noqa: E402  (tests/servers.py)
-from torchrunkit import TorchrunJob  # noqa: E402
+from torchrunkit import TorchrunJob, kill_ranks_at_random  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "scripts", "ddp_train.py")
@@ -123,42 +121,8 @@ def test_ranks_killed_at_random_resume_bit_exactly(tmp_path, reference):
     kills = 4
     job = Job(tmp_path, "killed", restarts=kills + 3,
               env={"DDP_SLOW_WRITE": "0.08", "DDP_STEP_SLEEP": "0.05", "DDP_KEEP": "0"})
-    log = []
-    attempt = -1
-    try:
-        for _ in range(kills):
-            found = job.pids(attempt)
-            if found is None:
-                break
-            attempt, pids = found
-            while f"attempt {attempt}\n" not in job.text() and job.proc.poll() is None:
-                time.sleep(0.02)  # until this attempt trains
-            time.sleep(rng.uniform(0.2, 1.0))  # a few steps (and saves) later
-            if job.proc.poll() is not None:
-                break
-            victim = rng.choice((0, 1))
-            text = job.text()
-            committed = [int(m) for m in re.findall(r"^COMMITTED (\d+)$", text, re.M)]
-            resumes_before = len(RESUME_RE.findall(text))
-            try:
-                os.kill(pids[victim], signal.SIGKILL)
-            except ProcessLookupError:
-                break
-            torn = [n for n in os.listdir(job.run_dir) if n.startswith("ckpt-")  # mid-save kills
-                    and not os.path.exists(os.path.join(job.run_dir, n, MANIFEST))]
-            log.append((victim, max(committed, default=None), len(torn), resumes_before))
-        assert job.wait() == 0, job.text()
-    finally:
-        job.stop()
-    text = job.text()
-    resumed = [int(s) for s in RESUME_RE.findall(text)]
-    print("kills (rank, last committed step, folders without manifest, resumes before):", log,
-          "resumed at:", resumed)
-    assert len(log) >= 3, f"only {len(log)} kills landed:\n{text}"
-    # the restart after a kill resumes, never before a checkpoint committed before that kill
-    for _, committed, _, resumes_before in log:
-        if committed is not None:
-            assert len(resumed) > resumes_before and resumed[resumes_before] >= committed, (log, resumed)
+    log, _ = kill_ranks_at_random(job, rng, kills, (0.2, 1.0), RESUME_RE)
+    assert len(log) >= 3, f"only {len(log)} kills landed:\n{job.text()}"
     finals = job.finals()
     for rank in (0, 1):
         assert same_weights(finals[rank], reference[rank]), f"rank {rank} differs from the reference"

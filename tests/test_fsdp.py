@@ -25,10 +25,8 @@ import os
 import random
 import re
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from typing import Dict, List
 
 import pytest
@@ -43,7 +41,7 @@ except ImportError:  # pragma: no cover
     pytest.skip("this torch has no FSDP2 (fully_shard)", allow_module_level=True)
 
 from keepalive.store import MANIFEST, CheckpointStore  # noqa: E402
-from torchrunkit import TorchrunJob  # noqa: E402
+from torchrunkit import TorchrunJob, kill_ranks_at_random  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "scripts", "fsdp_train.py")
@@ -97,38 +95,8 @@ def test_ranks_killed_at_random_resume_bit_exactly(tmp_path, reference):
     kills = 3
     job = Job(tmp_path, "killed", restarts=kills + 3,
               env={"FSDP_SLOW_SHARD": "0.1", "FSDP_STEP_SLEEP": "0.05", "FSDP_KEEP": "0"})
-    log = []
-    attempt = -1
-    try:
-        for _ in range(kills):
-            found = job.pids(attempt)
-            if found is None:
-                break
-            attempt, pids = found
-            while f"attempt {attempt}\n" not in job.text() and job.proc.poll() is None:
-                time.sleep(0.02)  # until this attempt trains
-            time.sleep(rng.uniform(0.2, 1.2))  # a few steps (and saves) later
-            if job.proc.poll() is not None:
-                break
-            victim = rng.choice((0, 1))
-            text = job.text()
-            committed = [int(m) for m in re.findall(r"^COMMITTED (\d+)$", text, re.M)]
-            resumes_before = len(RESUME_RE.findall(text))
-            try:
-                os.kill(pids[victim], signal.SIGKILL)
-            except ProcessLookupError:
-                break
-            log.append((victim, max(committed, default=None), resumes_before))
-        assert job.wait() == 0, job.text()
-    finally:
-        job.stop()
-    text = job.text()
-    resumed = [int(s) for s in RESUME_RE.findall(text)]
-    print("kills (rank, last committed step, resumes before):", log, "resumed at:", resumed)
-    assert len(log) >= 2, f"only {len(log)} kills landed:\n{text}"
-    for _, committed, resumes_before in log:  # never resumed before a save committed before a kill
-        if committed is not None:
-            assert len(resumed) > resumes_before and resumed[resumes_before] >= committed, (log, resumed)
+    log, _ = kill_ranks_at_random(job, rng, kills, (0.2, 1.2), RESUME_RE)
+    assert len(log) >= 2, f"only {len(log)} kills landed:\n{job.text()}"
     assert same_weights(job.final(), reference), "the resumed FSDP2 run differs from the reference"
     infos = valid_checkpoints(job.run_dir)
     assert infos and all(shard_names(i) == ["__0_0.distcp", "__1_0.distcp"] for i in infos)

@@ -78,3 +78,48 @@ class TorchrunJob:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)  # our own session (start_new_session), by id
             self.proc.wait()
+
+
+def kill_ranks_at_random(job: TorchrunJob, rng, kills: int, pause: tuple, resume_re) -> tuple:
+    """SIGKILL a random rank of each attempt of ``job`` (torchrun restarts them), ``pause`` seconds
+    (uniform) after the attempt starts training; then wait for the job's end. Returns ``(log,
+    resumed)``: per kill ``(rank, newest step committed before it, folders without manifest right
+    after it, resumes seen before it)``, and the steps the job's attempts resumed at
+    (``resume_re``'s group). A job that fails is an AssertionError with its output."""
+    import re
+
+    log: list = []
+    attempt = -1
+    try:
+        for _ in range(kills):
+            found = job.pids(attempt)
+            if found is None:
+                break
+            attempt, pids = found
+            while f"attempt {attempt}\n" not in job.text() and job.proc.poll() is None:
+                time.sleep(0.02)  # until this attempt trains
+            time.sleep(rng.uniform(*pause))  # a few steps (and saves) later
+            if job.proc.poll() is not None:
+                break
+            victim = rng.choice((0, 1))
+            text = job.text()
+            committed = [int(m) for m in re.findall(r"^COMMITTED (\d+)$", text, re.M)]
+            resumes_before = len(resume_re.findall(text))
+            try:
+                os.kill(pids[victim], signal.SIGKILL)
+            except ProcessLookupError:
+                break
+            torn = [n for n in os.listdir(job.run_dir) if n.startswith("ckpt-")  # mid-save kills
+                    and not os.path.exists(os.path.join(job.run_dir, n, "MANIFEST.json"))]
+            log.append((victim, max(committed, default=None), len(torn), resumes_before))
+        assert job.wait() == 0, job.text()
+    finally:
+        job.stop()
+    resumed = [int(s) for s in resume_re.findall(job.text())]
+    print("kills (rank, last committed step, folders without manifest, resumes before):", log,
+          "resumed at:", resumed)
+    # the restart after a kill resumes, never before a checkpoint committed before that kill
+    for _, committed, _, resumes_before in log:
+        if committed is not None:
+            assert len(resumed) > resumes_before and resumed[resumes_before] >= committed, (log, resumed)
+    return log, resumed
