@@ -9,34 +9,22 @@ step and ``COMMITTED n`` after each checkpoint commit.
 Environment (test knobs): DDP_EPOCHS (3), DDP_EVERY (3 steps), DDP_STEP_SLEEP (seconds per step),
 DDP_SLOW_WRITE (seconds each checkpoint file write takes: kills land inside saves),
 DDP_SELF_KILL="rank:step" (that rank SIGKILLs itself after that step, in the first attempt only),
-DDP_SIGTERM="rank:step" (that rank sends itself SIGTERM after that step),
+DDP_SIGTERM="rank:step" (that rank sends itself SIGTERM after that step, first attempt only),
 DDP_DEADLINE="rank:step" (that rank's session deadline comes at that step),
 DDP_BROKEN_RANKS=1 (negative control: every rank resumes with rank 0's part of the checkpoint).
 """
 import os
-import signal
 import sys
 import time
 
 import torch
 import torch.distributed as dist
+from rank_train import knob, pair, train
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 from keepalive.callbacks.torch import DriveCheckpoint
 from keepalive.distributed import init_process_group
-
-
-def knob(name, default):
-    return type(default)(os.environ.get(name, default))
-
-
-def pair(name):
-    value = os.environ.get(name)
-    if not value:
-        return None, None
-    rank, step = value.split(":")
-    return int(rank), int(step)
 
 
 def spawned(rank: int, world: int, port: int, run_dir: str, out_dir: str) -> None:
@@ -96,24 +84,7 @@ def main(run_dir: str, out_dir: str) -> None:
                            keep=knob("DDP_KEEP", 3) or None, **options)
     if rank == 0:
         ckpt.core.writer.on_commit.append(lambda r: print(f"COMMITTED {r.info.step}", flush=True))
-    step_sleep = knob("DDP_STEP_SLEEP", 0.0)
-    kill_rank, kill_step = pair("DDP_SELF_KILL")
-    term_rank, term_step = pair("DDP_SIGTERM")
-    for epoch in ckpt.epochs(knob("DDP_EPOCHS", 3)):
-        sampler.set_epoch(epoch)
-        for x, y in ckpt.batches(loader):
-            opt.zero_grad()
-            torch.nn.functional.mse_loss(model(x), y).backward()
-            opt.step()
-            step = ckpt.step + 1  # this step, counted by the checkpointer right after the batch
-            if rank == 0:
-                print(f"STEP {step} attempt {restart}", flush=True)
-            if step_sleep:
-                time.sleep(step_sleep)
-            if rank == kill_rank and step == kill_step and restart == 0:
-                os.kill(os.getpid(), signal.SIGKILL)
-            if rank == term_rank and step == term_step:
-                os.kill(os.getpid(), signal.SIGTERM)
+    train(ckpt, model, opt, sampler, loader, prefix="DDP", rank=rank, restart=restart)
     torch.save({k: v.detach().clone() for k, v in net.state_dict().items()},
                os.path.join(out_dir, f"final.{rank}.pt"))
     print(f"DONE rank {rank} step {ckpt.step}", flush=True)

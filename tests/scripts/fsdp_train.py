@@ -24,6 +24,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from rank_train import knob, pair, train
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -34,19 +35,7 @@ from keepalive.callbacks.torch import DriveCheckpoint
 from keepalive.distributed import init_process_group
 
 
-def knob(name, default):
-    return type(default)(os.environ.get(name, default))
-
-
-def pair(name):
-    value = os.environ.get(name)
-    if not value:
-        return None, None
-    rank, step = value.split(":")
-    return int(rank), int(step)
-
-
-def init(restart: int) -> None:
+def init() -> None:
     if "MASTER_ADDR" not in os.environ:  # one plain process: a process group of one
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{knob('FSDP_PORT', 29577)}", rank=0,
                                 world_size=1)
@@ -57,7 +46,7 @@ def init(restart: int) -> None:
 def main(run_dir: str, out_dir: str) -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung rank's stacks, when asked
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    init(restart)
+    init()
     rank, world = dist.get_rank(), dist.get_world_size()
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, f"pid.{restart}.{rank}"), "w") as f:
@@ -116,24 +105,7 @@ def main(run_dir: str, out_dir: str) -> None:
                            keep=knob("FSDP_KEEP", 3) or None, storage_options=options)
     if rank == 0:
         ckpt.core.writer.on_commit.append(lambda r: print(f"COMMITTED {r.info.step}", flush=True))
-    step_sleep = knob("FSDP_STEP_SLEEP", 0.0)
-    kill_rank, kill_step = pair("FSDP_SELF_KILL")
-    term_rank, term_step = pair("FSDP_SIGTERM")
-    for epoch in ckpt.epochs(knob("FSDP_EPOCHS", 3)):
-        sampler.set_epoch(epoch)
-        for x, y in ckpt.batches(loader):
-            opt.zero_grad()
-            torch.nn.functional.mse_loss(net(x), y).backward()
-            opt.step()
-            step = ckpt.step + 1  # this step, counted by the checkpointer right after the batch
-            if rank == 0:
-                print(f"STEP {step} attempt {restart}", flush=True)
-            if step_sleep:
-                time.sleep(step_sleep)
-            if rank == kill_rank and step == kill_step and restart == 0:
-                os.kill(os.getpid(), signal.SIGKILL)
-            if rank == term_rank and step == term_step and restart == 0:
-                os.kill(os.getpid(), signal.SIGTERM)  # a preempted VM: save once, globally, all stop
+    train(ckpt, net, opt, sampler, loader, prefix="FSDP", rank=rank, restart=restart)
     full = get_model_state_dict(net, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
         torch.save({k: v.detach().clone() for k, v in full.items()}, os.path.join(out_dir, "final.pt"))
