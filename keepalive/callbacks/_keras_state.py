@@ -168,13 +168,7 @@ def assign(variables: Sequence[Any], arrays: Sequence[Any]) -> None:
 def restore_metrics(model: Any, saved: Sequence[Any]) -> bool:
     """Load saved metric variables (a resumed epoch's running means); False when they do not fit
     the compiled metrics (then nothing is loaded)."""
-    live = list(model.metrics_variables)
-    try:
-        check_fits("metrics", live, saved, where="")
-    except StateMismatchError:
-        return False
-    assign(live, saved)
-    return True
+    return assign_if_fits(model.metrics_variables, saved)
 
 
 def load_variables(model: Any, tree: Dict[str, Any], where: str) -> None:
