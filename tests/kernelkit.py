@@ -41,6 +41,13 @@ def kernelspec() -> str:
     return KERNEL_NAME
 
 
+def kernel_env(ckpt_dir, tmp_path) -> Dict[str, str]:
+    """The environment of a test kernel: checkpoints under ``ckpt_dir``, its own IPython profile, no
+    progress bars, one thread, a headless matplotlib."""
+    return {"KEEPALIVE_DIR": str(ckpt_dir), "IPYTHONDIR": str(tmp_path / "ipython"),
+            "KEEPALIVE_PROGRESS": "0", "OMP_NUM_THREADS": "1", "MPLBACKEND": "Agg"}
+
+
 @dataclass
 class CellResult:
     status: str = "ok"

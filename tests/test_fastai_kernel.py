@@ -21,7 +21,7 @@ pytest.importorskip("fastai")
 torch = pytest.importorskip("torch")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
-from kernelkit import Kernel  # noqa: E402  (tests/kernelkit.py)
+from kernelkit import Kernel, kernel_env  # noqa: E402  (tests/kernelkit.py)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -74,11 +74,6 @@ print("DUMPED", flush=True)
 
 def setup(sleep=0.0, broken=False):
     return SETUP.format(scripts=SCRIPTS, sleep=sleep, broken=broken)
-
-
-def kernel_env(ckpt_dir, tmp_path):
-    return {"KEEPALIVE_DIR": str(ckpt_dir), "IPYTHONDIR": str(tmp_path / "ipython"),
-            "KEEPALIVE_PROGRESS": "0", "OMP_NUM_THREADS": "1", "MPLBACKEND": "Agg"}
 
 
 def assert_same(a, b):

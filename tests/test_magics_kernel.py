@@ -21,7 +21,7 @@ pytest.importorskip("ipykernel")
 torch = pytest.importorskip("torch")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
-from kernelkit import Kernel  # noqa: E402  (tests/kernelkit.py)
+from kernelkit import Kernel, kernel_env  # noqa: E402  (tests/kernelkit.py)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -66,11 +66,6 @@ STEPS = 45
 
 def params(out, sleep=0.0, crash_at=None):
     return f"OUT = {str(out)!r}\nSLEEP = {sleep!r}\nCRASH_AT = {crash_at!r}\n"
-
-
-def kernel_env(ckpt_dir, tmp_path):
-    return {"KEEPALIVE_DIR": str(ckpt_dir), "IPYTHONDIR": str(tmp_path / "ipython"),
-            "KEEPALIVE_PROGRESS": "0", "OMP_NUM_THREADS": "1", "MPLBACKEND": "Agg"}
 
 
 def assert_same_weights(a, b):

@@ -32,7 +32,7 @@ if not dist.is_available() or not dist.is_gloo_available():  # pragma: no cover
     pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
 pytest.importorskip("jupyter_client")
 
-from kernelkit import Kernel  # noqa: E402
+from kernelkit import Kernel, kernel_env  # noqa: E402
 from servers import free_port  # noqa: E402
 
 RESUMED_RE = re.compile(r"resuming run '[^']+' from ckpt-\d+-\w+: epoch \d+, step (\d+)")
@@ -82,11 +82,6 @@ def launched(index, world, port, *args):
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     train(*args)
 '''
-
-
-def kernel_env(tmp_path) -> dict:
-    return {"KEEPALIVE_DIR": str(tmp_path / "ckpts"), "IPYTHONDIR": str(tmp_path / "ipython"),
-            "KEEPALIVE_PROGRESS": "0", "OMP_NUM_THREADS": "1", "MPLBACKEND": "Agg"}
 
 
 def accelerate_cell(run_dir, out_dir, step_sleep: float, restarts: int) -> str:
@@ -161,7 +156,7 @@ def reference(tmp_path_factory):
     """Final weights of the same training launched from a kernel without interruption."""
     tmp = tmp_path_factory.mktemp("reference")
     try:
-        with Kernel(kernel_env(tmp), cwd=str(tmp)) as k:
+        with Kernel(kernel_env(tmp / "ckpts", tmp), cwd=str(tmp)) as k:
             k.run_ok(SETUP)
             k.run_ok(multiprocessing_cell(tmp / "run", tmp, 0.0), timeout=300)
     finally:
@@ -188,7 +183,7 @@ def test_notebook_launcher_restarts_a_killed_rank_which_resumes_bit_exactly(tmp_
     run_dir = tmp_path / "run"
     hangs = []
     try:
-        with Kernel(kernel_env(tmp_path), cwd=str(tmp_path)) as k:
+        with Kernel(kernel_env(tmp_path / "ckpts", tmp_path), cwd=str(tmp_path)) as k:
             k.run_ok("%load_ext keepalive")
             k.run_ok(SETUP)
             for _ in range(3):  # the first launch, until a checkpoint is committed
@@ -224,7 +219,7 @@ def test_resume_training_continues_a_launched_run_after_a_kernel_restart(tmp_pat
     rng = random.Random(int(os.environ.get("KEEPALIVE_TEST_SEED", "16")) + 1)
     run_dir = tmp_path / "run"
     try:
-        with Kernel(kernel_env(tmp_path), cwd=str(tmp_path)) as k:
+        with Kernel(kernel_env(tmp_path / "ckpts", tmp_path), cwd=str(tmp_path)) as k:
             k.run_ok("%load_ext keepalive")
             k.run_ok(SETUP)
             k.start(multiprocessing_cell(run_dir, tmp_path, 0.05))
@@ -235,7 +230,7 @@ def test_resume_training_continues_a_launched_run_after_a_kernel_restart(tmp_pat
         stop_children(tmp_path)
         for path in glob.glob(str(tmp_path / "pid.*")):
             os.remove(path)
-        with Kernel(kernel_env(tmp_path), cwd=str(tmp_path)) as k:
+        with Kernel(kernel_env(tmp_path / "ckpts", tmp_path), cwd=str(tmp_path)) as k:
             notice = k.run_ok("%load_ext keepalive").text
             assert "run" in notice and "%resume_training" in notice, notice
             out = k.run("%resume_training --replay", timeout=300)
