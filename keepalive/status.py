@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 from . import runs, session
 from ._version import __version__
 from .session.clock import CLOCK_MEANING, ancestor_kernel, clock_starts, iso_time
+from .store import describe_processes
 from .units import format_duration
 
 __all__ = ["status_report", "format_status", "format_settings"]
@@ -232,10 +233,8 @@ def _hardware_lines(hw: Mapping[str, Any]) -> List[str]:
 
 def _processes(run: Mapping[str, Any]) -> str:
     """", 2 ranks" / ", 2 ranks, DCP shards" for a run written by torch.distributed (issue 16)."""
-    world, sharded = int(run.get("world_size") or 1), run.get("sharded")
-    if world == 1 and not sharded:
-        return ""
-    return f", {world} rank{'s' if world > 1 else ''}" + (", DCP shards" if sharded else "")
+    said = describe_processes(run.get("world_size"), run.get("sharded"))
+    return f", {said}" if said else ""
 
 
 def _run_lines(r: Mapping[str, Any]) -> List[str]:

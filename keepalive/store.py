@@ -150,6 +150,16 @@ class RetryPolicy:
 
 
 # ------------------------------------------------------------------------------------------ models
+def describe_processes(world_size: Optional[int], sharded: Optional[str]) -> str:
+    """"" for a run of one process, else e.g. ``"2 ranks"`` / ``"2 ranks, DCP shards"`` (issue 16:
+    ``keepalive ls`` per checkpoint, ``keepalive status`` per run)."""
+    world = int(world_size or 1)
+    if world == 1 and not sharded:
+        return ""
+    ranks = f"{world} rank{'s' if world > 1 else ''}"
+    return f"{ranks}, DCP shards" if sharded else ranks
+
+
 @dataclass
 class CheckpointInfo:
     """One checkpoint folder as listed; ``valid`` is ``None`` until :meth:`CheckpointStore.verify`."""
@@ -190,11 +200,8 @@ class CheckpointInfo:
 
     @property
     def processes(self) -> str:
-        """"" for one process, else e.g. ``"2 ranks"`` / ``"2 ranks, DCP shards"`` (``ls``, ``status``)."""
-        if self.world_size is None and not self.sharded:
-            return ""
-        ranks = f"{self.world_size or 1} rank{'s' if (self.world_size or 1) > 1 else ''}"
-        return f"{ranks}, DCP shards" if self.sharded else ranks
+        """:func:`describe_processes` of this checkpoint (``keepalive ls``)."""
+        return describe_processes(self.world_size, self.sharded)
 
     def sort_key(self):
         return (self.step if self.step is not None else -1, self.seq or 0, self.created or 0.0, self.name)
