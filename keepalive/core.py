@@ -357,13 +357,12 @@ class Checkpointer:
 
         def commit() -> None:
             try:
-                target: Any = None
-                after: Callable[[], None] = lambda: None  # noqa: E731
+                commit_there: Any = None
                 folder: Dict[str, str] = {}
                 failure: Optional[BaseException] = None
                 if group.is_main:  # the run folder (local) or this machine's spool: every rank sees it
                     try:
-                        target, after = self.sink.sharded_target()
+                        target, commit_there = self.sink.sharded_target()
                         name = target.new_name(step)
                         folder = {"path": target.backend.join(target.path, name), "name": name}
                     except Exception as exc:  # noqa: BLE001 - the other ranks wait for the folder
@@ -387,9 +386,8 @@ class Checkpointer:
                 assert rest is not None  # rank 0 froze it
                 full = _distributed.combine(rest, [p for p, _ in parts]) if group.active else rest
                 files = self.writer.snapshot.take(full)
-                result = target.commit(files, step=step, epoch=epoch, metadata=meta, name=folder["name"],
-                                       written=[entry for _, w in parts for entry in w])
-                after()  # the spool's uploader sends it on
+                result = commit_there(files, step=step, epoch=epoch, metadata=meta, name=folder["name"],
+                                      written=[entry for _, w in parts for entry in w])
                 self.writer.last_result = result
                 for callback in self.writer.on_commit:
                     callback(result)

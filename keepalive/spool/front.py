@@ -251,20 +251,30 @@ class SpooledStore:
         self._enforce_bound(up)
         return result
 
-    def sharded_target(self) -> "tuple[CheckpointStore, Callable[[], None]]":
-        """Where every rank writes the files of a sharded (FSDP2) checkpoint itself, and what to call
-        once rank 0 committed it there (issue 16): the destination when checkpoints go to it directly
-        and it is a local folder; else this machine's spool, whose uploader then sends the checkpoint
-        on, manifest last. Ranks on other machines do not see this machine's spool: a multi-node job
-        needs a run folder every machine mounts."""
+    def sharded_target(self) -> "tuple[CheckpointStore, Callable[..., WriteResult]]":
+        """Where every rank writes the files of a sharded (FSDP2) checkpoint itself, and how rank 0
+        then commits it there (``commit(files, step=, epoch=, metadata=, name=, written=)``, issue 16):
+        the destination when checkpoints go to it directly and it is a local folder (committed under
+        the uploader's lock, as :meth:`commit` does); else this machine's spool, whose uploader then
+        sends the checkpoint on, manifest last. Ranks on other machines do not see this machine's
+        spool: a multi-node job needs a run folder every machine mounts."""
         if not self.spooling:
-            if self.local:
-                if self.mount is not None:
-                    self.mount.check()
-                return self.dest, lambda: None
-            raise NotImplementedError(f"sharded (FSDP2 / DTensor) checkpoints to {self.url} are written "
-                                      "through the local spool, and spool='never' was given")
-        if int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) < int(os.environ.get("WORLD_SIZE", "1") or 1):
+            if not self.local:
+                raise NotImplementedError(f"sharded (FSDP2 / DTensor) checkpoints to {self.url} are written "
+                                          "through the local spool, and spool='never' was given")
+            if self.mount is not None:
+                self.mount.check()
+            up = self.uploader
+
+            def commit_direct(files: Mapping[str, Any], **kwargs: Any) -> WriteResult:
+                if up is None:
+                    return self.dest.commit(files, **kwargs)
+                with up.lock:
+                    return self.dest.commit(files, **kwargs)
+
+            return self.dest, commit_direct
+        local, world = os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("WORLD_SIZE")
+        if local and world and int(local) < int(world):
             raise NotImplementedError(f"sharded (FSDP2 / DTensor) checkpoints of a job on several machines "
                                       f"need a run folder every machine sees (shared storage), not {self.url} "
                                       "through each machine's spool")
@@ -272,12 +282,14 @@ class SpooledStore:
         up = self._attach()
         spool.seq_floor = max(spool.seq_floor, up.spool.seq_floor)
 
-        def committed() -> None:
+        def commit_spooled(files: Mapping[str, Any], **kwargs: Any) -> WriteResult:
+            result = spool.commit(files, **kwargs)
             up.spool.seq_floor = max(up.spool.seq_floor, spool.seq_floor)
             up.notify()
             self._enforce_bound(up)
+            return result
 
-        return spool, committed
+        return spool, commit_spooled
 
     def _enforce_bound(self, up: Uploader) -> None:
         limit = self.max_bytes
