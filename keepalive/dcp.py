@@ -238,10 +238,24 @@ class ShardedObjects:
         return out
 
     def close(self) -> None:
-        """Free the staging buffers (after the last save)."""
+        """Free the staging buffers and the side group (after the last save; a later save makes both
+        again).
+
+        The side group is destroyed here, not left to ``destroy_process_group()``: that call shuts a
+        gloo group down but its worker threads live as long as a Python reference to the group does
+        (this object's), possibly into interpreter finalization, where a gloo thread that touches a
+        Python-owned buffer aborts the process ("terminate called without an active exception",
+        SIGABRT after the training finished: seen in CI, pytorch/pytorch#190489). Dropping the last
+        reference joins them now."""
         if self._stager is not None:
             self._stager.close()
             self._stager = None
+        side, self._side = self._side, None
+        if side is not None and torch.distributed.is_initialized():
+            try:
+                torch.distributed.destroy_process_group(side)
+            except (ValueError, RuntimeError):  # already destroyed with every group by the user
+                pass
 
     def load(self, folder: str, process_group: Any = None, storage_options: Optional[dict] = None) -> None:
         """Fill the live sharded objects from the DCP files in ``folder`` (a local path, or an fsspec

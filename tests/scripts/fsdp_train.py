@@ -110,7 +110,11 @@ def main(run_dir: str, out_dir: str) -> None:
     if rank == 0:
         torch.save({k: v.detach().clone() for k, v in full.items()}, os.path.join(out_dir, "final.pt"))
     print(f"DONE rank {rank} step {ckpt.step}", flush=True)
+    threads = len(os.listdir("/proc/self/task"))  # native ones, gloo's worker threads included
     ckpt.close()
+    # close() destroyed keepalive's side gloo group, joining its threads: left to interpreter exit,
+    # such a group can abort the process after the training is done (keepalive/dcp.py)
+    print(f"THREADS rank {rank} {threads} -> {len(os.listdir('/proc/self/task'))}", flush=True)
     dist.barrier()
     dist.destroy_process_group()
 
