@@ -257,12 +257,21 @@ class FsspecBackend(Backend):
             pass
 
 
+def local_path(url: str) -> Optional[str]:
+    """The absolute local path ``url`` names (a plain path or ``file://``), None for another protocol."""
+    url = os.fspath(url)
+    if "://" in url and not url.startswith("file://"):
+        return None
+    path = url[len("file://"):] if url.startswith("file://") else url
+    return os.path.abspath(os.path.expanduser(path))
+
+
 def backend_for(url: str, storage_options: Optional[dict] = None) -> "tuple[Backend, str]":
     """The backend for ``url`` and the backend-native path of it."""
     url = os.fspath(url)
-    if "://" not in url or url.startswith("file://"):
-        path = url[len("file://"):] if url.startswith("file://") else url
-        return LocalBackend(), os.path.abspath(os.path.expanduser(path))
+    path = local_path(url)
+    if path is not None:
+        return LocalBackend(), path
     import fsspec.core
 
     fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
@@ -280,4 +289,4 @@ def read_chunks(f: BinaryIO, chunk: int = 16 << 20) -> Iterator[bytes]:
         yield block
 
 
-__all__ = ["Backend", "LocalBackend", "FsspecBackend", "Entry", "backend_for", "read_chunks"]
+__all__ = ["Backend", "LocalBackend", "FsspecBackend", "Entry", "backend_for", "local_path", "read_chunks"]

@@ -53,6 +53,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from .backends import local_path
 from .store import new_hasher
 
 #: the key of a checkpoint's state tree that says its sharded objects are in DCP files
@@ -263,8 +264,9 @@ class ShardedObjects:
         model = self._model()
         optimizers = list(self.optimizers.values())
         state = self.state_dict()
-        if local_folder(folder) is not None:
-            reader: Any = FileSystemReader(folder[len("file://"):] if folder.startswith("file://") else folder)
+        path = local_path(folder)
+        if path is not None:
+            reader: Any = FileSystemReader(path)
         else:
             from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
@@ -292,11 +294,6 @@ def describe_failure(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def local_folder(path: str) -> Optional[str]:
-    """``path`` when it is a local folder DCP's file system can write (else None)."""
-    return path if "://" not in path or path.startswith("file://") else None
-
-
 def check_saved(tree: Mapping[str, Any], sharded: ShardedObjects, where: str) -> None:
     """Refuse a checkpoint without the DCP part the live sharded objects need (e.g. written by a run
     without FSDP2), before anything is changed."""
@@ -312,4 +309,4 @@ def check_saved(tree: Mapping[str, Any], sharded: ShardedObjects, where: str) ->
 
 
 __all__ = ["DCP_KEY", "KeepaliveWriter", "ShardWriteError", "ShardedObjects", "check_saved", "describe_failure",
-            "holds_dtensors", "local_folder"]
+            "holds_dtensors"]
