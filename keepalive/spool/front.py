@@ -209,12 +209,7 @@ class SpooledStore:
             try:
                 if self.mount is not None:
                     self.mount.check()
-                if up is not None:
-                    with up.lock:
-                        result = self.dest.commit(files, step=step, epoch=epoch, metadata=metadata,
-                                                  progress=progress)
-                else:
-                    result = self.dest.commit(files, step=step, epoch=epoch, metadata=metadata,
+                result = self._commit_to_dest(up, files, step=step, epoch=epoch, metadata=metadata,
                                               progress=progress)
             except (LeaseLostError, RunLockedError):
                 raise
@@ -231,9 +226,7 @@ class SpooledStore:
                     self._open_spool()
                     self._attach()
                 return result
-        spool = self._open_spool()
-        up = self._attach()
-        spool.seq_floor = max(spool.seq_floor, up.spool.seq_floor)
+        spool, up = self._spool_and_uploader()
         try:
             result = spool.commit(files, step=step, epoch=epoch, metadata=metadata, progress=progress)
         except (LeaseLostError, RunLockedError):
@@ -246,9 +239,7 @@ class SpooledStore:
                 if not self.dest.lease.held:
                     self.dest.open_for_writing(takeover=self.takeover)
                 return self.dest.commit(files, step=step, epoch=epoch, metadata=metadata, progress=progress)
-        up.spool.seq_floor = max(up.spool.seq_floor, spool.seq_floor)
-        up.notify()
-        self._enforce_bound(up)
+        self._hand_to_uploader(spool, up)
         return result
 
     def sharded_target(self) -> "tuple[CheckpointStore, Callable[..., WriteResult]]":
@@ -265,31 +256,40 @@ class SpooledStore:
             if self.mount is not None:
                 self.mount.check()
             up = self.uploader
-
-            def commit_direct(files: Mapping[str, Any], **kwargs: Any) -> WriteResult:
-                if up is None:
-                    return self.dest.commit(files, **kwargs)
-                with up.lock:
-                    return self.dest.commit(files, **kwargs)
-
-            return self.dest, commit_direct
+            return self.dest, lambda files, **kwargs: self._commit_to_dest(up, files, **kwargs)
         local, world = os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("WORLD_SIZE")
         if local and world and int(local) < int(world):
             raise NotImplementedError(f"sharded (FSDP2 / DTensor) checkpoints of a job on several machines "
                                       f"need a run folder every machine sees (shared storage), not {self.url} "
                                       "through each machine's spool")
-        spool = self._open_spool()
-        up = self._attach()
-        spool.seq_floor = max(spool.seq_floor, up.spool.seq_floor)
+        spool, up = self._spool_and_uploader()
 
         def commit_spooled(files: Mapping[str, Any], **kwargs: Any) -> WriteResult:
             result = spool.commit(files, **kwargs)
-            up.spool.seq_floor = max(up.spool.seq_floor, spool.seq_floor)
-            up.notify()
-            self._enforce_bound(up)
+            self._hand_to_uploader(spool, up)
             return result
 
         return spool, commit_spooled
+
+    def _commit_to_dest(self, up: Optional[Uploader], files: Mapping[str, Any], **kwargs: Any) -> WriteResult:
+        """Commit to the destination itself, under the uploader's lock when one runs (it writes there)."""
+        if up is None:
+            return self.dest.commit(files, **kwargs)
+        with up.lock:
+            return self.dest.commit(files, **kwargs)
+
+    def _spool_and_uploader(self) -> "tuple[Spool, Uploader]":
+        """This machine's spool and its uploader, the spool numbering on from what was uploaded."""
+        spool = self._open_spool()
+        up = self._attach()
+        spool.seq_floor = max(spool.seq_floor, up.spool.seq_floor)
+        return spool, up
+
+    def _hand_to_uploader(self, spool: Spool, up: Uploader) -> None:
+        """After a commit into the spool: the uploader learns of it, the spool stays within its bound."""
+        up.spool.seq_floor = max(up.spool.seq_floor, spool.seq_floor)
+        up.notify()
+        self._enforce_bound(up)
 
     def _enforce_bound(self, up: Uploader) -> None:
         limit = self.max_bytes
