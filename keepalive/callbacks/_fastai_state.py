@@ -29,8 +29,9 @@ from fastcore.foundation import L
 
 from .. import notebook
 from ..errors import StateMismatchError
+from ..state import frozen_copy  # loaded tensors are views on the file buffer: what is kept gets copies
 from ._fastai_data import dl_rngs
-from .torchstate import check_module, check_optimizer, own
+from .torchstate import check_module, check_optimizer
 
 __all__ = ["capture_objects", "check_fits", "restore", "capture_callbacks", "describe", "phase_words",
            "fine_tune_phase", "epochs", "where_words", "cell_identity", "FitLog"]
@@ -121,11 +122,11 @@ def _load_objects(learn: Learner, objects: Dict[str, Any], frozen_idx: Optional[
     opt, saved = learn.opt, objects["optimizer"]
     if isinstance(opt, Optimizer):
         params = [p for p, *_ in opt.all_params()]
-        state = [{k: (v.to(p.device, copy=True) if isinstance(v, torch.Tensor) else own(v))
+        state = [{k: (v.to(p.device, copy=True) if isinstance(v, torch.Tensor) else frozen_copy(v))
                   for k, v in s.items()} for s, p in zip(saved["state"], params)]
         opt.load_state_dict({"state": state, "hypers": L([dict(h) for h in saved["hypers"]])})
     else:
-        opt.load_state_dict(own(saved))
+        opt.load_state_dict(frozen_copy(saved))
     if frozen_idx is not None and getattr(opt, "frozen_idx", 0) != frozen_idx and hasattr(opt, "freeze_to"):
         opt.freeze_to(frozen_idx)
     scaler = getattr(learn, "scaler", None)
@@ -195,14 +196,14 @@ def _restore_callbacks(learn: Learner, saved: Dict[str, Any],
     if rec is not None and rs:
         rec.lrs = list(rs["lrs"])
         rec.iters = [int(i) for i in rs["iters"]]
-        rec.losses = list(own(rs["losses"]).unbind(0)) if len(rs["losses"]) else []
+        rec.losses = list(frozen_copy(rs["losses"]).unbind(0)) if len(rs["losses"]) else []
         rec.values = [L(v) for v in rs["values"]]
         if rs.get("metric_names") is not None:
             rec.metric_names = L(rs["metric_names"])
         rec.smooth_loss.count = int(rs["smooth_count"])
-        rec.smooth_loss.val = own(rs["smooth_val"])
+        rec.smooth_loss.val = frozen_copy(rs["smooth_val"])
         if rs.get("smooth_loss") is not None:
-            learn.smooth_loss = own(rs["smooth_loss"])
+            learn.smooth_loss = frozen_copy(rs["smooth_loss"])
         if rs.get("hps") is not None:
             rec.hps = {k: list(v) for k, v in rs["hps"].items()}
     live = _trackers(learn)
@@ -211,7 +212,7 @@ def _restore_callbacks(learn: Learner, saved: Dict[str, Any],
         if cb is None:
             continue
         for attr, value in state.items():
-            cb.__dict__[attr] = Path(value) if attr == "last_saved_path" and value is not None else own(value)
+            cb.__dict__[attr] = Path(value) if attr == "last_saved_path" and value is not None else frozen_copy(value)
         saved_path = cb.__dict__.get("last_saved_path")
         if warn is not None and saved_path is not None and not Path(saved_path).exists():
             warn(f"{type(cb).__name__}'s file {saved_path} did not survive the restart (keep learn.path "

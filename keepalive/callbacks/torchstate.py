@@ -15,7 +15,7 @@ from ..adapter import check_fits
 from ..errors import StateMismatchError
 
 __all__ = ["RandomState", "changed_hyperparameters", "check_module", "check_objects", "check_optimizer",
-           "gradients", "gradients_pending", "hyperparameters", "own", "restore_gradients", "seed_worker_rngs",
+           "gradients", "gradients_pending", "hyperparameters", "restore_gradients", "seed_worker_rngs",
            "without_lazy"]
 
 
@@ -122,17 +122,6 @@ def without_lazy(tree: Dict[str, Any]) -> Dict[str, Any]:
     return tree
 
 
-def own(x: Any) -> Any:
-    """A deep copy whose tensors own their memory (loaded tensors are views on the file buffer)."""
-    if isinstance(x, torch.Tensor):
-        return x.clone()
-    if isinstance(x, np.ndarray):
-        return x.copy()
-    if isinstance(x, dict):
-        return {k: own(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return type(x)(own(v) for v in x)
-    return x
 
 
 def seed_worker_rngs(seed: int) -> None:

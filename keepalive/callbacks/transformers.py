@@ -53,8 +53,9 @@ from ..adapter import CheckpointAdapter, check_fits
 from ..config import CheckpointConfig
 from ..core import Checkpointer
 from ..errors import StateMismatchError
+from ..state import frozen_copy  # loaded tensors are views on the file buffer: what is kept gets copies
 from . import _hf_data
-from .torchstate import check_optimizer, own
+from .torchstate import check_optimizer
 
 __all__ = ["DriveCheckpoint"]
 
@@ -339,11 +340,11 @@ class DriveCheckpoint(CheckpointAdapter, TrainerCallback):
             raise StateMismatchError(f"model: unexpected keys {missing.unexpected_keys[:3]} in the checkpoint")
         for name in ("optimizer", "scheduler", "scaler"):
             if name in live and name in objects:
-                live[name].load_state_dict(own(objects[name]))
+                live[name].load_state_dict(frozen_copy(objects[name]))
         hf = tree.get("hf") or {}
         for name, value in (hf.get("state") or {}).items():
             if name in _STATE_FIELDS:
-                setattr(state, name, own(value))
+                setattr(state, name, frozen_copy(value))
         acc = hf.get("trainer") or {}
         if "tr_loss" in acc:
             trainer._tr_loss = acc["tr_loss"].to(device=device, copy=True)
@@ -459,4 +460,4 @@ def _restore_callback_states(trainer: Trainer, saved: Dict[str, Any]) -> None:
         states = saved.get(name) or []
         if i < len(states):
             for attr, value in states[i].items():
-                setattr(cb, attr, own(value))
+                setattr(cb, attr, frozen_copy(value))
