@@ -48,7 +48,10 @@ def verbosity() -> str:
 def _emit(line: str, stream: str) -> None:
     out = sys.stderr if stream == "stderr" else sys.stdout
     try:
-        print(line, file=out, flush=True)
+        # one write() with its newline: print() writes the two apart, and a line said from the writer
+        # thread could land inside a line the training loop prints at the same moment
+        out.write(line + "\n")
+        out.flush()
     except (ValueError, OSError):  # a closed stream (interpreter exit, closed pipe): the log has it
         pass
 
