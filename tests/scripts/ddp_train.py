@@ -19,7 +19,8 @@ import time
 
 import torch
 import torch.distributed as dist
-from rank_train import knob, pair, say, train
+from childio import emit
+from rank_train import knob, pair, train
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
@@ -83,11 +84,11 @@ def main(run_dir: str, out_dir: str) -> None:
     ckpt = DriveCheckpoint(run_dir, model=model, optimizer=opt, every=knob("DDP_EVERY", 3),
                            keep=knob("DDP_KEEP", 3) or None, **options)
     if rank == 0:
-        ckpt.core.writer.on_commit.append(lambda r: say(f"COMMITTED {r.info.step}"))
+        ckpt.core.writer.on_commit.append(lambda r: emit(f"COMMITTED {r.info.step}"))
     train(ckpt, model, opt, sampler, loader, prefix="DDP", rank=rank, restart=restart)
     torch.save({k: v.detach().clone() for k, v in net.state_dict().items()},
                os.path.join(out_dir, f"final.{rank}.pt"))
-    say(f"DONE rank {rank} step {ckpt.step}")
+    emit(f"DONE rank {rank} step {ckpt.step}")
     ckpt.close()
     if distributed:
         dist.destroy_process_group()

@@ -24,7 +24,8 @@ import time
 
 import torch
 import torch.distributed as dist
-from rank_train import knob, pair, say, train
+from childio import emit
+from rank_train import knob, pair, train
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -104,17 +105,17 @@ def main(run_dir: str, out_dir: str) -> None:
     ckpt = DriveCheckpoint(run_dir, model=net, optimizer=opt, every=knob("FSDP_EVERY", 3),
                            keep=knob("FSDP_KEEP", 3) or None, storage_options=options)
     if rank == 0:
-        ckpt.core.writer.on_commit.append(lambda r: say(f"COMMITTED {r.info.step}"))
+        ckpt.core.writer.on_commit.append(lambda r: emit(f"COMMITTED {r.info.step}"))
     train(ckpt, net, opt, sampler, loader, prefix="FSDP", rank=rank, restart=restart)
     full = get_model_state_dict(net, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
         torch.save({k: v.detach().clone() for k, v in full.items()}, os.path.join(out_dir, "final.pt"))
-    say(f"DONE rank {rank} step {ckpt.step}")
+    emit(f"DONE rank {rank} step {ckpt.step}")
     threads = len(os.listdir("/proc/self/task"))  # native ones, gloo's worker threads included
     ckpt.close()
     # close() destroyed keepalive's side gloo group, joining its threads: left to interpreter exit,
     # such a group can abort the process after the training is done (keepalive/dcp.py)
-    say(f"THREADS rank {rank} {threads} -> {len(os.listdir('/proc/self/task'))}")
+    emit(f"THREADS rank {rank} {threads} -> {len(os.listdir('/proc/self/task'))}")
     dist.barrier()
     dist.destroy_process_group()
 

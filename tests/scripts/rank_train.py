@@ -3,18 +3,10 @@ loop with its test hooks (``<PREFIX>_STEP_SLEEP``, ``<PREFIX>_SELF_KILL``, ``<PR
 ``<PREFIX>_EPOCHS``), run the same way on every rank."""
 import os
 import signal
-import sys
 import time
 
 import torch
-
-
-def say(line: str) -> None:
-    """Print one line with one write(2): print() writes the text and the newline separately, so a
-    line printed by the writer thread (COMMITTED) could be split by the training thread's (STEP),
-    and the other rank shares the pipe too (a write under PIPE_BUF bytes to a pipe is atomic)."""
-    sys.stdout.flush()
-    os.write(1, (line + "\n").encode())
+from childio import emit  # one write per line: the writer thread's COMMITTED never splits a STEP
 
 
 def knob(name, default):
@@ -45,7 +37,7 @@ def train(ckpt, model, opt, sampler, loader, *, prefix: str, rank: int, restart:
             opt.step()
             step = ckpt.step + 1  # this step, counted by the checkpointer right after the batch
             if rank == 0:
-                say(f"STEP {step} attempt {restart}")
+                emit(f"STEP {step} attempt {restart}")
             if step_sleep:
                 time.sleep(step_sleep)
             if rank == kill_rank and step == kill_step and restart == 0:
