@@ -448,7 +448,7 @@ def _story(lab: Lab, browser, tmp_path: Path) -> None:
     wait_for("the training cell to print an epoch", lambda: "epoch 1/" in page.output_text(train_cell), timeout=90)
     # the session clock runs down (the idle caption may change first, in the same second: not enough)
     second = wait_for("the panel's session time to go down", lambda: (
-        lambda now: now if session_left(now) < session_left(first) else None)(page.read_panel()), timeout=15)
+        lambda now: now if session_left(now) < session_left(first) else None)(page.read_panel()), timeout=30)
     assert second["fills"][0] <= first["fills"][0], (first, second)  # and so does its bar
     mark("panel refreshed")
 
