@@ -122,8 +122,6 @@ def without_lazy(tree: Dict[str, Any]) -> Dict[str, Any]:
     return tree
 
 
-
-
 def seed_worker_rngs(seed: int) -> None:
     """Seed python, numpy and torch in a DataLoader worker (per batch: independent of which worker
     fetched which batch before, which a resume changes)."""
