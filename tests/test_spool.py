@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import types
 
@@ -407,6 +408,56 @@ def test_the_newest_upload_stays_as_a_local_cache(tmp_path, spool_env):
     assert c.load() is None
     c.close()
 
+
+
+@pytest.mark.parametrize("paused", ["eviction", "retention"])
+def test_flush_returns_only_once_the_spool_is_settled(tmp_path, spool_env, monkeypatch, paused):
+    """The uploader marks a checkpoint uploaded before it evicts the older local copy the new one
+    supersedes and before the destination's retention runs. "Nothing pending" is not "done": a flush
+    that starts in between returns only once both happened. The uploader is held in that window
+    until the flush has had time to return too early."""
+    dest = tmp_path / "d" / "run"
+    f = front(f"faulty://{dest}", keep=1)
+    f.open_for_writing()
+    f.commit(files(5), step=5)
+    assert f.flush(timeout=30) and [c.step for c in f.spool.cached()] == [5]
+    in_window, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        in_window.set()
+        release.wait(30)
+
+    if paused == "eviction":  # 6 is marked uploaded, the copy of 5 it supersedes is still there
+        mark_uploaded = spool_mod.Spool.mark_uploaded
+
+        def mark_then_hold(spool, info):
+            mark_uploaded(spool, info)
+            hold()
+
+        monkeypatch.setattr(spool_mod.Spool, "mark_uploaded", mark_then_hold)
+    else:  # 6 is uploaded and its local copy settled, 5 is not removed at the destination yet
+        apply_retention = CheckpointStore.apply_retention
+
+        def hold_then_apply(store):
+            if store is f.dest:
+                hold()
+            return apply_retention(store)
+
+        monkeypatch.setattr(CheckpointStore, "apply_retention", hold_then_apply)
+    f.commit(files(6), step=6)
+    assert in_window.wait(30)
+    assert f.pending() == []  # 6 counts as uploaded already
+    result = {}
+    flusher = threading.Thread(target=lambda: result.update(ok=f.flush(timeout=30)))
+    flusher.start()
+    flusher.join(0.5)
+    returned_early = not flusher.is_alive()
+    release.set()
+    flusher.join(30)
+    assert not returned_early, "flush() returned while the uploader was still at work"
+    assert result == {"ok": True}
+    assert [c.step for c in f.spool.cached()] == [6] and steps_at(dest) == [6]
+    f.close()
 
 # ---------------------------------------------------------------------------------- flush
 def test_close_waits_bounded_and_says_what_is_pending(tmp_path, spool_env, capsys):

@@ -201,7 +201,7 @@ class SpooledStore:
         if up is not None and up.fatal is not None:
             # the run belongs to another session now: stop writing to it (the writer re-raises this)
             raise up.fatal if isinstance(up.fatal, LeaseLostError) else LeaseLostError(str(up.fatal))
-        if self.reason == "failure" and up is not None and up.failing is None and up.last_ok and up.drained():
+        if self.reason == "failure" and up is not None and up.failing is None and up.last_ok and up.settled():
             self.reason = None
             self.dest.forget_sequence()  # count on from what was uploaded meanwhile
             report.warn(f"writing checkpoints directly to {self.url} again", quiet=self.quiet)
@@ -328,19 +328,17 @@ class SpooledStore:
                 return []
         return []
 
-    def wait_uploaded(self, timeout: Optional[float]) -> bool:
-        if not self.pending():
-            return True
-        return self._attach().wait_drained(timeout)
-
     def flush(self, timeout: Optional[float] = None, *, end_of_run: bool = False) -> bool:
-        """Wait (bounded) until every spooled checkpoint is uploaded; on Colab with a Drive
-        destination also sync (and at the end of a run flush Drive when asked). True when nothing
-        is left to upload."""
+        """Wait (bounded) until the spool is settled: every spooled checkpoint uploaded and verified,
+        the local copies it supersedes evicted, the destination's retention applied; on Colab with a
+        Drive destination also sync (and at the end of a run flush Drive when asked). True when
+        nothing is left to do."""
         ok = True
         if not UPLOADERS.is_newest_front(self.folder, self._generation):
             return True  # replaced by a newer front for this run: its uploads go on there
-        if self.pending():
+        # Not only "nothing pending": the last upload is marked done before the older local copy it
+        # supersedes is evicted and before the destination's retention runs.
+        if self.pending() or (self.uploader is not None and not self.uploader.settled()):
             up = self._attach()
             bound = self.flush_timeout if timeout is None else float(timeout)
             remaining = self.remaining_fn() if self.remaining_fn is not None else None
@@ -349,13 +347,14 @@ class SpooledStore:
             if self._stuck_at is not None and self._stuck_at == up.uploaded and up.failing is not None:
                 bound = min(bound, 1.0)  # an earlier flush timed out and nothing has moved since
             first = min(bound, 2.0)
-            ok = up.wait_drained(first)
+            ok = up.wait_settled(first)
             if not ok and bound > first:
                 pending = self.pending()
-                report.say(f"waiting up to {format_duration(bound)} for {len(pending)} checkpoint "
-                           f"upload(s) ({format_bytes(sum(c.size_bytes or 0 for c in pending))}) to "
-                           f"{self.url}", quiet=self.quiet)
-                ok = up.wait_drained(bound - first)
+                if pending:
+                    report.say(f"waiting up to {format_duration(bound)} for {len(pending)} checkpoint "
+                               f"upload(s) ({format_bytes(sum(c.size_bytes or 0 for c in pending))}) to "
+                               f"{self.url}", quiet=self.quiet)
+                ok = up.wait_settled(bound - first)
             if ok:
                 self._stuck_at = None
             else:

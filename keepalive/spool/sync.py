@@ -75,7 +75,7 @@ def sync_spool(folder: str, record: Mapping[str, Any], *, timeout: Optional[floa
     up.start()
     try:
         up.want_open()
-        up.wait_drained(timeout)
+        up.wait_settled(timeout)
     finally:
         up.stop(timeout=10.0)
         spool.close()

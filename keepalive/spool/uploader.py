@@ -83,6 +83,12 @@ class Uploader:
         self.lock = threading.RLock()          # held while the destination is used (uploads, direct commits)
         self.spool_lock = threading.Lock()     # choosing / dropping spooled checkpoints
         self._cond = threading.Condition()
+        # Work on the spool (dropping, uploading, marking uploaded, evicting older local copies,
+        # retention at the destination) happens between two increments of this counter: odd while
+        # a piece of work goes on. settled() reads it before and after listing the spool (a seqlock),
+        # so a listing taken halfway through (a checkpoint marked uploaded, the copy it supersedes
+        # not evicted yet) is never taken for the end.
+        self._work = 0
         self._wake = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._next_dest: Optional[CheckpointStore] = None
@@ -155,15 +161,25 @@ class Uploader:
         except OSError:
             return []
 
-    def drained(self) -> bool:
-        return self.in_flight is None and not self.pending()
+    def settled(self) -> bool:
+        """Whether every spooled checkpoint is uploaded (or dropped as superseded) and nothing the
+        uploader does for them is still going on: no upload, no verification, no eviction of an older
+        local copy, no retention at the destination."""
+        with self._cond:
+            before = self._work
+        if before % 2:
+            return False
+        empty = not self.pending()
+        with self._cond:
+            return empty and self._work == before
 
-    def wait_drained(self, timeout: Optional[float]) -> bool:
-        """Wait until the spool is empty (True) or ``timeout`` seconds pass / uploads stop (False)."""
+    def wait_settled(self, timeout: Optional[float]) -> bool:
+        """Wait until the spool is :meth:`settled` (True) or ``timeout`` seconds pass / uploads stop
+        (False)."""
         self.notify()  # a flush cuts a backoff short: try now
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            if self.drained():
+            if self.settled():
                 return True
             if self.fatal is not None or (self.exited and not self.alive):
                 return False
@@ -195,6 +211,8 @@ class Uploader:
                     continue
                 finally:
                     with self._cond:
+                        if self._work % 2:
+                            self._work += 1  # the piece of work this pass began is over
                         self._cond.notify_all()
                 delay = BACKOFF_INITIAL
                 if touched:
@@ -236,6 +254,8 @@ class Uploader:
         if not pending:
             return touched, False
         with self.spool_lock:
+            with self._cond:
+                self._work += 1  # from here on this pass changes the spool: not settled until it ends
             pending = self.pending()
             for bad in [c for c in pending if c.error]:
                 report.warn(f"spooled checkpoint {bad.name} is damaged ({bad.error}); removing it",
