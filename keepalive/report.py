@@ -95,3 +95,8 @@ def reset_once(prefix: str = "") -> None:
     with _LOCK:
         for key in [k for k in _ONCE if k.startswith(prefix)]:
             _ONCE.discard(key)
+
+
+# settings reports a KEEPALIVE_* value that does not parse through warn(); it cannot import this module,
+# which reads the verbosity from it
+settings.report_with(warn)

@@ -14,17 +14,23 @@ The environment is parsed once per distinct set of ``KEEPALIVE_*`` values (a not
 variable with ``%env`` between two cells is seen at the next read; nothing is re-parsed otherwise). A
 value that does not parse is reported once, visibly, and the default is used instead: a typo never
 stops a training. ``keepalive status --settings`` prints the table with the values in force.
+
+That report goes through :func:`keepalive.report.warn`, which hands itself in with
+:func:`report_with` when imported (report reads ``KEEPALIVE_VERBOSITY`` from this module, so this
+module cannot import it).
 """
 from __future__ import annotations
 
+import logging
 import os
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from .units import parse_bytes, parse_duration
 
-__all__ = ["Setting", "SETTINGS", "get", "is_set", "table", "snapshot"]
+__all__ = ["Setting", "SETTINGS", "get", "is_set", "table", "snapshot", "report_with"]
 
 
 @dataclass(frozen=True)
@@ -169,6 +175,30 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in [
 ]}
 
 
+# ----------------------------------------------------------------------------- telling the user
+def _print_warning(message: str) -> None:
+    """The line :func:`keepalive.report.warn` prints and logs, for a value read before
+    ``keepalive.report`` handed its ``warn`` in (``import keepalive`` imports it, so only a process
+    that bypassed the package could get here)."""
+    logging.getLogger("keepalive").warning(message)
+    try:
+        sys.stderr.write(f"keepalive: warning: {message}\n")
+        sys.stderr.flush()
+    except (ValueError, OSError):  # a closed stream: the log has it
+        pass
+
+
+_warn: Callable[[str], object] = _print_warning
+
+
+def report_with(warn: Callable[[str], object]) -> None:
+    """Tell the user about a value that does not parse through ``warn(message)`` (always shown, never
+    silenced: the default is used instead of what they asked for). :mod:`keepalive.report` passes its
+    :func:`~keepalive.report.warn` when it is imported."""
+    global _warn
+    _warn = warn
+
+
 # ------------------------------------------------------------------------------------- reading
 _LOCK = threading.Lock()
 _CACHE: Dict[Tuple[Tuple[str, str], ...], Dict[str, Any]] = {}
@@ -199,9 +229,7 @@ def snapshot(env: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
             values[name] = setting.default
             if (name, raw) not in _REPORTED:
                 _REPORTED.add((name, raw))
-                from .report import warn  # report imports settings: import it late
-
-                warn(f"ignoring {name}={raw!r}: {exc}; using the default ({setting.default!r})")
+                _warn(f"ignoring {name}={raw!r}: {exc}; using the default ({setting.default!r})")
     with _LOCK:
         if len(_CACHE) > 64:  # tests flip variables often; keep the cache small
             _CACHE.clear()
