@@ -40,8 +40,8 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 
 from . import report
 from .errors import NoCheckpointError
-from .resume import read_state
 from .spool import Spool, list_spools
+from .state import STATE_FILE, TENSOR_FILE, from_files
 from .store import (
     CKPT_PREFIX,
     CheckpointInfo,
@@ -55,12 +55,23 @@ from .store import (
 from .units import format_bytes, format_duration
 
 __all__ = ["Run", "Location", "open_run", "find_runs", "spooled_runs", "locate", "checkpoints_at",
-           "pending_summary", "format_pending", "RUN_INDEX", "record_run", "read_run_index",
+           "read_state", "pending_summary", "format_pending", "RUN_INDEX", "record_run", "read_run_index",
            "indexed_runs", "answered_within", "RUN_RECORDS"]
 
 log = logging.getLogger("keepalive.runs")
 
 Copy = Tuple[CheckpointInfo, CheckpointStore]  # a checkpoint and the store holding this copy of it
+
+
+def read_state(info: CheckpointInfo, store: CheckpointStore) -> Dict[str, Any]:
+    """The state tree of checkpoint ``info`` held by ``store``; raises
+    :class:`~keepalive.errors.CheckpointCorruptError` when any byte differs from its manifest (every
+    file is checked; only the state's own two are kept in memory, not an FSDP2 checkpoint's shards).
+
+    Verification reads every byte once (the checksum pass) and the same buffers then become the
+    state's tensors, so a resume costs one pass over the checkpoint. Nothing from a checkpoint is
+    executed: the state is JSON plus raw tensor bytes (:mod:`keepalive.state`)."""
+    return from_files(store.read_files(info, only=(STATE_FILE, TENSOR_FILE)), info.url)
 
 
 @dataclass
