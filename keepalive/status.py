@@ -106,7 +106,7 @@ def status_report(checkpoint_dir: Optional[str] = None) -> Dict[str, Any]:
             warnings.append(f"no default checkpoint dir: {exc}")
             checkpoint_dir = os.path.abspath("keepalive-checkpoints")
     remaining = info.remaining_seconds(now)
-    idle = info.idle_seconds()
+    idle = session.idle_seconds()
     if remaining is not None:
         if remaining <= 0:
             warnings.append(f"the session budget ({format_duration(info.budget_seconds)}) is used up "

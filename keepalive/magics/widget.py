@@ -58,7 +58,7 @@ def time_lines(report: Dict[str, Any], info: Optional[session.SessionInfo] = Non
     if info is not None:
         now = time.time()
         budget, remaining = info.budget_seconds, info.remaining_seconds(now)
-        idle_to, idle = info.idle_timeout_seconds, info.idle_seconds()
+        idle_to, idle = info.idle_timeout_seconds, session.idle_seconds()
     else:
         budget, remaining = report.get("budget_seconds"), report.get("remaining_seconds")
         idle_to, idle = report.get("idle_timeout_seconds"), report.get("idle_seconds") or 0.0

@@ -199,16 +199,12 @@ class SessionInfo:
     def deadline(self) -> Optional[float]:
         return None if self.budget_seconds is None else self.start_time + self.budget_seconds
 
-    def idle_seconds(self) -> float:
-        """See :meth:`IdleTracker.idle_seconds` (the process's tracker)."""
-        from .idle import idle_seconds  # idle.py imports this module: import it when asked
-
-        return idle_seconds()
-
-    def idle_margin_seconds(self) -> Optional[float]:
+    def idle_margin_seconds(self, idle_seconds: float) -> Optional[float]:
+        """Seconds left before the idle timeout after ``idle_seconds`` without activity (the process's
+        tracker measures them: :func:`keepalive.session.idle_seconds`); None without a timeout."""
         if self.idle_timeout_seconds is None:
             return None
-        return self.idle_timeout_seconds - self.idle_seconds()
+        return self.idle_timeout_seconds - idle_seconds
 
     def to_json(self) -> Dict[str, Any]:
         out = asdict(self)
