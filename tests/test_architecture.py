@@ -8,6 +8,12 @@ inside functions, plus ``importlib.import_module("keepalive...")`` and ``sys.mod
 look-ups (reaching up through ``sys.modules`` is still reaching up). Each test lists every violation
 it finds, not only the first.
 
+No two modules may import each other, directly or around a longer loop, even within one layer and
+even lazily: the modules of a cycle can only be understood, tested and moved together, and a
+function-level import that closes one only hides it. Imports under ``if TYPE_CHECKING:`` are left
+out of that check (they never run). A cycle is broken by moving the piece both sides need into the
+lower module, or by passing a value or a callable in, not by moving the import into a function.
+
 A module of a package takes the package's layer (``keepalive/session/clock.py`` is ``session``). A new
 module must be added to :data:`LAYERS` (and to the README's table).
 """
@@ -18,7 +24,7 @@ import os
 import subprocess
 import sys
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional, Set, Tuple
+from typing import Dict, Iterator, List, Mapping, Optional, Set, Tuple
 
 import pytest
 
@@ -72,6 +78,7 @@ class Import:
     names: Tuple[str, ...]   # the names taken from it (``from target import a, b``); () for a module
     lazy: bool               # inside a function
     alias: Optional[str] = None  # the local name bound to a module (``from . import torch as t``)
+    type_only: bool = False  # under ``if TYPE_CHECKING:`` (never executed)
 
     def where(self) -> str:
         return f"{self.source.path}:{self.line}" + (" (inside a function)" if self.lazy else "")
@@ -127,17 +134,27 @@ def _parse(module: Module) -> ast.Module:
         return ast.parse(f.read(), module.path)
 
 
+def _type_checking(test: ast.AST) -> bool:
+    """``if TYPE_CHECKING:`` or ``if typing.TYPE_CHECKING:``."""
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
+        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
 def _imports(module: Module, tree: Optional[ast.Module] = None) -> Iterator[Import]:
     tree = _parse(module) if tree is None else tree
     lazy_nodes: Set[int] = set()
+    type_only_nodes: Set[int] = set()
     for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
             lazy_nodes.update(id(n) for n in ast.walk(node) if n is not node)
+        elif isinstance(node, ast.If) and _type_checking(node.test):
+            type_only_nodes.update(id(n) for stmt in node.body for n in ast.walk(stmt))
     for node in ast.walk(tree):
         lazy = id(node) in lazy_nodes
+        type_only = id(node) in type_only_nodes
         if isinstance(node, ast.Import):
             for alias in node.names:
-                yield Import(module, node.lineno, alias.name, (), lazy, alias.asname)
+                yield Import(module, node.lineno, alias.name, (), lazy, alias.asname, type_only)
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 package = module.name.split(".")
@@ -152,15 +169,15 @@ def _imports(module: Module, tree: Optional[ast.Module] = None) -> Iterator[Impo
                 sub = f"{base}.{alias.name}"
                 # `from . import store`: the module keepalive.store (also one of the table not written yet)
                 if sub in KNOWN or (base == "keepalive" and alias.name in LAYERS):
-                    yield Import(module, node.lineno, sub, (), lazy, alias.asname or alias.name)
+                    yield Import(module, node.lineno, sub, (), lazy, alias.asname or alias.name, type_only)
                 else:
                     taken.append(alias.name)
             if taken:
-                yield Import(module, node.lineno, base, tuple(taken), lazy)
+                yield Import(module, node.lineno, base, tuple(taken), lazy, None, type_only)
         else:
             target = _dynamic_target(node)
             if target:
-                yield Import(module, node.lineno, target, (), lazy)
+                yield Import(module, node.lineno, target, (), lazy, None, type_only)
 
 
 IMPORTS: List[Import] = [imp for m in MODULES for imp in _imports(m)]
@@ -181,6 +198,119 @@ def _layer(key: Optional[str]) -> Optional[int]:
 def _describe(key: str) -> str:
     layer = LAYERS[key]
     return f"layer {layer} {LAYER_NAMES[layer]}"
+
+
+MODULE_NAMES = {m.name for m in MODULES}
+
+
+def _module_of(target: str) -> Optional[str]:
+    """The keepalive module an import target names: the longest module prefix of ``target``
+    (``import keepalive.session.idle.x`` names ``keepalive.session.idle``), None outside keepalive."""
+    parts = target.split(".")
+    while parts:
+        name = ".".join(parts)
+        if name in MODULE_NAMES:
+            return name
+        parts.pop()
+    return None
+
+
+Graph = Mapping[str, Mapping[str, List[Import]]]
+
+
+def _graph(imports: List[Import]) -> Dict[str, Dict[str, List[Import]]]:
+    """Module -> the keepalive modules it imports -> the imports that do it. Lazy imports count;
+    ``TYPE_CHECKING`` ones and a module naming itself do not."""
+    graph: Dict[str, Dict[str, List[Import]]] = {}
+    for imp in imports:
+        target = _module_of(imp.target)
+        if imp.type_only or target is None or target == imp.source.name:
+            continue
+        graph.setdefault(imp.source.name, {}).setdefault(target, []).append(imp)
+    return graph
+
+
+def _strongly_connected(graph: Mapping[str, Mapping[str, object]]) -> List[List[str]]:
+    """The strongly connected components of more than one node (Tarjan), each sorted, sorted."""
+    nodes = sorted(set(graph) | {t for targets in graph.values() for t in targets})
+    index: Dict[str, int] = {}
+    low: Dict[str, int] = {}
+    stack: List[str] = []
+    on_stack: Set[str] = set()
+    found: List[List[str]] = []
+    for root in nodes:
+        if root in index:
+            continue
+        # iterative depth-first search: (node, iterator over its successors)
+        work = [(root, iter(sorted(graph.get(root, {}))))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, successors = work[-1]
+            for nxt in successors:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, iter(sorted(graph.get(nxt, {})))))
+                    break
+                if nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+            else:
+                work.pop()
+                if work:
+                    parent = work[-1][0]
+                    low[parent] = min(low[parent], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        found.append(sorted(component))
+    return sorted(found)
+
+
+def _loop(graph: Mapping[str, Mapping[str, object]], component: List[str]) -> List[str]:
+    """One shortest closed path through the component's first module: [a, b, ..., a]."""
+    start, members = component[0], set(component)
+    previous: Dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        following = []
+        for node in frontier:
+            for nxt in sorted(graph.get(node, {})):
+                if nxt not in members:
+                    continue
+                if nxt == start:  # back at the start: walk the path home
+                    path = [start, node]
+                    while path[-1] != start:
+                        path.append(previous[path[-1]])
+                    return path[::-1]
+                if nxt not in previous:
+                    previous[nxt] = node
+                    following.append(nxt)
+        frontier = following
+    raise AssertionError(f"{component} is not strongly connected")  # pragma: no cover
+
+
+def _describe_cycle(graph: Graph, component: List[str]) -> str:
+    """One loop of the component with the imports that make it (where, and whether lazy), then the
+    component's modules when it holds more than that loop (each loop in it must be broken)."""
+    loop = _loop(graph, component)
+    lines = ["import cycle: " + " -> ".join(loop)]
+    for source, target in zip(loop, loop[1:]):
+        for imp in graph[source][target]:
+            what = f" ({', '.join(imp.names)})" if imp.names else ""
+            lines.append(f"    {imp.where()}: {source} imports {target}{what}")
+    if len(component) > len(loop) - 1:
+        lines.append(f"    (one tangle of {len(component)} modules, each reachable from each: "
+                     f"{', '.join(component)})")
+    return "\n".join(lines)
 
 
 def _fail(what: str, violations: List[str]) -> None:
@@ -324,3 +454,60 @@ def test_keepalive_variables_are_read_through_settings():
                 violations.append(f"{module.path}:{node.lineno}: reads {name} from the environment; use "
                                   f"keepalive.settings.get({name!r})")
     _fail("KEEPALIVE_* variables read outside keepalive/settings.py", violations)
+
+
+def test_no_import_cycles():
+    """No module reaches itself through the imports of the package (lazy ones included, those under
+    ``if TYPE_CHECKING:`` left out). The message names one loop per cycle and every import in it."""
+    graph = _graph(IMPORTS)
+    cycles = [_describe_cycle(graph, component) for component in _strongly_connected(graph)]
+    _fail("import cycles (break each by moving what both sides need into the lower module, or by "
+          "passing a value or a callable in; an import moved into a function still counts)", cycles)
+
+
+def _fake(edges: str) -> Dict[str, Dict[str, List[Import]]]:
+    """A graph from ``"a>b b>a"``: one made-up import per edge."""
+    graph: Dict[str, Dict[str, List[Import]]] = {}
+    for n, edge in enumerate(edges.split()):
+        source, target = edge.split(">")
+        module = Module(source, f"{source}.py", False)
+        graph.setdefault(source, {})[target] = [Import(module, n + 1, target, (), n % 2 == 1)]
+    return graph
+
+
+def test_the_cycle_finder_on_made_up_graphs():
+    assert _strongly_connected(_fake("a>b b>c c>d")) == []                  # a chain
+    assert _strongly_connected(_fake("a>b b>c a>c")) == []                  # a diamond is no cycle
+    assert _strongly_connected(_fake("a>b b>a c>a")) == [["a", "b"]]        # two modules
+    assert _strongly_connected(_fake("a>b b>c c>a c>d d>e e>d f>a")) == [["a", "b", "c"], ["d", "e"]]
+    assert _strongly_connected(_fake("a>b b>c c>b c>a")) == [["a", "b", "c"]]  # two loops, one component
+    graph = _fake("x>y y>z z>x q>x")
+    assert _loop(graph, ["x", "y", "z"]) == ["x", "y", "z", "x"]
+    assert _loop(_fake("a>b b>a"), ["a", "b"]) == ["a", "b", "a"]
+    text = _describe_cycle(graph, ["x", "y", "z"])
+    assert text.splitlines()[0] == "import cycle: x -> y -> z -> x"
+    assert "y.py:2 (inside a function): y imports z" in text and "q" not in text and "tangle" not in text
+    tangle = _fake("a>b b>a b>c c>b")
+    text = _describe_cycle(tangle, _strongly_connected(tangle)[0])
+    assert text.splitlines()[0] == "import cycle: a -> b -> a"
+    assert text.splitlines()[-1] == "    (one tangle of 3 modules, each reachable from each: a, b, c)"
+    # deep chains do not hit the recursion limit
+    chain = " ".join(f"m{i}>m{i + 1}" for i in range(5000)) + " m5000>m0"
+    assert len(_strongly_connected(_fake(chain))[0]) == 5001
+
+
+def test_the_cycle_check_sees_lazy_imports_and_skips_type_checking_ones():
+    """The graph of two made-up modules importing each other: a lazy import closes the cycle, an
+    import under ``if TYPE_CHECKING:`` does not."""
+    low = Module("keepalive.units", "keepalive/units.py", False)
+    high = Module("keepalive.errors", "keepalive/errors.py", False)
+    up = list(_imports(high, ast.parse("from .units import parse_bytes\n")))
+    lazy = list(_imports(low, ast.parse("def f():\n    from .errors import KeepaliveError\n")))
+    typed = list(_imports(low, ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                         "    from .errors import KeepaliveError\n")))
+    assert [i.type_only for i in typed if i.target.startswith("keepalive")] == [True]
+    assert _strongly_connected(_graph(up + typed)) == []
+    cycle = _strongly_connected(_graph(up + lazy))
+    assert cycle == [["keepalive.errors", "keepalive.units"]]
+    text = _describe_cycle(_graph(up + lazy), cycle[0])
+    assert "keepalive/units.py:2 (inside a function): keepalive.units imports keepalive.errors" in text
