@@ -174,7 +174,7 @@ def cmd_ls(args) -> int:
     for c in rows:
         j = c.to_json()
         status = "ok" if j["valid"] and c.valid else ("unverified" if j["valid"] else f"INVALID: {c.error}")
-        ranks = f" ({c.processes})" if c.processes else ""  # torch.distributed (issue 16)
+        ranks = f" ({c.processes})" if c.processes else ""  # written by several torch.distributed ranks
         print(f"{c.run:<20} {c.name:<28} {str(c.step):>9} {str(c.epoch):>6} "
               f"{format_bytes(c.size_bytes):>11}  {j['created'] or '-':<20} {status}{ranks}")
     return 0

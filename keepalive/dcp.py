@@ -3,7 +3,7 @@
 A model sharded with ``torch.distributed.fsdp.fully_shard`` (and its optimizer) holds ``DTensor``
 state: no rank has all of it, so it cannot go into rank 0's ``tensors.safetensors`` as DDP's replicated
 state does. It is written by torch's own Distributed Checkpoint instead, into keepalive's checkpoint
-folder, and committed by keepalive's manifest (issue 16)::
+folder, and committed by keepalive's manifest, so a sharded checkpoint is valid only when complete::
 
     ckpt-0000000012-3f9a1c2e/
         __0_0.distcp  __1_0.distcp   <- each rank's shards (dcp.save, every rank writes its own)

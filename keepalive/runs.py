@@ -324,7 +324,8 @@ class Run:
     def summary(self) -> Dict[str, Any]:
         """JSON-safe facts for ``keepalive status``: ``run``, ``url``, ``checkpoints``,
         ``newest`` / ``newest_step`` / ``newest_epoch`` / ``newest_created`` (UTC ISO) / ``world_size``
-        / ``sharded`` (of the newest checkpoint: issue 16), and when they apply ``broken``,
+        / ``sharded`` (of the newest checkpoint: how many torch.distributed ranks wrote it, and whether
+        in DCP shards), and when they apply ``broken``,
         ``pending_uploads`` and ``error``."""
         entry: Dict[str, Any] = {"run": self.name, "url": self.url, "newest_step": None,
                                  "newest_epoch": None, "newest_created": None, "checkpoints": 0}

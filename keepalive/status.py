@@ -232,7 +232,8 @@ def _hardware_lines(hw: Mapping[str, Any]) -> List[str]:
 
 
 def _processes(run: Mapping[str, Any]) -> str:
-    """", 2 ranks" / ", 2 ranks, DCP shards" for a run written by torch.distributed (issue 16)."""
+    """", 2 ranks" / ", 2 ranks, DCP shards" for a run written by several torch.distributed processes
+    (empty for one process)."""
     said = describe_processes(run.get("world_size"), run.get("sharded"))
     return f", {said}" if said else ""
 

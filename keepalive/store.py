@@ -151,8 +151,8 @@ class RetryPolicy:
 
 # ------------------------------------------------------------------------------------------ models
 def describe_processes(world_size: Optional[int], sharded: Optional[str]) -> str:
-    """"" for a run of one process, else e.g. ``"2 ranks"`` / ``"2 ranks, DCP shards"`` (issue 16:
-    ``keepalive ls`` per checkpoint, ``keepalive status`` per run)."""
+    """"" for a run of one process, else e.g. ``"2 ranks"`` / ``"2 ranks, DCP shards"`` (shown by
+    ``keepalive ls`` per checkpoint and ``keepalive status`` per run)."""
     world = int(world_size or 1)
     if world == 1 and not sharded:
         return ""
@@ -188,13 +188,15 @@ class CheckpointInfo:
 
     @property
     def world_size(self) -> Optional[int]:
-        """How many processes wrote it (torch.distributed, issue 16); None for one or when unknown."""
+        """How many torch.distributed processes wrote it (its manifest's ``world_size``); None for one
+        or when unknown."""
         size = ((self.manifest or {}).get("metadata") or {}).get("world_size")
         return int(size) if isinstance(size, int) and size > 1 else None
 
     @property
     def sharded(self) -> Optional[str]:
-        """``"dcp"`` when its sharded (FSDP2) state is in DCP shard files, one per rank (issue 16)."""
+        """``"dcp"`` when its sharded (FSDP2) state is in DCP shard files, one per rank; None when every
+        tensor is in ``tensors.safetensors``."""
         kind = ((self.manifest or {}).get("metadata") or {}).get("sharded")
         return str(kind) if kind else None
 
@@ -444,8 +446,8 @@ class CheckpointStore:
         return f"{CKPT_PREFIX}{step:010d}-{uuid.uuid4().hex[:8]}"
 
     def new_name(self, step: int) -> str:
-        """A fresh checkpoint folder name for ``step`` (FSDP2, issue 16: every rank writes its shards
-        into it before rank 0 commits it with ``commit(name=...)``)."""
+        """A fresh checkpoint folder name for ``step`` (FSDP2: every rank writes its shards into it
+        before rank 0 commits it with ``commit(name=...)``)."""
         return self._new_name(int(step))
 
     def commit(self, files: Mapping[str, FileContent], *, step: int, epoch: Optional[int] = None,
@@ -456,7 +458,7 @@ class CheckpointStore:
 
         ``files`` maps a file name to bytes or to a sequence of buffers written one after the other
         (so a large state is streamed without being joined). Returns once the manifest is written.
-        FSDP2 (issue 16): ``name`` is the folder (from :meth:`new_name`) into which other processes
+        FSDP2: ``name`` is the folder (from :meth:`new_name`) into which other processes
         already wrote the files ``written`` describes (manifest entries: name, size, checksum; each
         durable); they are committed by the same manifest, written last.
         """
@@ -468,7 +470,7 @@ class CheckpointStore:
         self._writing = name
         try:
             entries, total = self._write_files(folder, files, progress)
-            for entry in written:  # FSDP2 (issue 16): shard files other ranks wrote here
+            for entry in written:  # FSDP2: shard files other ranks wrote here
                 if entry["name"] == MANIFEST or "/" in entry["name"]:
                     raise ValueError(f"invalid checkpoint file name {entry['name']!r}")
                 entries.append({"name": entry["name"], "size": int(entry["size"]),
@@ -624,7 +626,7 @@ class CheckpointStore:
     def read_files(self, info: CheckpointInfo, only: Optional[Sequence[str]] = None) -> Dict[str, Buffer]:
         """Every file of a checkpoint, verified against its manifest (size and checksum); with
         ``only``, just those files are returned and the others are verified without being kept (an
-        FSDP2 checkpoint's DCP shards, which DCP reads itself: issue 16).
+        FSDP2 checkpoint's DCP shards, which DCP reads itself).
 
         Local files are memory-mapped (copy-on-write) rather than read, so a large state costs one
         checksum pass over the page cache and no copy. Raises :class:`CheckpointCorruptError`.

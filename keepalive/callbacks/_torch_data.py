@@ -55,7 +55,8 @@ class ResumableBatchSampler(Sampler):
                  shard: Optional[DistributedSampler] = None):
         self.n, self.batch_size, self.drop_last = n, batch_size, drop_last
         self.shuffle, self.seed = shuffle, seed
-        #: DDP (issue 16): the user's DistributedSampler, whose per-rank order this reproduces
+        #: DDP: the user's DistributedSampler, whose per-rank order this reproduces (each rank resumes
+        #: its own share of the epoch)
         self.shard = shard
         self.epoch = 0
         self.start_sample = 0
@@ -140,7 +141,7 @@ class SeededDataset(Dataset):
 
 
 def distributed_order(s: DistributedSampler) -> torch.Tensor:
-    """DDP (issue 16): the indices ``iter(s)`` yields for its rank and epoch, as a tensor, computed as
+    """DDP: the indices ``iter(s)`` yields for its rank and epoch, as a tensor, computed as
     ``DistributedSampler`` does (seeded by ``seed + epoch``, padded or cut to a multiple of the
     number of replicas, then every ``num_replicas``-th from ``rank``), so a resumed epoch can start
     at any position of the rank's share without iterating the sampler."""
@@ -178,7 +179,7 @@ def _supported(loader: DataLoader) -> Tuple[bool, Optional[bool], str]:
     if type(s) is RandomSampler and not s.replacement and s._num_samples is None \
             and s.data_source is loader.dataset:
         return True, True, ""
-    if type(s) is DistributedSampler and s.dataset is loader.dataset:  # DDP (issue 16)
+    if type(s) is DistributedSampler and s.dataset is loader.dataset:  # DDP: replayed per rank
         return True, bool(s.shuffle), ""
     return False, None, f"sampler {type(s).__name__}: checkpoints at epoch ends only"
 
