@@ -1,15 +1,19 @@
 """The framework-neutral checkpointer every adapter is built on.
 
-An adapter (torch loop, Keras callback, fastai callback) does three things only: it says where the
-step and epoch boundaries are (:meth:`Checkpointer.advance`, :meth:`Checkpointer.end_epoch`,
-:meth:`Checkpointer.end_stage`), it gives a ``capture()`` function returning its objects' state as a
-tree, and it restores such a tree into its objects (:mod:`keepalive.adapter` has the base class that
-gives every adapter the same ``save`` / ``flush`` / ``close`` / views). Everything else lives here:
-the counters and their arithmetic, where checkpoints go,
-when to save (:mod:`keepalive.trigger`), asynchronous writes (:mod:`keepalive.writer`), resuming from
-the newest valid checkpoint with fallback (:mod:`keepalive.resume`), RNG capture
-(:mod:`keepalive.rng`), deferred interrupts (Ctrl-C / "Interrupt kernel" and SIGTERM save at the next
-step boundary, then take effect), and the one-line messages users see.
+An adapter (torch loop, Keras callback, fastai callback, ...) does three things only: it says where
+the boundaries are (:meth:`Checkpointer.advance` after a batch, :meth:`Checkpointer.end_epoch`,
+:meth:`Checkpointer.end_stage`; optimizer steps through :meth:`Checkpointer.watch`), it gives a
+``capture()`` function returning its objects' state as a tree, and it restores such a tree into its
+objects (:mod:`keepalive.adapter` has the base class). Everything else lives here and below:
+
+* what a boundary does — save, stop, re-raise a signal — is decided by the pure state machine of
+  :mod:`keepalive.boundary`, fed the schedule's answer (:mod:`keepalive.trigger`); this module only
+  carries its decisions out;
+* how a checkpoint leaves the process (one writer, gathered to rank 0, sharded through DCP) is the
+  save path of :mod:`keepalive.savepath`, chosen once when the run is first used;
+* resuming from the newest valid checkpoint with fallback (:mod:`keepalive.runs`), RNG capture
+  (:mod:`keepalive.rng`), deferred interrupts (Ctrl-C / "Interrupt kernel" and SIGTERM save at the
+  next consistent boundary, then take effect), and the one-line messages users see.
 
 The tree a checkpoint holds::
 
@@ -23,14 +27,17 @@ The tree a checkpoint holds::
 from __future__ import annotations
 
 import atexit
+import collections
 import logging
 import os
 import signal
 import threading
 import time
 import weakref
-from typing import Any, Callable, Dict, List, Mapping, Optional, Union
+from dataclasses import replace
+from typing import Any, Callable, Deque, Dict, Iterator, List, Mapping, MutableMapping, Optional, Union
 
+from . import boundary as bd
 from . import distributed as _distributed
 from . import notebook, report, rng
 from . import progress as _progress
@@ -38,8 +45,9 @@ from . import session as _session
 from . import spool as _spool
 from .config import CheckpointConfig
 from .runs import Run, record_run
-from .store import CheckpointInfo, CheckpointStore
-from .trigger import Decision, SaveTrigger
+from .savepath import SavePath, choose
+from .store import CheckpointInfo, CheckpointStore, WriteResult
+from .trigger import SaveTrigger
 from .units import format_duration
 from .writer import AsyncWriter
 
@@ -47,6 +55,7 @@ log = logging.getLogger("keepalive")
 
 STATE_FORMAT = 1
 Capture = Callable[[], Dict[str, Any]]
+Decision = bd.Decision
 
 _ACTIVE: "weakref.WeakSet[Checkpointer]" = weakref.WeakSet()
 
@@ -86,6 +95,36 @@ def active_checkpointers() -> List["Checkpointer"]:
     return list(_ACTIVE)
 
 
+
+
+class CounterView(MutableMapping[str, int]):
+    """The counters of a :class:`Checkpointer` as a dict (``epoch``, ``step``, ``batch``, ``samples``);
+    setting one is an event of the state machine, like every other change."""
+
+    def __init__(self, core: "Checkpointer"):
+        self._core = core
+
+    def __getitem__(self, name: str) -> int:
+        if name not in bd.COUNTER_NAMES:
+            raise KeyError(name)
+        return getattr(self._core.state.counters, name)
+
+    def __setitem__(self, name: str, value: int) -> None:
+        self._core._feed(bd.SetCounter(name, int(value)))
+
+    def __delitem__(self, name: str) -> None:
+        raise TypeError("counters cannot be removed")
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(bd.COUNTER_NAMES)
+
+    def __len__(self) -> int:
+        return len(bd.COUNTER_NAMES)
+
+    def __repr__(self) -> str:
+        return repr(dict(self))
+
+
 class Checkpointer:
     """Where, when and how a training run is checkpointed and resumed (see module docstring).
 
@@ -98,43 +137,38 @@ class Checkpointer:
                  **options: Any):
         cfg = CheckpointConfig.strict(path, config, options, "Checkpointer")
         self.config = cfg
-        path, run, every, keep, keep_every = cfg.path, cfg.run, cfg.every, cfg.keep, cfg.keep_every
-        on_deadline, deadline_margin, takeover = cfg.on_deadline, cfg.deadline_margin, cfg.takeover
-        background, storage_options, quiet = cfg.background, cfg.storage_options, cfg.quiet
-        remaining_fn, spool, flush_timeout = cfg.remaining_fn, cfg.spool, cfg.flush_timeout
-        drive_flush = cfg.drive_flush
-        self.url = resolve_run_url(path, run)
-        self.store = CheckpointStore(self.url, keep=keep, keep_every=keep_every,
-                                     storage_options=storage_options)
-        self.trigger = SaveTrigger(every, on_deadline=on_deadline, margin=deadline_margin,
-                                   remaining_fn=remaining_fn)
+        self.url = resolve_run_url(cfg.path, cfg.run)
+        self.store = CheckpointStore(self.url, keep=cfg.keep, keep_every=cfg.keep_every,
+                                     storage_options=cfg.storage_options)
+        self.trigger = SaveTrigger(cfg.every, on_deadline=cfg.on_deadline, margin=cfg.deadline_margin,
+                                   remaining_fn=cfg.remaining_fn)
         #: what the writer commits through: the store itself, or a local spool whose checkpoints a
-        #: background thread uploads (remote URLs, Drive, failing destinations: keepalive/spool.py)
-        self.sink = _spool.SpooledStore(self.store, spool, storage_options=storage_options,
-                                        flush_timeout=flush_timeout, drive_flush=drive_flush,
-                                        quiet=quiet, remaining_fn=self.trigger.remaining,
+        #: background thread uploads (remote URLs, Drive, failing destinations: keepalive/spool)
+        self.sink = _spool.SpooledStore(self.store, cfg.spool, storage_options=cfg.storage_options,
+                                        flush_timeout=cfg.flush_timeout, drive_flush=cfg.drive_flush,
+                                        quiet=cfg.quiet, remaining_fn=self.trigger.remaining,
                                         on_durable=self.trigger.record_save)
-        self.writer = AsyncWriter(self.sink, background=background)
-        self.writer.on_commit.append(self._committed)
-        if not quiet:
+        self.writer = AsyncWriter(self.sink, background=cfg.background)
+        #: called with each WriteResult after a checkpoint is committed, whatever the save path
+        self.on_commit: List[Callable[[WriteResult], None]] = self.writer.on_commit
+        self.on_commit.append(self._committed)
+        if not cfg.quiet:
             self.writer.progress_factory = _progress.upload_progress(self.url)
         self.framework = framework
-        self.takeover = takeover
-        self.quiet = quiet
-        self.counters: Dict[str, int] = {"epoch": 0, "step": 0, "batch": 0, "samples": 0}
+        self.takeover = cfg.takeover
+        self.quiet = cfg.quiet
+        #: the boundary state machine's state (:mod:`keepalive.boundary`); changed only by _feed
+        self.state = bd.BoundaryState()
+        self.counters: MutableMapping[str, int] = CounterView(self)
         self.extras: Dict[str, Any] = {}
         self.metadata: Dict[str, Any] = {"framework": framework}
         self.resumed_from: Optional[CheckpointInfo] = None
-        self.finished = False
-        self.stopped = False
-        self.stop_reason: Optional[str] = None
+        #: objects whose state is sharded across ranks (set by the torch adapter before first use)
+        self.sharded: Any = None
+        self._path: Optional[SavePath] = None
         self._opened = False
-        self._last_saved_step: Optional[int] = None
-        self._pending_signal: Optional[int] = None
-        self._deferred_save = False
         self._reserved = False
-        self._deferred_stop: Optional[str] = None
-        self._deferred_reason: Optional[str] = None
+        self._signals: Deque[int] = collections.deque()  # from the handler, drained at boundaries
         self._pid = os.getpid()
         #: why the adapter's loop cannot be saved inside an epoch (said when an interrupt comes)
         self.mid_epoch_obstacle: Optional[str] = None
@@ -142,18 +176,67 @@ class Checkpointer:
         self._in_loop = False
         #: the number of epochs, when the adapter knows it (for the ETA next to the session time)
         self.total_epochs: Optional[int] = None
-        # DDP (issue 16): the torch.distributed process group (looked up at each use; one rank without)
-        self.group = _distributed.GROUP
-        #: FSDP2 (issue 16): the adapter's sharded objects (:class:`keepalive.dcp.ShardedObjects`, set
-        #: by the torch adapter when a registered object holds DTensor state), saved through DCP
-        self.sharded: Any = None
-        self._sharded_thread: Optional[threading.Thread] = None  # its save in flight (the commit)
-        self._sharded_error: Optional[BaseException] = None
-        # only rank 0 shows progress bars (every rank runs the same loop)
-        self.training_progress = (None if quiet or not self.group.is_main
-                                  else _progress.TrainingProgress(self))
+        self._progress: Any = False  # the training progress bar, made on first use
+        #: steps of the watched optimizers so far in this process (all of them; never reset)
+        self.optimizer_steps = 0
+        self._watched = 0  # optimizers watched
         self._capture_context()
         _ACTIVE.add(self)
+
+    # ------------------------------------------------------------------------- state machine
+    def _feed(self, event: bd.Event) -> Decision:
+        self.state, decision = bd.transition(self.state, event)
+        return decision
+
+    @property
+    def finished(self) -> bool:
+        return self.state.finished
+
+    @finished.setter
+    def finished(self, value: bool) -> None:
+        self._feed(bd.Finish(bool(value)))
+
+    @property
+    def stopped(self) -> bool:
+        return self.state.stopped
+
+    @property
+    def stop_reason(self) -> Optional[str]:
+        return self.state.stop_reason
+
+    @property
+    def pending_signal(self) -> Optional[int]:
+        """A signal received and not acted on yet (saved at the next consistent boundary)."""
+        return self.state.pending.signal if self.state.pending.signal is not None else (
+            self._signals[0] if self._signals else None)
+
+    @property
+    def path(self) -> SavePath:
+        """How checkpoints leave this process (:mod:`keepalive.savepath`), chosen once, at first use."""
+        if self._path is None:
+            self._path = choose(self.writer, _distributed.GROUP, self.sharded, self.sink, self.on_commit, self.url)
+        return self._path
+
+    @property
+    def training_progress(self) -> Optional[_progress.TrainingProgress]:
+        """The epoch progress bar (by the process that writes checkpoints; None with ``quiet``)."""
+        if self._progress is False:
+            self._progress = None if self.quiet or not self.path.writes else _progress.TrainingProgress(self)
+        return self._progress
+
+    def watch(self, optimizer: Any) -> None:
+        """Count ``optimizer``'s steps (a torch optimizer's step post-hook): every registered optimizer
+        feeds the boundaries; a step a GradScaler skipped is no step."""
+        me, index = weakref.ref(self), self._watched
+        self._watched = index + 1
+
+        def stepped(*_: Any) -> None:  # a weak reference: the hook must not keep us alive
+            core = me()
+            if core is not None:
+                core.optimizer_steps += 1
+                core._feed(bd.OptimizerStep(index))
+
+        optimizer.register_step_post_hook(stepped)
 
     # -------------------------------------------------------------------------------- context
     def _capture_context(self) -> None:
@@ -177,8 +260,8 @@ class Checkpointer:
 
     # ------------------------------------------------------------------------------- messages
     def say(self, message: str) -> None:
-        """News for the user, silenced by ``quiet=True``; under DDP said by rank 0 only (issue 16)."""
-        report.say(message, quiet=self.quiet or not self.group.is_main)
+        """News for the user, silenced by ``quiet=True``; said by the process that writes only."""
+        report.say(message, quiet=self.quiet or not self.path.writes)
 
     def warn(self, message: str, key: Optional[str] = None) -> None:
         """A problem the user must see (not silenced by ``quiet``); once per ``key`` and run."""
@@ -199,7 +282,7 @@ class Checkpointer:
         # Take the writer lease now, at the start of training: a second session on the same run
         # learns it at once instead of after its first epoch.
         self._open()
-        found = self._localize(found)  # DDP (issue 16): every rank the same checkpoint, its own part
+        found = self.path.localize(found, self.url, lambda text: self.warn(text, key="world-size"))
         if found is None:
             return None
         info, tree, previous = found
@@ -211,50 +294,29 @@ class Checkpointer:
                 self.resumed_from = None
                 raise
         self.resumed_from = info
-        counters = tree.get("counters", {})
-        for k in self.counters:
-            self.counters[k] = int(counters.get(k, 0))
+        self._feed(bd.Restored(bd.Counters.of(tree.get("counters") or {})))
         self.extras.update(tree.get("extras") or {})
-        self._last_saved_step = self.counters["step"]
         self.trigger.saved()
         if not self.quiet:
-            age = time.time() - (info.created or time.time())
-            redone = ""
-            if previous and previous.get("step") is not None and previous["step"] > self.counters["step"]:
-                redone = f"; about {previous['step'] - self.counters['step']} step(s) will be redone"
-            had_finished = (info.manifest or {}).get("metadata", {}).get("finished")
-            finished = " (this run had finished)" if had_finished else ""
-            detail = ""
-            if describe is not None:
-                try:
-                    detail = describe(tree) or ""
-                except Exception as exc:  # noqa: BLE001 - words only: never stop a resume for them
-                    log.debug("describe() failed: %s", exc)
-            self.say(f"resuming run '{self.store.run}' from {info.name}: epoch {self.counters['epoch']}, "
-                f"step {self.counters['step']}, saved {format_duration(age)} ago{redone}{finished}"
-                f"{'; ' + detail if detail else ''}")
+            self.say(self._resuming_line(info, tree, previous, describe))
         return tree
 
-    def _localize(self, found: Any) -> Any:
-        """DDP (issue 16): check that every rank found the same checkpoint, then give this rank its
-        own random state and data position (:func:`keepalive.distributed.localize`); a changed world
-        size is warned about. A single process loading a checkpoint of several ranks takes rank 0's part."""
-        group = self.group
-        if found is None and not group.active:
-            return None
-        if group.active:
-            names = group.all_gather(found[0].name if found is not None else None)
-            if len(set(names)) != 1:
-                raise RuntimeError(f"the ranks found different newest checkpoints in {self.url} "
-                                   f"({names}): every rank must see the same run folder (shared storage)")
-            if found is None:
-                return None
-        info, tree, previous = found
-        if tree.get(_distributed.RANKS_KEY) or group.world_size > 1:
-            tree, changed = _distributed.localize(tree, group.rank, group.world_size)
-            if changed and group.is_main:  # not bit-exact any more: a warning, not news
-                self.warn(changed, key="world-size")
-        return info, tree, previous
+    def _resuming_line(self, info: CheckpointInfo, tree: Dict[str, Any], previous: Optional[Dict[str, Any]],
+                       describe: Optional[Callable[[Dict[str, Any]], str]]) -> str:
+        c = self.state.counters
+        age = time.time() - (info.created or time.time())
+        redone = ""
+        if previous and previous.get("step") is not None and previous["step"] > c.step:
+            redone = f"; about {previous['step'] - c.step} step(s) will be redone"
+        finished = " (this run had finished)" if (info.manifest or {}).get("metadata", {}).get("finished") else ""
+        detail = ""
+        if describe is not None:
+            try:
+                detail = describe(tree) or ""
+            except Exception as exc:  # noqa: BLE001 - words only: never stop a resume for them
+                log.debug("describe() failed: %s", exc)
+        return (f"resuming run '{self.store.run}' from {info.name}: epoch {c.epoch}, step {c.step}, saved "
+                f"{format_duration(age)} ago{redone}{finished}{'; ' + detail if detail else ''}")
 
     def restore_rng(self, tree: Mapping[str, Any]) -> None:
         if tree.get("rng"):
@@ -262,20 +324,19 @@ class Checkpointer:
 
     # ----------------------------------------------------------------------------------- save
     def _open(self) -> None:
-        if not self.group.is_main:
-            return  # DDP (issue 16): rank 0 alone holds the writer lease and writes
-        if not self._opened:
-            # A notebook cell run again builds a new checkpointer for the same run while the old
-            # one (same process, its loop over) still holds the writer lease: hand it over.
-            for other in list(_ACTIVE):
-                if (other is not self and other._opened and not other._in_loop
-                        and other.store.url == self.store.url):
-                    other.close()
-            self.sink.open_for_writing(takeover=self.takeover)
-            record_run(self.url, _session.platforms.run_index_dir)  # found after a reset (RUNS.json)
-            self._opened = True
+        if not self.path.writes or self._opened:
+            return  # one process writes (under DDP rank 0): it alone holds the writer lease
+        # A notebook cell run again builds a new checkpointer for the same run while the old one
+        # (same process, its loop over) still holds the writer lease: hand it over.
+        for other in list(_ACTIVE):
+            if (other is not self and other._opened and not other._in_loop
+                    and other.store.url == self.store.url):
+                other.close()
+        self.sink.open_for_writing(takeover=self.takeover)
+        record_run(self.url, _session.platforms.run_index_dir)  # found after a reset (RUNS.json)
+        self._opened = True
 
-    def _committed(self, result) -> None:
+    def _committed(self, result: WriteResult) -> None:
         self.trigger.record_save(result.seconds)
 
     def check_storable(self, capture: Capture) -> None:
@@ -287,7 +348,7 @@ class Checkpointer:
 
     def build_tree(self, capture: Capture) -> Dict[str, Any]:
         tree = {"keepalive": {"format": STATE_FORMAT, "framework": self.framework},
-                "counters": dict(self.counters), "extras": dict(self.extras)}
+                "counters": self.state.counters.as_dict(), "extras": dict(self.extras)}
         tree.update(capture())
         tree["rng"] = rng.capture()
         return tree
@@ -298,347 +359,163 @@ class Checkpointer:
         self._open()
         if reason != "by hand":
             self._refresh_context()
-        tree = self.build_tree(capture)
-        if self.sharded:  # FSDP2 (issue 16): sharded state through DCP, same manifest-last commit
-            self._save_sharded(tree, reason=reason, finished=finished, sync=sync)
-            return
-        if self.group.active:
-            # DDP (issue 16): a collective; rank 0 writes one checkpoint holding every rank's part
-            parts = self.group.gather(_distributed.rank_part(tree))
-            if parts is None:  # not rank 0: its part is on its way into rank 0's checkpoint
-                self._last_saved_step = self.counters["step"]
-                self.trigger.saved()
-                if sync:
-                    self.group.barrier()  # no rank goes on (or exits) before the write is durable
-                return
-            tree = _distributed.combine(tree, parts)
-        meta = dict(self.metadata, reason=reason, finished=finished, counters=dict(self.counters))
-        if self.group.active:
-            meta["world_size"] = self.group.world_size
-        self.store.lease.progress = dict(self.counters)
-        log.info("saving step %d (epoch %d): %s", self.counters["step"], self.counters["epoch"], reason)
-        self.writer.submit(tree, step=self.counters["step"], epoch=self.counters["epoch"],
-                           metadata=meta, sync=sync)
-        if sync and self.group.active:
-            self.group.barrier()  # DDP (issue 16): the other ranks wait in save() for this
-        self._last_saved_step = self.counters["step"]
+        c = self.state.counters
+        meta = dict(self.metadata, reason=reason, finished=finished, counters=c.as_dict())
+        self.store.lease.progress = c.as_dict()
+        log.info("saving step %d (epoch %d): %s", c.step, c.epoch, reason)
+        self.path.submit(self.build_tree(capture), step=c.step, epoch=c.epoch, metadata=meta, sync=sync)
+        self._feed(bd.Saved())
         self.trigger.saved()
-
-    def _save_sharded(self, tree: Dict[str, Any], *, reason: str, finished: bool, sync: bool) -> None:
-        """FSDP2 (issue 16): one global checkpoint whose sharded objects go through
-        ``torch.distributed.checkpoint`` (:mod:`keepalive.dcp`). A collective, in two halves.
-
-        The training waits only for the first: every rank copies its shards to host memory (into
-        buffers kept from the previous save) and freezes its own RNG / data position (rank 0: the
-        whole unsharded rest of the state). The second runs in a thread, over a process group of its
-        own: rank 0 names the folder; every rank writes its shards into it (``dcp.save``, durable,
-        checksummed while written); every rank's part and its manifest entries reach rank 0, which
-        writes the rest of the state and the manifest, LAST. A rank whose write failed sends a line
-        saying why instead: rank 0 then writes no manifest and says it, once for all ranks.
-        The folder is in the run folder when checkpoints go to it directly (a local path), else in
-        this machine's spool, whose uploader sends the committed checkpoint on (one machine).
-        ``sync`` (or ``background=False``): returns after the commit."""
-        from . import dcp as _dcp  # layer 2; imports torch, as the adapter that set self.sharded did
-        from .state import frozen_copy
-
-        group, sharded = self.group, self.sharded
-        self._sharded_wait()  # one save in flight: the previous one is committed first
-        self.writer.wait()  # and an earlier (unsharded) write
-        step, epoch = self.counters["step"], self.counters["epoch"]
-        tree[_dcp.DCP_KEY] = sharded.describe()
-        own = frozen_copy(_distributed.rank_part(tree))
-        rest = frozen_copy(tree) if group.is_main else None
-        meta = dict(self.metadata, reason=reason, finished=finished, counters=dict(self.counters),
-                    world_size=group.world_size, sharded="dcp")
-        if group.is_main:
-            self.store.lease.progress = dict(self.counters)
-        log.info("saving step %d (epoch %d) with DCP shards: %s", step, epoch, reason)
-        staged = sharded.stage()  # the stall: this rank's shards in host memory
-
-        def commit() -> None:
-            try:
-                commit_there: Any = None
-                folder: Dict[str, str] = {}
-                failure: Optional[BaseException] = None
-                if group.is_main:  # the run folder (local) or this machine's spool: every rank sees it
-                    try:
-                        target, commit_there = self.sink.sharded_target()
-                        name = target.new_name(step)
-                        folder = {"path": target.backend.join(target.path, name), "name": name}
-                    except Exception as exc:  # noqa: BLE001 - the other ranks wait for the folder
-                        folder = {"error": f"{type(exc).__name__}: {exc}"}
-                        failure = exc
-                folder = sharded.first_rank_value(folder)
-                if "error" in folder:  # said by rank 0
-                    if failure is not None:
-                        raise failure
-                    return
-                try:
-                    written: Any = sharded.write(staged, folder["path"])
-                except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is one
-                    written = _dcp.describe_failure(exc)  # a line for rank 0, which then commits nothing
-                parts = sharded.gather((own, written))
-                if parts is None:  # not rank 0: a failure is said there, once, for every rank
-                    return
-                failed = sorted({w for _, w in parts if isinstance(w, str)})
-                if failed:
-                    raise _dcp.ShardWriteError(f"{'; '.join(failed)}; no manifest written for step {step}")
-                assert rest is not None  # rank 0 froze it
-                full = _distributed.combine(rest, [p for p, _ in parts]) if group.active else rest
-                files = self.writer.snapshot.take(full)
-                result = commit_there(files, step=step, epoch=epoch, metadata=meta, name=folder["name"],
-                                      written=[entry for _, w in parts for entry in w])
-                self.writer.last_result = result
-                for callback in self.writer.on_commit:
-                    callback(result)
-            except BaseException as exc:  # noqa: BLE001 - said by _sharded_wait
-                self._sharded_error = exc
-
-        if sync or not self.writer.background:
-            commit()
-            self._sharded_wait()
-            group.barrier()  # no rank goes on (or exits) before the manifest is written
-        else:
-            self._sharded_thread = threading.Thread(target=commit, name="keepalive-dcp-commit")
-            self._sharded_thread.start()
-        self._last_saved_step = step
-        self.trigger.saved()
-
-    def _sharded_wait(self) -> None:
-        """FSDP2 (issue 16): wait for the sharded save in flight (shards and manifest); say a failure."""
-        thread, self._sharded_thread = self._sharded_thread, None
-        if thread is not None:
-            thread.join()
-        error, self._sharded_error = self._sharded_error, None
-        if error is not None:
-            self.warn(f"sharded checkpoint write to {self.url} failed ({type(error).__name__}: {error}); "
-                      "the previous checkpoint stays the newest, training goes on")
 
     def flush(self, timeout: Optional[float] = None) -> None:
         """Wait for the in-flight write (bounded by ``timeout`` seconds when given), then for the
         spooled checkpoints' uploads (bounded by ``timeout`` or ``flush_timeout``)."""
-        if self.sharded:
-            self._sharded_wait()  # FSDP2 (issue 16): the sharded save in flight
+        if self._path is not None:
+            self._path.wait(timeout)
         self.writer.wait(timeout)
         self.sink.flush(timeout, end_of_run=self.finished or self.stopped)
 
     # ------------------------------------------------------------------------------ lifecycle
-    # An adapter calls these at its framework's boundaries; they own the counter arithmetic, so
-    # every adapter's counters mean the same thing: ``epoch`` = epochs completed, ``batch`` = batches
-    # done in the running epoch, ``step`` = optimizer steps, ``samples`` = samples seen.
+    # An adapter calls these at its framework's boundaries. Counters mean the same for every
+    # adapter: ``epoch`` = epochs completed, ``batch`` = batches done in the running epoch,
+    # ``step`` = optimizer steps, ``samples`` = samples seen.
     def new_fit(self, keep_counters: bool = False) -> None:
         """A new training call with the same checkpointer (Keras' ``fit`` run again): counters and
         end states start over; the next :meth:`load` finds where the run stands. ``keep_counters``:
         a further stage of the same run (a second ``fit`` after the first completed): only the end
         states reset, the counters go on (checkpoints stay ordered by step)."""
-        self.finished = self.stopped = False
-        self.stop_reason = None
+        self._feed(bd.NewFit(keep_counters))
         self.trigger.deadline_hit = False
-        if keep_counters:
-            self.counters["batch"] = 0
-            return
-        for k in self.counters:
-            self.counters[k] = 0
 
     def start_epoch(self) -> None:
         """An epoch begins (for the trigger's epoch timing and the deadline prediction)."""
         self.trigger.start_epoch()
 
-    def advance(self, capture: Capture, *, steps: int = 1, batch: Optional[int] = None,
+    def advance(self, capture: Capture, *, steps: Optional[int] = None, batch: Optional[int] = None,
                 samples: int = 0, can_save: bool = True, pending: bool = False,
                 requested: bool = False) -> Decision:
-        """After a batch in which ``steps`` optimizer steps ran: count them (``batch``: the batch
-        index reached within the epoch, when the adapter knows it absolutely; else the batch counter
-        moves by ``steps``), then act at this step boundary (see :meth:`step_boundary`).
-        ``pending``: gradients are being accumulated (no save here; what comes due waits for the next
-        boundary without them). ``requested``: the user asked for a save during this batch."""
-        c = self.counters
-        c["batch"] = c["batch"] + steps if batch is None else int(batch)
-        c["step"] += steps
-        c["samples"] += int(samples)
-        if requested:
-            self._deferred_save = True
-            self._deferred_reason = "by hand"
-        return self.step_boundary(capture, can_save=can_save, steps=steps, pending=pending)
+        """After a training batch: count it, then act as due. ``steps``: optimizer steps in it when
+        the framework counts them (default: the steps :meth:`watch` saw since the last boundary, or
+        one where no optimizer is watched);
+        ``batch``: the batch index reached in the epoch, when known; ``can_save=False`` where the
+        loop cannot be resumed inside an epoch; ``pending``: gradients are being accumulated;
+        ``requested``: the user asked for a save during this batch. Nothing is saved where it cannot
+        be: what came due waits for the next boundary where it can."""
+        self._before_boundary(capture)
+        if steps is None:  # one step a batch where no optimizer is watched (the framework steps)
+            steps = self.state.counted_steps if self._watched else 1
+        n = int(steps)
+        consistent = can_save and not pending
+        due = _due(self.trigger.after_step(n, consistent=consistent))
+        decision = self._feed(bd.BatchEnd(steps=n, batch=batch, samples=int(samples), positionable=can_save,
+                                          grads_pending=pending, requested=requested, due=due))
+        if consistent:
+            decision = self._agree(decision)
+        return self._carry_out(decision, capture)
 
     def end_epoch(self, capture: Capture, *, last: bool = False, epoch: Optional[int] = None,
-                  requested: bool = False) -> Decision:
+                  requested: bool = False, count: bool = True) -> Decision:
         """An epoch ended (``epoch``: the number of epochs now complete, when the framework says):
-        count it, then save / stop as due (``last``: the training's end, always saved;
-        ``requested``: the user asked for a save after this epoch's batches)."""
-        self.counters["epoch"] = self.counters["epoch"] + 1 if epoch is None else int(epoch)
-        self.counters["batch"] = 0
-        if requested:
-            self._deferred_save = True
-            self._deferred_reason = "by hand"
-        return self.epoch_boundary(capture, last=last)
+        count it, then save / stop as due (``last``: the training's end, always saved; ``requested``:
+        the user asked for a save after this epoch's batches; ``count=False``: the training ended
+        without an epoch end, e.g. stopped by another callback)."""
+        self._before_boundary(capture)
+        steps = self.state.counted_steps
+        due = _due(self.trigger.after_step(steps)) if steps else bd.Due()
+        due = _merge(due, _due(self.trigger.after_epoch()))
+        decision = self._feed(bd.EpochEnd(epoch=epoch, last=last, requested=requested, count=count, due=due))
+        if not last:
+            decision = self._agree(decision)
+        if self.training_progress is not None:
+            self.training_progress.epoch_end(last)
+        return self._carry_out(decision, capture)
+
+    def epoch_boundary(self, capture: Capture, *, last: bool = False) -> Decision:
+        """The training's end where no epoch ended (a fit stopped by another callback)."""
+        return self.end_epoch(capture, last=last, count=False)
 
     def count_epoch(self) -> None:
         """An epoch ended whose boundary is acted on later (fastai saves a fit's last epoch in
         :meth:`end_stage`, after the other callbacks' end of fit): count it now, nothing else."""
-        self.counters["epoch"] += 1
-        self.counters["batch"] = 0
+        self._feed(bd.EpochCounted())
 
     def already_complete(self, total: Optional[int] = None, detail: str = "",
                          message: Optional[str] = None) -> None:
         """The checkpoint is at (or past) the end of the training asked for: say so (even with
         ``quiet=True``: a training call that trains nothing must say why), mark finished."""
         of = f" of {total}" if total else ""
-        report.say(message or f"run '{self.store.run}' already completed {self.counters['epoch']} "
+        report.say(message or f"run '{self.store.run}' already completed {self.state.counters.epoch} "
                    f"epoch(s){of}; nothing to do{detail}")
-        self.finished = True
-
-    # ----------------------------------------------------------------------------- boundaries
-    def step_boundary(self, capture: Capture, *, can_save: bool = True, steps: int = 1,
-                      pending: bool = False) -> Decision:
-        """Call after every optimizer step, with the counters already advanced.
-
-        ``can_save=False`` where the adapter cannot resume inside an epoch: then no checkpoint is
-        written here (a pending interrupt takes effect without saving; the last epoch-end checkpoint
-        stays the newest). ``steps``: optimizer steps since the previous boundary, where one
-        boundary covers several (Keras ``steps_per_execution``); ``every=N`` counts steps.
-        """
-        self.store.lease.progress = dict(self.counters)
-        _session.note_activity()  # a running training is not idle
-        self._reserve_snapshot(capture)
-        decision = self.trigger.after_step(steps, consistent=can_save and not pending)
-        if can_save and not pending and self.group.active:
-            decision = self._agree(decision)  # DDP (issue 16): one small collective per boundary
-        if not can_save or pending:
-            # Nothing can be saved here (the loop cannot resume inside an epoch, or gradients are
-            # being accumulated): what came due (a scheduled save, a deadline stop, an interrupt)
-            # is done at the next boundary where it can be, instead of being lost.
-            if decision.save and not self._deferred_save:
-                self._deferred_save, self._deferred_reason = True, decision.reason
-            if decision.stop:
-                self._deferred_stop = decision.reason
-            if not can_save and self._pending_signal is not None:
-                signum, self._pending_signal = self._pending_signal, None
-                self.uninstall_signal_handlers()
-                self.warn(f"{signal.Signals(signum).name}: this loop cannot be saved inside an epoch "
-                          f"({self.mid_epoch_obstacle or 'see the earlier warning'}); stopping without a "
-                          f"new checkpoint: a restart continues from the last one (epoch "
-                          f"{self.counters['epoch']} begins again)")
-                self._raise_for(signum)
-            return Decision()
-        if self._deferred_save or self._deferred_stop:
-            decision.save = True
-            decision.reason = decision.reason or self._deferred_reason or "a save came due"
-            if self._deferred_stop:
-                decision.stop, decision.reason = True, self._deferred_stop
-            self._deferred_save, self._deferred_stop, self._deferred_reason = False, None, None
-        return self._act(decision, capture, at_epoch_end=False)
-
-    def _agree(self, decision: Decision) -> Decision:
-        """DDP (issue 16): every rank's save / stop / pending signal combined by one all_reduce, so
-        all ranks save and stop at the same boundary (:meth:`keepalive.distributed.ProcessGroup.agree`)."""
-        agreed = self.group.agree(decision.save or self._deferred_save,
-                                  decision.stop or self._deferred_stop is not None, self._pending_signal)
-        if agreed.save and not (decision.save or self._deferred_save):
-            decision.save, decision.reason = True, decision.reason or "a save came due on another rank"
-        if agreed.stop and not (decision.stop or self._deferred_stop):
-            decision.stop, decision.reason = True, "another rank stops before the session ends"
-        if agreed.signal is not None and self._pending_signal is None:
-            self._pending_signal = agreed.signal  # a signal that reached another rank acts here too
-        return decision
-
-    @staticmethod
-    def _raise_for(signum: int) -> None:
-        if signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        raise SystemExit(128 + signum)
-
-    def _reserve_snapshot(self, capture: Capture) -> None:
-        """At the first boundary: prepare the host buffer of the first save in the background."""
-        if not self._reserved:
-            self._reserved = True
-            if not self.group.is_main:
-                return  # DDP (issue 16): only rank 0 writes, only it needs the host buffer
-            try:
-                self.writer.snapshot.reserve(self.build_tree(capture))
-            except Exception as exc:  # noqa: BLE001 - an optimisation only; the save will say more
-                log.debug("could not reserve the snapshot buffer: %s", exc)
-
-    def epoch_boundary(self, capture: Capture, *, last: bool = False) -> Decision:
-        """Call after every epoch, with the counters already pointing at the next epoch."""
-        self._reserve_snapshot(capture)
-        decision = self.trigger.after_epoch()
-        if not last and self.group.active:
-            decision = self._agree(decision)  # DDP (issue 16)
-        if self.training_progress is not None:
-            self.training_progress.epoch_end(last)
-        if self._deferred_save:  # a step/time save came due where none was possible: save here
-            self._deferred_save = False
-            decision.save = True
-            decision.reason = (decision.reason or self._deferred_reason
-                               or "save due during an epoch that cannot be resumed mid-way")
-            self._deferred_reason = None
-        if self._deferred_stop and not last:
-            decision.save, decision.stop, decision.reason = True, True, self._deferred_stop
-            self._deferred_stop = None
-        if last:
-            self.finished = True
-            self._save_if_new(capture, "end of training", sync=True, finished=True)
-            if self._pending_signal is not None:  # e.g. Ctrl-C during the last epoch's validation
-                signum, self._pending_signal = self._pending_signal, None
-                self.uninstall_signal_handlers()
-                self.say(f"{signal.Signals(signum).name}: training had finished; saved epoch "
-                         f"{self.counters['epoch']}, step {self.counters['step']} to {self.url}")
-                self._raise_for(signum)
-            return Decision()
-        return self._act(decision, capture, at_epoch_end=True)
+        self._feed(bd.Finish(True))
 
     def end_stage(self, capture: Capture, *, reason: str, epoch_end: bool = True,
-                     finished: bool = False) -> Decision:
+                  finished: bool = False) -> Decision:
         """A boundary after which training may go on in another stage (fastai's ``fine_tune`` runs two
         fits, each ending in the framework's own end-of-fit code): save now and wait until the write
         is durable, even when this step was saved before (code that ran since may have changed the
         state). With ``epoch_end`` the boundary also counts as the stage's last epoch end for the
         trigger (timing, deadline: the next stage may not fit in the session) and the progress bar.
-        Then acts on a deadline stop and on a pending interrupt as any boundary does. Unlike
-        ``epoch_boundary(last=True)`` the run is marked finished only when ``finished`` is given.
-        """
-        decision = Decision()
+        Then acts on a deadline stop and on a pending interrupt as any boundary does. The run is
+        marked finished only when ``finished`` is given."""
+        self._drain_signals()
+        due = bd.Due()
         if epoch_end:
-            decision = self.trigger.after_epoch()
+            due = bd.Due(stop=_due(self.trigger.after_epoch()).stop)
             if self.training_progress is not None:
                 self.training_progress.epoch_end(True)
-        self._deferred_save = False
-        self.save(capture, sync=True, reason=reason, finished=finished)
-        if finished:
-            self.finished = True
-        return self._act(Decision(stop=decision.stop, reason=decision.reason), capture, at_epoch_end=True)
+        return self._carry_out(self._feed(bd.StageEnd(reason=reason, finished=finished, due=due)), capture)
 
-    def _act(self, decision: Decision, capture: Capture, at_epoch_end: bool) -> Decision:
-        pending = self._pending_signal
-        if pending is not None:
-            name = signal.Signals(pending).name
-            self._save_if_new(capture, f"{name} received", sync=True)
-            self.say(f"{name}: saved epoch {self.counters['epoch']}, step {self.counters['step']} "
-                     f"to {self.url}")
-            self._pending_signal = None
-            self.uninstall_signal_handlers()
-            self._raise_for(pending)
-        if decision.save:
-            self._save_if_new(capture, decision.reason, sync=decision.stop)
-        if decision.stop:
-            self.stopped = True
-            self.stop_reason = decision.reason
-            self.say(f"stopping before the session ends: saved epoch {self.counters['epoch']}, step "
-                f"{self.counters['step']} to {self.url}. In a new session run the same code again "
-                "(or %resume_training) to continue from here.")
+    # ----------------------------------------------------------------------------- boundaries
+    def _before_boundary(self, capture: Capture) -> None:
+        self.store.lease.progress = self.state.counters.as_dict()
+        _session.note_activity()  # a running training is not idle
+        if not self._reserved:  # the first boundary prepares the first save's host buffer
+            self._reserved = True
+            try:
+                self.path.reserve(self.build_tree(capture))
+            except Exception as exc:  # noqa: BLE001 - an optimisation only; the save will say more
+                log.debug("could not reserve the snapshot buffer: %s", exc)
+        self._drain_signals()
+
+    def _drain_signals(self) -> None:
+        while self._signals:
+            self._feed(bd.Signal(self._signals.popleft()))
+
+    def _agree(self, decision: Decision) -> Decision:
+        """At a consistent boundary of several processes: every rank's decision combined."""
+        signal_here = decision.signal if decision.signal_note == "saved" else None
+        agreement = self.path.agree(decision.save, decision.stop, signal_here)
+        if agreement is None:
+            return decision
+        self.state, decision = bd.agreed(self.state, decision, save=agreement.save, stop=agreement.stop,
+                                         signal=agreement.signal)
         return decision
 
-    def _save_if_new(self, capture: Capture, reason: str, *, sync: bool, finished: bool = False) -> None:
-        if self._last_saved_step == self.counters["step"] and not finished:
-            if sync:
-                self.flush()
-            return
-        self.save(capture, sync=sync, reason=reason, finished=finished)
+    def _carry_out(self, decision: Decision, capture: Capture) -> Decision:
+        c = self.state.counters
+        if decision.signal is not None and decision.signal_note == "unsaveable":
+            self.uninstall_signal_handlers()
+            self.warn(f"{bd.signal_name(decision.signal)}: this loop cannot be saved inside an epoch "
+                      f"({self.mid_epoch_obstacle or 'see the earlier warning'}); stopping without a new "
+                      f"checkpoint: a restart continues from the last one (epoch {c.epoch} begins again)")
+            _raise_for(decision.signal)
+        if decision.save:
+            self.save(capture, sync=decision.sync, reason=decision.reason, finished=decision.finished)
+        elif decision.flush:
+            self.flush()
+        if decision.signal is not None:
+            self.uninstall_signal_handlers()
+            had = "training had finished; " if decision.signal_note == "finished" else ""
+            self.say(f"{bd.signal_name(decision.signal)}: {had}saved epoch {c.epoch}, step {c.step} to {self.url}")
+            _raise_for(decision.signal)
+        if decision.stop:
+            self.say(f"stopping before the session ends: saved epoch {c.epoch}, step {c.step} to {self.url}. "
+                     "In a new session run the same code again (or %resume_training) to continue from here.")
+        return decision
 
     # -------------------------------------------------------------------------------- signals
     def install_signal_handlers(self) -> None:
-        """Defer SIGINT and SIGTERM to the next step boundary, where the state is consistent."""
+        """Defer SIGINT and SIGTERM to the next consistent boundary."""
         if threading.current_thread() is not threading.main_thread() or self._old_handlers:
             return
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -657,18 +534,22 @@ class Checkpointer:
         self._old_handlers = {}
         self._in_loop = False
 
-    def _on_signal(self, signum, frame) -> None:
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        # The handler only queues (a deque append is atomic): it may run between any two bytecodes of
+        # the training thread, even in the middle of a state transition, which it must not race.
         if os.getpid() != self._pid:
             # a forked DataLoader worker inherited this handler: behave as it would without us
             # (torch's worker loop ends quietly on KeyboardInterrupt), and print nothing
-            self._raise_for(signum)
-        if self._pending_signal is not None:  # asked twice: the user insists, act now
-            self._pending_signal = None  # nothing stale left for the next training in this kernel
+            _raise_for(signum)
+        if self.pending_signal is not None:  # asked twice: the user insists, act now
+            self._signals.clear()
+            # raising aborts whatever the training thread was doing, a transition included
+            self.state = replace(self.state, pending=replace(self.state.pending, signal=None))
             self.uninstall_signal_handlers()
-            self._raise_for(signum)
-        self._pending_signal = signum
+            _raise_for(signum)
+        self._signals.append(signum)
         # shown even with quiet=True: the user pressed a key and must learn what happens now
-        report.say(f"{signal.Signals(signum).name} received; saving at the end of this step "
+        report.say(f"{bd.signal_name(signum)} received; saving at the end of this step "
                    "(send it again to stop at once)", stream="stderr")
 
     # ---------------------------------------------------------------------------------- close
@@ -678,12 +559,29 @@ class Checkpointer:
             self.flush()
         finally:
             self.uninstall_signal_handlers()
-            if self.training_progress is not None:
-                self.training_progress.close()
+            if self._progress:
+                self._progress.close()
             self.sink.close()
-            if self.sharded:
-                self.sharded.close()  # FSDP2 (issue 16): its staging buffers
+            if self._path is not None:
+                self._path.close()
             self._opened = False
+
+
+def _raise_for(signum: int) -> None:
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    raise SystemExit(128 + signum)
+
+
+def _due(decision: Any) -> bd.Due:
+    """The trigger's answer as the state machine takes it."""
+    if decision.stop:
+        return bd.Due(save=decision.reason, stop=decision.reason)
+    return bd.Due(save=decision.reason or "a save came due") if decision.save else bd.Due()
+
+
+def _merge(a: bd.Due, b: bd.Due) -> bd.Due:
+    return bd.Due(save=a.save or b.save, stop=a.stop or b.stop)
 
 
 @atexit.register
@@ -695,4 +593,4 @@ def _flush_all_at_exit() -> None:
             log.error("could not finish the last checkpoint of %s: %s", ckpt.url, exc)
 
 
-__all__ = ["Checkpointer", "active_checkpointers", "default_dir", "resolve_run_url"]
+__all__ = ["Checkpointer", "CounterView", "Decision", "active_checkpointers", "default_dir", "resolve_run_url"]

@@ -52,6 +52,10 @@ class AsyncWriter:
         #: and ``close()`` (the tqdm upload bar of :mod:`keepalive.progress`)
         self.progress_factory: Optional[Callable[[Mapping[str, Any], int], Any]] = None
 
+    def reserve(self, tree: Any) -> None:
+        """Prepare the host buffer of the first save (its size) ahead of it."""
+        self.snapshot.reserve(tree)
+
     @property
     def in_flight(self) -> bool:
         return self._thread is not None and self._thread.is_alive()

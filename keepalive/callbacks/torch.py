@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import os
 import sys
-import weakref
 import zlib
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
@@ -78,6 +77,18 @@ def _holds_dtensors(obj: Any) -> bool:
     return holds_dtensors(obj)
 
 
+class _Pass:
+    """One iteration over a loader in the running epoch (one ``ckpt.batches()`` loop)."""
+
+    def __init__(self, rl: ResumableLoader, key: str, start: int = 0):
+        self.rl, self.key = rl, key
+        self.position = start   # samples handed out in the epoch's order (a resumed pass: from start)
+        self.done = 0           # batches handed out (the true index in the epoch)
+        self.trains = False     # a registered optimizer stepped during its batches
+        self.out = False        # a batch is handed out and its end not reached yet
+        self.handed_at = -1     # the optimizer steps counted when the last batch was handed out
+
+
 class DriveCheckpoint(CheckpointAdapter):
     """Checkpoint a plain PyTorch loop to a local folder, a mounted Drive or any fsspec URL.
 
@@ -97,7 +108,6 @@ class DriveCheckpoint(CheckpointAdapter):
         self.objects: Dict[str, Any] = {}
         self._optimizers: List[torch.optim.Optimizer] = []
         self._hparams: Dict[str, List[Dict[str, Any]]] = {}  # optimizer settings as the code set them
-        self._steps_taken = 0   # optimizer steps seen by the step hooks
         self._seen_step = False  # a registered optimizer has stepped in this run (saved with it)
         self._pending_now = False  # the last training batch left gradients no step consumed
         for name, obj in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler),
@@ -106,19 +116,24 @@ class DriveCheckpoint(CheckpointAdapter):
                 self.register(name, obj)
         self.data_seed: Optional[int] = None
         self._loaders: Dict[str, ResumableLoader] = {}
-        self._main: Optional[ResumableLoader] = None  # the training data's loader
+        self._main: Optional[ResumableLoader] = None  # the training data's (first) loader
         self._datasets = DatasetKeys()
         self._train_key: Optional[str] = None  # which dataset is the training data (saved)
         self._unclaimed: Optional[Tuple[ResumableLoader, str, int, int]] = None
+        self._passes: List[_Pass] = []   # the running epoch's open passes (ckpt.batches() loops)
         self._resumed = False
         self._in_epochs = False
-        self._in_batch = False          # between a batch's yield and its boundary
-        self._batches_done = False      # the running epoch's batch loop has completed
+        self._batches_done = False      # the running epoch's training pass has completed
         self._save_requested = False    # ckpt.save() in the loop body: done at the next boundary
-        self._position = 0              # samples of the running epoch's order done
+        self._position = 0              # samples of the running epoch's order done (main loader)
         self._epoch_rng: Any = None     # the RNGs when the running epoch began (its prologue's)
         self._resume_rng: Any = None    # the saved RNGs, put back right before the first batch
         self._saved_data: Dict[str, Any] = {}
+
+    @property
+    def _in_batch(self) -> bool:
+        """Between a batch's yield and its boundary, in any open pass."""
+        return any(p.out for p in self._passes)
 
     # ---------------------------------------------------------------------------- registration
     def register(self, name: str, obj: Any) -> None:
@@ -155,14 +170,7 @@ class DriveCheckpoint(CheckpointAdapter):
         if isinstance(obj, torch.optim.Optimizer):
             self._optimizers.append(obj)
             self._hparams[name] = hyperparameters(obj)
-            me = weakref.ref(self)
-
-            def count(*_: Any) -> None:  # a weak reference: the hook must not keep us alive
-                ckpt = me()
-                if ckpt is not None:
-                    ckpt._steps_taken += 1
-
-            obj.register_step_post_hook(count)
+            self.core.watch(obj)  # steps are the optimizer's steps, counted by its step hook
 
     # ---------------------------------------------------------------------------------- resume
     def resume(self) -> bool:
@@ -253,88 +261,98 @@ class DriveCheckpoint(CheckpointAdapter):
         if (self._in_epochs and self._batches_done) or (self.core.finished and not self._in_epochs):
             # the epoch's training pass is over, or the whole training (e.g. a test-set evaluation
             # after a run that had completed): not training data
-            return (yield from self._pass(rl, key, promote=False))
-        if key == self._train_key or (self._train_key is None and not self._optimizers):
+            return (yield from self._run(_Pass(rl, key), promote=False))
+        streams = self._saved_data.get("streams") or {}
+        if key == self._train_key or key in streams or (self._train_key is None and not self._optimizers):
             return (yield from self._training(rl, key))
         # Not known to be the training data (yet): e.g. a validation loader, or the training loader
-        # before its first optimizer step. It becomes the training pass at that step.
-        return (yield from self._pass(rl, key, promote=True))
+        # before its first optimizer step. It becomes a training pass at that step.
+        return (yield from self._run(_Pass(rl, key), promote=True))
 
-    def _training(self, rl: ResumableLoader, key: str, done_before: int = 0,
-                  it: Optional[Iterator[Tuple[int, Any, int]]] = None) -> Iterator[Tuple[int, Any]]:
-        """The epoch's pass over the training data: counted, positioned, saved inside where it can
-        be. ``it`` / ``done_before``: a provisional pass that turned out to be it, taken over."""
-        core = self.core
-        self._train_key, self._main = key, rl
-        core.trigger.mid_epoch = rl.mid_epoch
-        core.mid_epoch_obstacle = rl.why_not or None
+    def _training(self, rl: ResumableLoader, key: str) -> Iterator[Tuple[int, Any]]:
+        """A pass over training data: counted, positioned, saved inside where it can be."""
         if not self._in_epochs:
             self._outside_epochs()
-        if it is None:
-            start = self._start_sample(rl)
-            if self._resume_rng is not None:
-                rng.restore(self._resume_rng)  # the state at the saved step, after the prologue
-                self._resume_rng = None
-            self._position = start
-            it = rl.iterate(core.counters["epoch"], start)
-        outer = self._in_batch
+        start = self._start_sample(rl, key)
+        if self._resume_rng is not None:
+            rng.restore(self._resume_rng)  # the state at the saved step, after the prologue
+            self._resume_rng = None
+        p = _Pass(rl, key, start=start)
+        self._promote(p)
+        return (yield from self._run(p, promote=False))
+
+    def _promote(self, p: "_Pass") -> None:
+        """``p`` is (now known to be) a pass over the training data."""
+        p.trains = True
+        if self._main is None or self._train_key is None or p.key == self._train_key:
+            self._train_key, self._main = p.key, p.rl
+            self._position = p.position
+        mid_epoch = all(q.rl.mid_epoch for q in self._passes + [p] if q.trains)
+        self.core.trigger.mid_epoch = mid_epoch
+        self.core.mid_epoch_obstacle = next((q.rl.why_not for q in self._passes + [p]
+                                             if q.trains and not q.rl.mid_epoch), None) or None
+
+    def _run(self, p: "_Pass", promote: bool) -> Iterator[Tuple[int, Any]]:
+        """Iterate one pass. A training pass counts its samples when a batch is handed out and acts
+        at its batch's end (the boundary); a pass not known to be training data replays whole: what
+        comes due while it runs waits for the training loop's next boundary. With ``promote``, a
+        registered optimizer's step during one of its batches makes it a training pass from there."""
+        core = self.core
+        self._passes.append(p)
+        completed = False
         try:
-            for done, batch, n in it:
-                steps_before = self._steps_taken
-                self._in_batch = True
+            for done, batch, n in p.rl.iterate(core.counters["epoch"], p.position):
+                p.done, p.position, p.out = done, p.position + n, True
+                p.handed_at = core.optimizer_steps
+                if p.trains:
+                    core.counters["samples"] += n
+                    if p.key == self._train_key:
+                        self._position = p.position
                 yield done - 1, batch
-                self._in_batch = outer
-                if self._batch_end(rl, done, n, steps_before).stop:
+                p.out = False
+                stepped = core.optimizer_steps > p.handed_at
+                if stepped and promote and not p.trains:
+                    self._promote(p)
+                    core.counters["samples"] += p.position  # its samples so far were training data
+                if p.trains:
+                    if self._boundary(p, stepped).stop:
+                        return
+                elif core.advance(self._capture, batch=core.counters["batch"], pending=True).stop:
                     return
+            completed = True
+        finally:
+            p.out = False
+            if p in self._passes:
+                self._passes.remove(p)
+        if not completed:
+            return
+        if p.trains:
             self._batches_done = True
             if not self._in_epochs:  # `for epoch in range(n)`: the pass is the epoch
                 requested, self._save_requested = self._save_requested, False
                 self._datasets.new_epoch()
-                core.end_epoch(self._capture, requested=requested)
-        finally:
-            self._in_batch = outer
-            if not self._in_epochs:
-                core.uninstall_signal_handlers()
+                try:
+                    core.end_epoch(self._capture, requested=requested)
+                finally:
+                    core.uninstall_signal_handlers()
+        elif promote and self._in_epochs and self._unclaimed is None and not self._batches_done:
+            self._unclaimed = (p.rl, p.key, p.position, p.done)  # the epoch's data if nothing steps
 
-    def _batch_end(self, rl: ResumableLoader, done: int, n: int, steps_before: int,
-                   samples_before: int = 0) -> Any:
-        self._position += n
-        stepped = self._steps_taken > steps_before
-        pending = self._pending_now = not stepped and gradients_pending(self._optimizers)
+    def _boundary(self, p: "_Pass", stepped: bool) -> Any:
+        """The end of a training batch: count the optimizer's steps and act as due. Saving is
+        consistent only when no gradient is pending and no other open training pass has handed out
+        a batch that no step has consumed yet (``zip`` of two loaders: the other one's next batch)."""
+        pending = not stepped and gradients_pending(self._optimizers)
+        self._pending_now = pending
+        if stepped:
+            self._seen_step = True
+        steps = None if self._seen_step else (0 if pending else 1)  # no registered optimizer steps
+        outstanding = any(q is not p and q.trains and q.out and q.handed_at == self.core.optimizer_steps
+                          for q in self._passes)
         requested, self._save_requested = self._save_requested, False
-        return self.core.advance(self._capture, steps=self._steps_of(stepped, pending), batch=done,
-                                 samples=n + samples_before, can_save=rl.mid_epoch, pending=pending,
-                                 requested=requested)
-
-    def _pass(self, rl: ResumableLoader, key: str, promote: bool) -> Iterator[Tuple[int, Any]]:
-        """A pass over data not known to be the training data: from its start, not counted, and what
-        comes due while it runs (a save, an interrupt) waits for the training loop's next boundary:
-        a resume replays it whole, as the code around it. With ``promote``, the first registered
-        optimizer step inside it makes it the epoch's training pass from there on."""
-        core = self.core
-        it = rl.iterate(core.counters["epoch"], 0)
-        outer, samples, done = self._in_batch, 0, 0
-        try:
-            for done, batch, n in it:
-                steps_before = self._steps_taken
-                self._in_batch = True
-                yield done - 1, batch
-                self._in_batch = outer
-                if promote and self._steps_taken > steps_before:
-                    self._position = samples
-                    if self._batch_end(rl, done, n, steps_before, samples_before=samples).stop:
-                        return
-                    self._train_key, self._main = key, rl
-                    return (yield from self._training(rl, key, it=it))
-                samples += n
-                stepped = self._steps_taken > steps_before
-                if core.advance(self._capture, steps=1 if stepped else 0, batch=core.counters["batch"],
-                                pending=True).stop:
-                    return
-            if promote and self._in_epochs and self._unclaimed is None:
-                self._unclaimed = (rl, key, samples, done)  # the epoch's data if nothing steps
-        finally:
-            self._in_batch = outer
+        mid_epoch = all(q.rl.mid_epoch for q in self._passes if q.trains)
+        return self.core.advance(self._capture, steps=steps, batch=p.done, can_save=mid_epoch,
+                                 pending=pending or outstanding, requested=requested)
 
     def _claim_unstepped_epoch(self) -> None:
         """At an epoch's end with no pass that stepped a registered optimizer (the loop steps another
@@ -352,15 +370,6 @@ class DriveCheckpoint(CheckpointAdapter):
                           samples=samples, can_save=rl.mid_epoch)
         self._batches_done = True
 
-    def _steps_of(self, stepped: bool, pending: bool) -> int:
-        """Optimizer steps this batch counts for: 1 if a registered optimizer stepped, 0 while
-        gradients are accumulated. Until a registered optimizer is seen stepping (none registered,
-        or the loop steps another one), a batch without pending gradients counts as one step."""
-        if stepped:
-            self._seen_step = True
-            return 1
-        return 0 if pending or self._seen_step else 1
-
     def _outside_epochs(self) -> None:
         """``ckpt.batches()`` in a plain ``for epoch in range(n)`` loop: each pass counts as an epoch,
         but after a resume the user's loop starts over from its first epoch."""
@@ -372,12 +381,15 @@ class DriveCheckpoint(CheckpointAdapter):
                 "so the run trains more epochs than asked. Write `for epoch in ckpt.epochs(n):` to skip "
                 "the finished ones.", key="outside-epochs")
 
-    def _start_sample(self, rl: ResumableLoader) -> int:
+    def _start_sample(self, rl: ResumableLoader, key: str) -> int:
         """Where the running epoch continues, as a sample offset in the epoch's order."""
         batch = self.core.counters["batch"]
         if not batch or not rl.mid_epoch:
             return 0
         saved = self._saved_data
+        streams = saved.get("streams") or {}
+        if key != self._train_key and key in streams:  # a further training loader of the epoch
+            return int(streams.pop(key))
         size, position = saved.get("batch_size"), saved.get("position")
         if saved.pop("resharded", None) and position is not None:
             # DDP (issue 16): another world size; the position was carried over by global sample
@@ -418,6 +430,9 @@ class DriveCheckpoint(CheckpointAdapter):
         if self.core.counters["batch"]:  # inside an epoch: where, and the epoch's starting RNGs
             data.update(position=self._position, epoch_rng=self._epoch_rng,
                         batch_size=self._current_batch_size())
+            others = {p.key: p.position for p in self._passes if p.trains and p.key != self._train_key}
+            if others:  # further training loaders of the epoch (zip of two): each its own position
+                data["streams"] = others
         elif self._pending_now:
             # an epoch ended inside a gradient accumulation (its last batches roll into the next
             # epoch's first step): the gradients are part of the state saved here

@@ -1,0 +1,260 @@
+"""How a checkpoint leaves the process: one of three save paths, chosen once when the run opens.
+
+* :class:`LocalSave` — one process: the state is copied to host memory and committed by the
+  :class:`~keepalive.writer.AsyncWriter` in the background.
+* :class:`GatheredSave` — DDP (replicated state on several ranks): every rank's own part (random
+  state, data position) is gathered to rank 0, which writes one checkpoint through its writer; the
+  other ranks only send.
+* :class:`ShardedSave` — FSDP2 (sharded state): the shards go through ``torch.distributed.checkpoint``
+  into the checkpoint's folder, the rest and the manifest (last) are written by rank 0
+  (:mod:`keepalive.dcp` has the DCP side).
+
+Each offers the same small interface (:class:`SavePath`): ``agree`` (every rank's save / stop /
+signal combined at a consistent boundary; None for one process), ``localize`` (this rank's own part
+of a loaded checkpoint), ``reserve``, ``submit``, ``wait``, ``close``; the core never branches on the
+distributed mode.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Tuple
+
+from . import distributed as _distributed
+from . import report
+from .state import HostSnapshot, frozen_copy
+from .store import WriteResult
+from .writer import AsyncWriter
+
+log = logging.getLogger("keepalive")
+
+#: what a run's newest valid checkpoint is when found: its info, its tree, the previous one's summary
+Found = Tuple[Any, Dict[str, Any], Optional[Dict[str, Any]]]
+
+
+class SavePath(Protocol):
+    """What the core asks of a save path."""
+
+    #: whether this process writes checkpoints (holds the writer lease, shows progress)
+    writes: bool
+
+    def agree(self, save: bool, stop: bool, signal: Optional[int]) -> Optional[_distributed.Agreement]: ...
+
+    def localize(self, found: Optional[Found], url: str, warn: Callable[[str], None]) -> Optional[Found]: ...
+
+    def reserve(self, tree: Dict[str, Any]) -> None: ...
+
+    def submit(self, tree: Dict[str, Any], *, step: int, epoch: int, metadata: Mapping[str, Any],
+               sync: bool) -> None: ...
+
+    def wait(self, timeout: Optional[float] = None) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class LocalSave:
+    """One process, one writer."""
+
+    writes = True
+
+    def __init__(self, writer: AsyncWriter):
+        self.writer = writer
+
+    def agree(self, save: bool, stop: bool, signal: Optional[int]) -> Optional[_distributed.Agreement]:
+        return None  # one process: nothing to agree on
+
+    def localize(self, found: Optional[Found], url: str, warn: Callable[[str], None]) -> Optional[Found]:
+        if found is None:
+            return None
+        info, tree, previous = found
+        if tree.get(_distributed.RANKS_KEY):  # a checkpoint of several ranks: take rank 0's part
+            tree, changed = _distributed.localize(tree, 0, 1)
+            if changed:
+                warn(changed)
+        return info, tree, previous
+
+    def reserve(self, tree: Dict[str, Any]) -> None:
+        self.writer.reserve(tree)
+
+    def submit(self, tree: Dict[str, Any], *, step: int, epoch: int, metadata: Mapping[str, Any],
+               sync: bool) -> None:
+        self.writer.submit(tree, step=step, epoch=epoch, metadata=metadata, sync=sync)
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        self.writer.wait(timeout)
+
+    def close(self) -> None:
+        pass
+
+
+class GatheredSave(LocalSave):
+    """DDP: rank 0 writes one checkpoint holding every rank's own part; all ranks agree at each
+    boundary (one small collective) so they save and stop together."""
+
+    def __init__(self, writer: AsyncWriter, group: _distributed.ProcessGroup):
+        super().__init__(writer)
+        self.group = group
+        self.writes = group.is_main
+
+    def agree(self, save: bool, stop: bool, signal: Optional[int]) -> Optional[_distributed.Agreement]:
+        return self.group.agree(save, stop, signal)  # one small collective per consistent boundary
+
+    def localize(self, found: Optional[Found], url: str, warn: Callable[[str], None]) -> Optional[Found]:
+        return localize(self.group, found, url, warn)
+
+    def reserve(self, tree: Dict[str, Any]) -> None:
+        if self.writes:  # only rank 0 writes, only it needs the host buffer
+            super().reserve(tree)
+
+    def submit(self, tree: Dict[str, Any], *, step: int, epoch: int, metadata: Mapping[str, Any],
+               sync: bool) -> None:
+        parts = self.group.gather(_distributed.rank_part(tree))  # a collective
+        if parts is not None:  # rank 0
+            meta = dict(metadata, world_size=self.group.world_size)
+            self.writer.submit(_distributed.combine(tree, parts), step=step, epoch=epoch, metadata=meta,
+                               sync=sync)
+        if sync:
+            self.group.barrier()  # no rank goes on (or exits) before the write is durable
+
+
+def localize(group: _distributed.ProcessGroup, found: Optional[Found], url: str,
+             warn: Callable[[str], None]) -> Optional[Found]:
+    """Check that every rank found the same checkpoint, then give this rank its own random state and
+    data position; a changed world size is warned about (by rank 0)."""
+    names = group.all_gather(found[0].name if found is not None else None)
+    if len(set(names)) != 1:
+        raise RuntimeError(f"the ranks found different newest checkpoints in {url} ({names}): every rank "
+                           "must see the same run folder (shared storage)")
+    if found is None:
+        return None
+    info, tree, previous = found
+    tree, changed = _distributed.localize(tree, group.rank, group.world_size)
+    if changed and group.is_main:  # not bit-exact any more: a warning, not news
+        warn(changed)
+    return info, tree, previous
+
+
+class ShardedSave:
+    """FSDP2: one global checkpoint whose sharded objects go through ``torch.distributed.checkpoint``.
+    A collective, in two halves.
+
+    The training waits only for the first: every rank copies its shards to host memory (into buffers
+    kept from the previous save) and freezes its own random state / data position (rank 0: the whole
+    unsharded rest of the state). The second runs in a thread, over a process group of its own: rank
+    0 names the folder; every rank writes its shards into it (``dcp.save``, durable, checksummed while
+    written); every rank's part and its manifest entries reach rank 0, which writes the rest of the
+    state and the manifest, LAST. A rank whose write failed sends a line saying why instead: rank 0
+    then writes no manifest and says it, once for all ranks. The folder is in the run folder when
+    checkpoints go to it directly (a local path), else in this machine's spool, whose uploader sends
+    the committed checkpoint on (one machine).
+    """
+
+    def __init__(self, sharded: Any, group: _distributed.ProcessGroup, spooled: Any,
+                 on_commit: List[Callable[[WriteResult], None]], background: bool, url: str):
+        self.sharded, self.group, self.spooled = sharded, group, spooled
+        self.on_commit, self.background, self.url = on_commit, background, url
+        self.writes = group.is_main
+        self.snapshot = HostSnapshot()
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+
+    def agree(self, save: bool, stop: bool, signal: Optional[int]) -> Optional[_distributed.Agreement]:
+        return self.group.agree(save, stop, signal) if self.group.active else None
+
+    def localize(self, found: Optional[Found], url: str, warn: Callable[[str], None]) -> Optional[Found]:
+        return localize(self.group, found, url, warn) if self.group.active else found
+
+    def reserve(self, tree: Dict[str, Any]) -> None:
+        pass  # DCP's stager keeps its own buffers
+
+    def submit(self, tree: Dict[str, Any], *, step: int, epoch: int, metadata: Mapping[str, Any],
+               sync: bool) -> None:
+        from . import dcp as _dcp  # imports torch's DCP, as the adapter that holds DTensors did
+
+        group, sharded = self.group, self.sharded
+        self.wait()  # one save in flight: the previous one is committed first
+        tree = dict(tree, **{_dcp.DCP_KEY: sharded.describe()})
+        own = frozen_copy(_distributed.rank_part(tree))
+        rest = frozen_copy(tree) if group.is_main else None
+        meta = dict(metadata, world_size=group.world_size, sharded="dcp")
+        staged = sharded.stage()  # the stall: this rank's shards in host memory
+
+        def commit() -> None:
+            try:
+                self._commit(staged, own, rest, step=step, epoch=epoch, metadata=meta)
+            except BaseException as exc:  # noqa: BLE001 - said by wait()
+                self._error = exc
+
+        if sync or not self.background:
+            commit()
+            self.wait()
+            group.barrier()  # no rank goes on (or exits) before the manifest is written
+        else:
+            self._thread = threading.Thread(target=commit, name="keepalive-dcp-commit")
+            self._thread.start()
+
+    def _commit(self, staged: Any, own: Any, rest: Any, *, step: int, epoch: int, metadata: Dict[str, Any]) -> None:
+        from . import dcp as _dcp
+
+        sharded = self.sharded
+        commit_there: Any = None
+        folder: Dict[str, str] = {}
+        failure: Optional[BaseException] = None
+        if self.group.is_main:  # the run folder (local) or this machine's spool: every rank sees it
+            try:
+                target, commit_there = self.spooled.sharded_target()
+                name = target.new_name(step)
+                folder = {"path": target.backend.join(target.path, name), "name": name}
+            except Exception as exc:  # noqa: BLE001 - the other ranks wait for the folder
+                folder = {"error": f"{type(exc).__name__}: {exc}"}
+                failure = exc
+        folder = sharded.first_rank_value(folder)
+        if "error" in folder:  # said by rank 0
+            if failure is not None:
+                raise failure
+            return
+        try:
+            written: Any = sharded.write(staged, folder["path"])
+        except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is one
+            written = _dcp.describe_failure(exc)  # a line for rank 0, which then commits nothing
+        parts = sharded.gather((own, written))
+        if parts is None:  # not rank 0: a failure is said there, once, for every rank
+            return
+        failed = sorted({w for _, w in parts if isinstance(w, str)})
+        if failed:
+            raise _dcp.ShardWriteError(f"{'; '.join(failed)}; no manifest written for step {step}")
+        full = _distributed.combine(rest, [p for p, _ in parts]) if self.group.active else rest
+        result = commit_there(self.snapshot.take(full), step=step, epoch=epoch, metadata=metadata,
+                              name=folder["name"], written=[entry for _, w in parts for entry in w])
+        for callback in self.on_commit:
+            callback(result)
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        """Wait for the sharded save in flight (shards and manifest); say a failure."""
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+            if thread.is_alive():
+                return
+            self._thread = None
+        error, self._error = self._error, None
+        if error is not None:
+            report.warn(f"sharded checkpoint write to {self.url} failed ({type(error).__name__}: {error}); "
+                        "the previous checkpoint stays the newest, training goes on")
+
+    def close(self) -> None:
+        self.sharded.close()  # its staging buffers and side process group
+
+
+def choose(writer: AsyncWriter, group: _distributed.ProcessGroup, sharded: Any, spooled: Any,
+           on_commit: List[Callable[[WriteResult], None]], url: str) -> SavePath:
+    """The save path of a run: sharded when objects hold sharded state, gathered under a process
+    group, else local."""
+    if sharded:
+        return ShardedSave(sharded, group, spooled, on_commit, writer.background, url)
+    if group.active:
+        return GatheredSave(writer, group)
+    return LocalSave(writer)
+
+
+__all__ = ["GatheredSave", "LocalSave", "SavePath", "ShardedSave", "choose", "localize"]
