@@ -14,7 +14,7 @@ to its destination by a background **uploader**. One concept per module:
 * :mod:`~keepalive.spool.uploader` -- :class:`Uploader`, one thread per spool and process: copies
   spooled checkpoints newest first, verifies what landed, applies the destination's retention, keeps
   the newest uploaded one as a local cache, retries with backoff for as long as the process lives.
-* :mod:`~keepalive.spool.front` -- :class:`SpooledStore`, what :class:`keepalive.core.Checkpointer`'s
+* :mod:`~keepalive.spool.spooled` -- :class:`SpooledStore`, what :class:`keepalive.core.Checkpointer`'s
   writer commits through: the destination directly, or the spool (remote URLs and Drive always;
   failing or slow local paths from then on).
 * :mod:`~keepalive.spool.mount` -- :class:`MountWatch` / :class:`MountVanished` (a destination whose
@@ -47,7 +47,6 @@ the end of a run ``google.colab.drive.flush_and_unmount()`` is called when asked
 """
 from __future__ import annotations
 
-from .front import OPEN_TIMEOUT, SpooledStore, resolve_mode
 from .local import (
     SPOOL_RECORD,
     UPLOADED,
@@ -59,6 +58,7 @@ from .local import (
     spool_root,
 )
 from .mount import DRIVE_ROOT, REMOUNT_HINT, MountVanished, MountWatch, is_drive_path
+from .spooled import OPEN_TIMEOUT, SpooledStore, resolve_mode
 from .sync import sync, sync_spool
 from .uploader import UPLOADERS, Uploader, UploaderRegistry
 
