@@ -244,7 +244,7 @@ class SpooledStore:
 
     def sharded_target(self) -> "tuple[CheckpointStore, Callable[..., WriteResult]]":
         """Where every rank writes the files of a sharded (FSDP2) checkpoint itself, and how rank 0
-        then commits it there (``commit(files, step=, epoch=, metadata=, name=, written=)``, issue 16):
+        then commits it there (``commit(files, step=, epoch=, metadata=, name=, written=)``):
         the destination when checkpoints go to it directly and it is a local folder (committed under
         the uploader's lock, as :meth:`commit` does); else this machine's spool, whose uploader then
         sends the checkpoint on, manifest last. Ranks on other machines do not see this machine's
