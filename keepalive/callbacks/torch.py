@@ -317,7 +317,8 @@ class DriveCheckpoint(CheckpointAdapter):
                 if p.trains:
                     if self._boundary(p, stepped).stop:
                         return
-                elif core.advance(self._capture, batch=core.counters["batch"], pending=True).stop:
+                elif core.advance(self._capture, steps=None if stepped else 0, batch=core.counters["batch"],
+                                  pending=True).stop:
                     return
             completed = True
         finally:

@@ -210,7 +210,12 @@ def accum() -> None:
         import keepalive.callbacks.torch as adapter
 
         adapter.gradients_pending = lambda optimizers: False  # the adapter's pending-gradient test
-        ckpt._steps_of = lambda stepped, pending: 1
+        advance = ckpt.core.advance  # every batch counts as one step, whatever the optimizer did
+
+        def advance_every_batch(capture, *, steps=None, **kw):
+            return advance(capture, steps=1 if steps is None else steps, **kw)
+
+        ckpt.core.advance = advance_every_batch
         assert not adapter.gradients_pending(ckpt._optimizers)  # the patch point exists
     acc, iters = args.accum, len(loader)
     for epoch in ckpt.epochs(args.epochs):
