@@ -13,6 +13,7 @@ arguments, or a ready :class:`CheckpointConfig` as ``config=``:
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
@@ -91,6 +92,27 @@ class CheckpointConfig:
         """Like :meth:`from_arguments`, for adapters that take no other keyword arguments."""
         cfg, rest = cls.from_arguments(path, config, options)
         if rest:
-            raise TypeError(f"{adapter}() got unexpected keyword argument(s) {sorted(rest)}; the "
-                            f"options are {', '.join(cls.field_names())}")
+            raise cls.unexpected(adapter, sorted(rest)[0], len(rest))
         return cfg
+
+    @classmethod
+    def closest(cls, name: str) -> Optional[str]:
+        """The option whose name is closest to a misspelled ``name``, if one is close.
+
+        >>> CheckpointConfig.closest("evry"), CheckpointConfig.closest("model")
+        ('every', None)
+        """
+        match = difflib.get_close_matches(name, cls.field_names(), n=1, cutoff=0.7)
+        return match[0] if match else None
+
+    @classmethod
+    def unexpected(cls, adapter: str, name: str, count: int = 1) -> TypeError:
+        """The error for an unknown keyword argument ``name``: the closest option, else all of them.
+
+        >>> print(CheckpointConfig.unexpected("DriveCheckpoint", "evry"))
+        DriveCheckpoint() got an unexpected keyword argument 'evry'; did you mean every=?
+        """
+        more = f" (and {count - 1} more)" if count > 1 else ""
+        close = cls.closest(name)
+        hint = f"did you mean {close}=?" if close else f"the options are {', '.join(cls.field_names())}"
+        return TypeError(f"{adapter}() got an unexpected keyword argument '{name}'{more}; {hint}")

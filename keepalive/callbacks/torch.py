@@ -155,6 +155,8 @@ class DriveCheckpoint(CheckpointAdapter):
             # DDP run resumes in a plain one (another world size) and the other way round
             obj = obj.module
         if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+            if CheckpointConfig.closest(name) is not None:  # a misspelled option, not an object
+                raise CheckpointConfig.unexpected("DriveCheckpoint", name)
             raise TypeError(f"{name}: a {type(obj).__name__} has no state_dict()/load_state_dict(); "
                             "put plain values in ckpt.extras instead")
         if _holds_dtensors(obj):
