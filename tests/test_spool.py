@@ -63,7 +63,7 @@ def files(step: int, size: int = 4096):
             "tensors.bin": bytes([step % 251]) * size}
 
 
-def front(url, spool="auto", keep=None, **kw):
+def spooled_store(url, spool="auto", keep=None, **kw):
     dest = CheckpointStore(url, keep=keep, retry=RetryPolicy(attempts=2, initial_delay=0.02, max_delay=0.05))
     return spool_mod.SpooledStore(dest, spool, quiet=True, **kw)
 
@@ -99,7 +99,7 @@ def verify_cli(path, capsys):
 # ------------------------------------------------------------------------------ the basic path
 def test_remote_destination_is_spooled_uploaded_and_verified(tmp_path, capsys):
     dest = tmp_path / "dest" / "run"
-    f = front(f"faulty://{dest}")
+    f = spooled_store(f"faulty://{dest}")
     assert f.spooling and f.reason == "destination"
     f.open_for_writing()
     infos = [f.commit(files(s), step=s).info for s in (1, 2, 3)]
@@ -120,7 +120,7 @@ def test_remote_destination_is_spooled_uploaded_and_verified(tmp_path, capsys):
 @pytest.mark.parametrize("fault", ["ENOTCONN", "EIO", "ENOSPC", "timeout"])
 def test_outage_then_recovery_loses_nothing(tmp_path, spool_env, capsys, fault):
     dest = tmp_path / "dest" / "run"
-    f = front(f"faulty://{dest}")
+    f = spooled_store(f"faulty://{dest}")
     f.open_for_writing()
     f.commit(files(1), step=1)
     assert f.flush(timeout=30)
@@ -153,7 +153,7 @@ def test_vanished_mount_reported_once_and_uploads_resume(tmp_path, caplog, capsy
     mnt = tmp_path / "mnt"
     (mnt / "runs").mkdir(parents=True)
     dest = mnt / "runs" / "r"
-    f = front(str(dest), spool=True)
+    f = spooled_store(str(dest), spool=True)
     f.open_for_writing()
     f.commit(files(1), step=1)
     assert f.flush(timeout=30) and steps_at(dest) == [1]
@@ -183,7 +183,7 @@ def test_enotconn_on_a_local_destination_is_a_vanished_mount(tmp_path, spool_env
     dest = root / "run"
     undo = faultyfs.patch_local_backend(str(root))
     try:
-        f = front(str(dest), spool=True)
+        f = spooled_store(str(dest), spool=True)
         f.open_for_writing()
         fail(spool_env, "ENOTCONN")
         f.commit(files(1), step=1)
@@ -204,7 +204,7 @@ def test_local_auto_writes_directly_spools_on_failure_then_goes_back(tmp_path, s
     dest = root / "run"
     undo = faultyfs.patch_local_backend(str(root))
     try:
-        f = front(str(dest))
+        f = spooled_store(str(dest))
         assert not f.spooling
         f.open_for_writing()
         f.commit(files(1), step=1)
@@ -231,7 +231,7 @@ def test_slow_direct_writes_switch_to_the_spool(tmp_path, spool_env):
     root = tmp_path / "nfs"
     undo = faultyfs.patch_local_backend(str(root))
     try:
-        f = front(str(root / "run"), slow_seconds=0.2)
+        f = spooled_store(str(root / "run"), slow_seconds=0.2)
         f.open_for_writing()
         faultyfs.write_control(str(spool_env), sleep_per_mb=200.0)  # 4 KiB: ~0.8 s a file
         f.commit(files(1), step=1)
@@ -246,7 +246,7 @@ def test_slow_direct_writes_switch_to_the_spool(tmp_path, spool_env):
 
 
 def test_never_mode_does_not_spool(tmp_path, spool_env):
-    f = front(f"faulty://{tmp_path / 'd' / 'run'}", spool=False)
+    f = spooled_store(f"faulty://{tmp_path / 'd' / 'run'}", spool=False)
     f.open_for_writing()
     fail(spool_env, "ENOSPC")
     with pytest.raises(OSError):
@@ -260,7 +260,7 @@ def test_corrupted_upload_is_never_committed_and_is_retried(tmp_path, spool_env,
     dest = root / "run"
     undo = faultyfs.patch_local_backend(str(root))
     try:
-        f = front(str(dest), spool=True)
+        f = spooled_store(str(dest), spool=True)
         f.open_for_writing()
         faultyfs.write_control(str(spool_env), corrupt_until=FAR)  # every byte written is flipped
         f.commit(files(1), step=1)
@@ -280,13 +280,13 @@ def test_run_locked_by_another_live_session_raises_at_open(tmp_path):
     dest.mkdir(parents=True)
     (dest / "LEASE.json").write_text(json.dumps({
         "owner": "someone-else", "host": "another-host", "pid": 1, "heartbeat": time.time(), "ttl": 600}))
-    f = front(f"faulty://{dest}")
+    f = spooled_store(f"faulty://{dest}")
     with pytest.raises(RunLockedError):
         f.open_for_writing()
 
 
 def test_bound_drops_only_superseded_never_the_newest(tmp_path, spool_env, capsys):
-    f = front(f"faulty://{tmp_path / 'd' / 'run'}", keep=2, max_bytes=6000)
+    f = spooled_store(f"faulty://{tmp_path / 'd' / 'run'}", keep=2, max_bytes=6000)
     f.open_for_writing()
     fail(spool_env, "EIO")
     for s in (1, 2, 3, 4):
@@ -294,7 +294,7 @@ def test_bound_drops_only_superseded_never_the_newest(tmp_path, spool_env, capsy
     # 4 checkpoints of ~4.1 kB against a 6 kB bound: 1 and 2 are superseded by keep=2 newer ones
     assert [c.step for c in f.pending()] == [3, 4]
     assert "over its bound" in capsys.readouterr().err  # 3 is kept although the bound is exceeded
-    g = front(f"faulty://{tmp_path / 'e' / 'run'}", keep=None, max_bytes=6000)
+    g = spooled_store(f"faulty://{tmp_path / 'e' / 'run'}", keep=None, max_bytes=6000)
     g.open_for_writing()
     for s in (1, 2, 3):
         g.commit(files(s), step=s)
@@ -303,7 +303,7 @@ def test_bound_drops_only_superseded_never_the_newest(tmp_path, spool_env, capsy
 
 def test_after_an_outage_superseded_checkpoints_are_not_uploaded(tmp_path, spool_env):
     dest = tmp_path / "d" / "run"
-    f = front(f"faulty://{dest}", keep=2)
+    f = spooled_store(f"faulty://{dest}", keep=2)
     f.open_for_writing()
     fail(spool_env, "EIO")
     for s in (1, 2, 3, 4, 5):
@@ -417,7 +417,7 @@ def test_flush_returns_only_once_the_spool_is_settled(tmp_path, spool_env, monke
     that starts in between returns only once both happened. The uploader is held in that window
     until the flush has had time to return too early."""
     dest = tmp_path / "d" / "run"
-    f = front(f"faulty://{dest}", keep=1)
+    f = spooled_store(f"faulty://{dest}", keep=1)
     f.open_for_writing()
     f.commit(files(5), step=5)
     assert f.flush(timeout=30) and [c.step for c in f.spool.cached()] == [5]
@@ -537,7 +537,7 @@ def test_drive_not_mounted_is_spooled_not_written_to_the_vm_disk(fake_colab, mon
     root, _ = fake_colab
     monkeypatch.setattr(mount_mod, "is_mount", lambda p: False)
     run = root / "MyDrive" / "runs" / "y"
-    f = front(str(run))
+    f = spooled_store(str(run))
     f.open_for_writing()
     f.commit(files(1), step=1)
     assert not f.flush(timeout=0.5)

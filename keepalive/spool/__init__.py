@@ -16,7 +16,8 @@ to its destination by a background **uploader**. One concept per module:
   the newest uploaded one as a local cache, retries with backoff for as long as the process lives.
 * :mod:`~keepalive.spool.spooled` -- :class:`SpooledStore`, what :class:`keepalive.core.Checkpointer`'s
   writer commits through: the destination directly, or the spool (remote URLs and Drive always;
-  failing or slow local paths from then on).
+  failing or slow local paths from then on). It uses the uploader; the uploader calls back into it
+  only through a listener (imports go one way).
 * :mod:`~keepalive.spool.mount` -- :class:`MountWatch` / :class:`MountVanished` (a destination whose
   mount vanished), Colab's Drive.
 * :mod:`~keepalive.spool.sync` -- :func:`sync`, ``keepalive sync``: upload what a crashed process left.

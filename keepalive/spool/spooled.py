@@ -1,20 +1,25 @@
-"""The store the checkpointer's writer commits through: the destination directly, or the local
-spool plus the background uploader.
+""":class:`SpooledStore`, the store the checkpointer's writer commits through: the destination
+directly, or the local spool plus the background uploader.
 
 With ``spool="auto"`` (default) fsspec URLs (``gs://``, ``s3://``, ...) and paths on the Drive mount
 (``/content/drive/...``) always go through the spool; other local paths are written directly and
 switch to the spool when a direct write fails with a storage error (until the destination works
 again and the spool is empty) or takes longer than ``KEEPALIVE_SPOOL_SLOW`` (10 s; then for the rest
 of the session). ``spool=True`` / ``False`` (or ``KEEPALIVE_SPOOL_MODE=always|never``) force it.
+
+Imports go one way: this module uses :mod:`~keepalive.spool.uploader` (through the uploader's
+methods), and the uploader calls back into a store only through the listener the store attaches.
 """
 from __future__ import annotations
 
 import errno
+import itertools
 import logging
 import os
 import shutil
+import threading
 import time
-from typing import Any, Callable, List, Mapping, Optional, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Union
 
 from .. import report, settings
 from ..errors import LeaseLostError, RunLockedError
@@ -39,6 +44,30 @@ _IN_PROCESS = {"memory"}  # fsspec protocols that are neither remote nor slow: w
 _CONFIG_ERRNOS = {errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EROFS, errno.EISDIR}
 
 __all__ = ["SpooledStore", "resolve_mode", "OPEN_TIMEOUT"]
+
+
+class _Generations:
+    """Which spooled store is the newest for each spool folder in this process: a notebook cell run
+    again builds a new one for the same run while the old one's uploads go on, and only the newest
+    waits for uploads when it is flushed."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._newest: Dict[str, int] = {}
+        self._count = itertools.count(1)
+
+    def new(self, folder: str) -> int:
+        with self._lock:
+            generation = next(self._count)
+            self._newest[folder] = generation
+            return generation
+
+    def is_newest(self, folder: str, generation: int) -> bool:
+        with self._lock:
+            return self._newest.get(folder) == generation
+
+
+_GENERATIONS = _Generations()
 
 
 def resolve_mode(spool: Union[str, bool, None] = "auto") -> str:
@@ -107,7 +136,8 @@ class SpooledStore:
                 dest.retry = RetryPolicy(attempts=3, initial_delay=0.2, max_delay=1.0)
         elif self.mode == "auto" and os.path.isdir(self.folder) and self._spool().has_pending():
             self.reason = "failure"  # left over from an earlier session: upload those first
-        self._generation = UPLOADERS.new_front(self.folder)
+        self._generation = _GENERATIONS.new(self.folder)
+        self._listener = self._uploaded  # one object: the uploader's registry finds it again on detach
         self._bound_warned = False
         self._stuck_at: Optional[int] = None
         self._end_done = False
@@ -141,11 +171,12 @@ class SpooledStore:
 
     def _attach(self) -> Uploader:
         up = self.uploader
-        if up is not None and up.alive and not up.exited and up.fatal is None:
+        if up is not None and up.usable:
             return up
-        self.uploader = UPLOADERS.attach(self, lambda: Uploader(
-            Spool(self.folder, self.dest.url, self.dest.run), self.dest, takeover=self.takeover,
-            bars=not self.quiet, mount=self.mount, quiet=self.quiet))
+        self.uploader = UPLOADERS.attach(
+            self.folder, self.dest, self.takeover, self._listener,
+            lambda: Uploader(Spool(self.folder, self.dest.url, self.dest.run), self.dest, takeover=self.takeover,
+                             bars=not self.quiet, mount=self.mount, quiet=self.quiet))
         return self.uploader
 
     def _open_spool(self) -> Spool:
@@ -188,9 +219,7 @@ class SpooledStore:
                 self._switch(exc, "opening the run")
         self._open_spool()
         up = self._attach()
-        up.want_open()
-        if up.failing is None:
-            up.opened.wait(OPEN_TIMEOUT)
+        up.open_destination(OPEN_TIMEOUT)
         if isinstance(up.fatal, RunLockedError):
             raise up.fatal
 
@@ -201,7 +230,7 @@ class SpooledStore:
         if up is not None and up.fatal is not None:
             # the run belongs to another session now: stop writing to it (the writer re-raises this)
             raise up.fatal if isinstance(up.fatal, LeaseLostError) else LeaseLostError(str(up.fatal))
-        if self.reason == "failure" and up is not None and up.failing is None and up.last_ok and up.settled():
+        if self.reason == "failure" and up is not None and up.caught_up():
             self.reason = None
             self.dest.forget_sequence()  # count on from what was uploaded meanwhile
             report.warn(f"writing checkpoints directly to {self.url} again", quiet=self.quiet)
@@ -235,10 +264,13 @@ class SpooledStore:
             # The spool's own disk failed (full?): the destination directly is the last resort.
             report.warn(f"spooling step {step} to {spool.url} failed ({describe_error(exc)}); writing it "
                         f"to {self.url} directly", quiet=self.quiet)
-            with up.lock:
+
+            def commit_directly() -> WriteResult:
                 if not self.dest.lease.held:
                     self.dest.open_for_writing(takeover=self.takeover)
                 return self.dest.commit(files, step=step, epoch=epoch, metadata=metadata, progress=progress)
+
+            return up.exclusive(commit_directly)
         self._hand_to_uploader(spool, up)
         return result
 
@@ -265,6 +297,7 @@ class SpooledStore:
         spool, up = self._spool_and_uploader()
 
         def commit_spooled(files: Mapping[str, Any], **kwargs: Any) -> WriteResult:
+            self._number_on(spool, up)  # the uploader may have opened the destination meanwhile
             result = spool.commit(files, **kwargs)
             self._hand_to_uploader(spool, up)
             return result
@@ -275,19 +308,24 @@ class SpooledStore:
         """Commit to the destination itself, under the uploader's lock when one runs (it writes there)."""
         if up is None:
             return self.dest.commit(files, **kwargs)
-        with up.lock:
-            return self.dest.commit(files, **kwargs)
+        return up.exclusive(lambda: self.dest.commit(files, **kwargs))
 
     def _spool_and_uploader(self) -> "tuple[Spool, Uploader]":
         """This machine's spool and its uploader, the spool numbering on from what was uploaded."""
         spool = self._open_spool()
         up = self._attach()
-        spool.seq_floor = max(spool.seq_floor, up.spool.seq_floor)
+        self._number_on(spool, up)
         return spool, up
+
+    @staticmethod
+    def _number_on(spool: Spool, up: Uploader) -> None:
+        """The spool's next manifest continues the numbering the uploader knows of (the destination's
+        newest, what other stores of this run spooled)."""
+        spool.seq_floor = max(spool.seq_floor, up.seq_floor)
 
     def _hand_to_uploader(self, spool: Spool, up: Uploader) -> None:
         """After a commit into the spool: the uploader learns of it, the spool stays within its bound."""
-        up.spool.seq_floor = max(up.spool.seq_floor, spool.seq_floor)
+        up.raise_seq_floor(spool.seq_floor)
         up.notify()
         self._enforce_bound(up)
 
@@ -308,13 +346,11 @@ class SpooledStore:
                         f"because none is superseded by keep={self.dest.keep} newer ones. Free disk space "
                         f"or fix the destination {self.url}.", quiet=self.quiet)
 
-    def on_uploaded(self, info: CheckpointInfo, seconds: float) -> None:
-        """The uploader copied ``info`` to the destination in ``seconds`` (it is durable there)."""
+    def _uploaded(self, info: CheckpointInfo, seconds: float) -> None:
+        """The uploader's listener (called on its thread, which logs what this raises): it copied
+        ``info`` to the destination in ``seconds``, so it is durable there."""
         if self.on_durable is not None:
-            try:
-                self.on_durable(seconds)
-            except Exception as exc:  # noqa: BLE001
-                log.debug("on_durable failed: %s", exc)
+            self.on_durable(seconds)
 
     # --------------------------------------------------------------------------------- flush
     def pending(self) -> List[CheckpointInfo]:
@@ -334,8 +370,8 @@ class SpooledStore:
         Drive destination also sync (and at the end of a run flush Drive when asked). True when
         nothing is left to do."""
         ok = True
-        if not UPLOADERS.is_newest_front(self.folder, self._generation):
-            return True  # replaced by a newer front for this run: its uploads go on there
+        if not _GENERATIONS.is_newest(self.folder, self._generation):
+            return True  # replaced by a newer store for this run: its uploads go on there
         # Not only "nothing pending": the last upload is marked done before the older local copy it
         # supersedes is evicted and before the destination's retention runs.
         if self.pending() or (self.uploader is not None and not self.uploader.settled()):
@@ -421,7 +457,7 @@ class SpooledStore:
         if up is None:
             self.dest.close()
             return
-        UPLOADERS.detach(self, up)
+        UPLOADERS.detach(up, self._listener)
         self.uploader = None
 
     # -------------------------------------------------------------------------------- resume

@@ -74,7 +74,7 @@ def sync_spool(folder: str, record: Mapping[str, Any], *, timeout: Optional[floa
     up = Uploader(spool, dest, bars=False, progress=progress)
     up.start()
     try:
-        up.want_open()
+        up.open_destination()
         up.wait_settled(timeout)
     finally:
         up.stop(timeout=10.0)

@@ -1,7 +1,7 @@
 """The background uploader: copies a spool's checkpoints to their destination, newest first.
 
-One :class:`Uploader` thread per spool folder and process (:data:`UPLOADERS`; the fronts of a
-notebook cell run again share it). Each spooled checkpoint is copied data files first and
+One :class:`Uploader` thread per spool folder and process (:data:`UPLOADERS`; the spooled stores of
+a notebook cell run again share it). Each spooled checkpoint is copied data files first and
 ``MANIFEST.json`` last, and what landed is verified (local and mounted destinations: every byte
 re-hashed; object stores: every size read back; the manifest always read back) before the
 destination's retention runs and the spooled copy is marked uploaded. The newest uploaded checkpoint
@@ -9,11 +9,15 @@ stays in the spool as the local cache; older uploaded ones are deleted. A spoole
 least ``keep`` newer ones supersede (retention would delete it at once) is not uploaded. Failures are
 retried with exponential backoff (0.5 s doubling to 30 s, with jitter) for as long as the process
 lives; each attempt is bounded by the backend's own timeouts and the store's retry policy.
+
+This module knows nothing of :class:`~keepalive.spool.spooled.SpooledStore`, which imports it. What
+an uploader tells a store that uses it goes through one callable, its :data:`UploadListener` (called
+on the uploader's thread for every checkpoint that landed); everything else a store learns or asks
+goes through the uploader's methods, which take the uploader's own locks.
 """
 from __future__ import annotations
 
 import errno
-import itertools
 import logging
 import os
 import random
@@ -21,7 +25,7 @@ import socket
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, TypeVar
 
 from .. import report, settings
 from ..backends import FsspecBackend
@@ -31,9 +35,6 @@ from ..units import format_bytes, format_duration
 from .local import Spool
 from .mount import REMOUNT_HINT, MountWatch, describe_error, is_mount_error
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .front import SpooledStore
-
 log = logging.getLogger("keepalive.spool")
 
 BACKOFF_INITIAL = 0.5
@@ -41,7 +42,11 @@ BACKOFF_MAX = 30.0
 IDLE_POLL = 5.0
 COPY_CHUNK = 8 << 20
 
-__all__ = ["Uploader", "UploaderRegistry", "UPLOADERS"]
+__all__ = ["Uploader", "UploaderRegistry", "UPLOADERS", "UploadListener"]
+
+#: called on the uploader's thread with each checkpoint that landed and the seconds its upload took
+UploadListener = Callable[[CheckpointInfo, float], None]
+T = TypeVar("T")
 
 
 class _SourceGone(Exception):
@@ -66,6 +71,12 @@ class Uploader:
     Never gives up while the process lives; ``fatal`` is set (and uploads stop) only when the run
     belongs to another session (:class:`RunLockedError` / :class:`LeaseLostError`). Problems are
     reported once per outage (:func:`keepalive.report.warn`), the recovery once too.
+
+    Other threads (the spooled store's writer, a flush) use it through its methods; they read its
+    status (``fatal``, ``failing``, ``last_error``, ``uploaded``, ``dropped``, :attr:`seq_floor`) and
+    never write its fields. It owns its locks: ``_dest_lock`` while the destination is in use
+    (:meth:`exclusive` lends it), ``_spool_lock`` while spooled checkpoints are chosen or dropped,
+    ``_state`` for the fields both sides touch.
     """
 
     def __init__(self, spool: Spool, dest: CheckpointStore, *, takeover: bool = False,
@@ -80,9 +91,11 @@ class Uploader:
         # the watch recorded when the destination was first seen (a later one could anchor above a
         # mount that is already gone)
         self.mount = mount if mount is not None else (MountWatch(dest.path) if dest.backend.local else None)
-        self.lock = threading.RLock()          # held while the destination is used (uploads, direct commits)
-        self.spool_lock = threading.Lock()     # choosing / dropping spooled checkpoints
-        self._cond = threading.Condition()
+        self._dest_lock = threading.RLock()    # held while the destination is used (uploads, direct commits)
+        self._spool_lock = threading.Lock()    # choosing / dropping spooled checkpoints
+        # guards what other threads set or read together: the outage fields, the next destination,
+        # the open request, the sequence floor, the work counter; waiters for a pass wait on it
+        self._state = threading.Condition()
         # Work on the spool (dropping, uploading, marking uploaded, evicting older local copies,
         # retention at the destination) happens between two increments of this counter: odd while
         # a piece of work goes on. settled() reads it before and after listing the spool (a seqlock),
@@ -94,11 +107,13 @@ class Uploader:
         self._next_dest: Optional[CheckpointStore] = None
         self._want_open = False
         self._stop = False
-        self.fronts: List["SpooledStore"] = []
-        self.closing = False
+        self._seq_floor = 0
+        # the registry's (under its lock): the stores' listeners, and whether no store uses it now
+        self._listeners: List[UploadListener] = []
+        self._closing = False
         self.exited = False
         self.fatal: Optional[BaseException] = None
-        self.opened = threading.Event()        # an attempt to open the destination has finished
+        self._opened = threading.Event()       # an attempt to open the destination has finished
         self.failing: Optional[str] = None     # the current outage, None while healthy
         self.failing_since: Optional[float] = None
         self.last_error: Optional[str] = None
@@ -119,19 +134,42 @@ class Uploader:
         return self
 
     def notify(self) -> None:
+        """Look at the spool now (a checkpoint was committed to it, a flush waits), not at the end of
+        the current backoff or idle wait."""
         self._wake.set()
 
-    def want_open(self) -> None:
-        """Open the destination (take its writer lease) at the next pass, even with nothing pending."""
-        self._want_open = True
-        self.opened.clear()
+    def open_destination(self, timeout: float = 0.0) -> None:
+        """Open the destination (take its writer lease) at the next pass, even with nothing pending,
+        and wait up to ``timeout`` seconds for that attempt (not at all during a known outage)."""
+        with self._state:
+            self._want_open = True
+            self._opened.clear()
         self.notify()
+        if timeout > 0 and self.failing is None:
+            self._opened.wait(timeout)
 
     def use_destination(self, dest: CheckpointStore, takeover: bool) -> None:
-        """Upload to ``dest`` (a newer front's store: its lease, its progress) from the next pass."""
-        if dest is not self.dest:
-            self._next_dest = dest
-            self.takeover = takeover
+        """Upload to ``dest`` (a newer spooled store's: its lease, its progress) from the next pass."""
+        with self._state:
+            if dest is not self.dest:
+                self._next_dest = dest
+                self.takeover = takeover
+
+    @property
+    def seq_floor(self) -> int:
+        """The newest manifest ``seq`` this uploader knows of (at the destination or spooled): a
+        spooled store's commits number on from it."""
+        with self._state:
+            return self._seq_floor
+
+    def raise_seq_floor(self, seq: int) -> None:
+        with self._state:
+            self._seq_floor = max(self._seq_floor, seq)
+
+    def exclusive(self, use: Callable[[], T]) -> T:
+        """``use()`` while no upload uses the destination (a direct commit there, by a store)."""
+        with self._dest_lock:
+            return use()
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop the thread (after the current file) and release the destination's lease."""
@@ -145,14 +183,20 @@ class Uploader:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    @property
+    def usable(self) -> bool:
+        """Its thread runs and goes on running: not retired, the run not lost to another session."""
+        return self.alive and not self.exited and self.fatal is None
+
     def note_outage(self, exc: BaseException) -> bool:
-        """A front saw the destination fail and tells the user itself: record the outage as
+        """A spooled store saw the destination fail and tells the user itself: record the outage as
         reported, so only its end is reported from here. True when it is a new outage."""
-        if self.failing is not None:
-            return False
-        self.failing, self.failing_since = describe_error(exc), time.time()
-        self._outage_reported = True
-        return True
+        with self._state:
+            if self.failing is not None:
+                return False
+            self.failing, self.failing_since = describe_error(exc), time.time()
+            self._outage_reported = True
+            return True
 
     # ------------------------------------------------------------------------------- waiting
     def pending(self) -> List[CheckpointInfo]:
@@ -165,13 +209,18 @@ class Uploader:
         """Whether every spooled checkpoint is uploaded (or dropped as superseded) and nothing the
         uploader does for them is still going on: no upload, no verification, no eviction of an older
         local copy, no retention at the destination."""
-        with self._cond:
+        with self._state:
             before = self._work
         if before % 2:
             return False
         empty = not self.pending()
-        with self._cond:
+        with self._state:
             return empty and self._work == before
+
+    def caught_up(self) -> bool:
+        """The destination works again (an upload succeeded since the last outage) and the spool
+        is :meth:`settled`: a store may write to the destination directly again."""
+        return self.failing is None and self.last_ok is not None and self.settled()
 
     def wait_settled(self, timeout: Optional[float]) -> bool:
         """Wait until the spool is :meth:`settled` (True) or ``timeout`` seconds pass / uploads stop
@@ -186,8 +235,8 @@ class Uploader:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 return False
-            with self._cond:
-                self._cond.wait(0.25 if left is None else min(0.25, left))
+            with self._state:
+                self._state.wait(0.25 if left is None else min(0.25, left))
 
     # ---------------------------------------------------------------------------------- loop
     def _run(self) -> None:
@@ -196,7 +245,7 @@ class Uploader:
             while not self._stop and self.fatal is None:
                 self._wake.clear()
                 try:
-                    with self.lock:
+                    with self._dest_lock:
                         touched, worked = self._pass()
                 except (RunLockedError, LeaseLostError) as exc:
                     self._set_fatal(exc)
@@ -205,15 +254,15 @@ class Uploader:
                     continue
                 except Exception as exc:  # noqa: BLE001 - every storage fault is retried
                     self._fault(exc)
-                    self.opened.set()
+                    self._opened.set()
                     self._wake.wait(delay * (0.5 + random.random()))
                     delay = min(delay * 2, BACKOFF_MAX)
                     continue
                 finally:
-                    with self._cond:
+                    with self._state:
                         if self._work % 2:
                             self._work += 1  # the piece of work this pass began is over
-                        self._cond.notify_all()
+                        self._state.notify_all()
                 delay = BACKOFF_INITIAL
                 if touched:
                     self._recovered()
@@ -229,32 +278,33 @@ class Uploader:
                     self.dest.close()  # the writer lease: released once nothing is left to upload
                 except Exception as exc:  # noqa: BLE001
                     log.debug("could not release the lease of %s: %s", self.dest.url, exc)
-            self.opened.set()
-            with self._cond:
-                self._cond.notify_all()
+            self._opened.set()
+            with self._state:
+                self._state.notify_all()
 
     def _pass(self) -> Tuple[bool, bool]:
         """One round: ``(touched the destination successfully, uploaded or dropped something)``."""
-        if self._next_dest is not None:
-            self.dest, self._next_dest = self._next_dest, None
-        if self._want_open and self.dest.lease.held:
-            self._want_open = False
-            self.opened.set()
+        with self._state:
+            if self._next_dest is not None:
+                self.dest, self._next_dest = self._next_dest, None
+            want_open = self._want_open
+        if want_open and self.dest.lease.held:
+            self._opened_done()
+            want_open = False
         pending = self.pending()
         touched = False
-        if not pending and not (self._want_open and not self.dest.lease.held):
+        if not pending and not (want_open and not self.dest.lease.held):
             return False, False
         if self.mount is not None:
             self.mount.check()
         if not self.dest.lease.held:
             self._open_dest()
             touched = True
-        self._want_open = False
-        self.opened.set()
+        self._opened_done()
         if not pending:
             return touched, False
-        with self.spool_lock:
-            with self._cond:
+        with self._spool_lock:
+            with self._state:
                 self._work += 1  # from here on this pass changes the spool: not settled until it ends
             pending = self.pending()
             for bad in [c for c in pending if c.error]:
@@ -303,7 +353,7 @@ class Uploader:
         local cache) go first, then un-uploaded checkpoints that ``keep`` newer ones supersede,
         oldest first, never the newest. Returns ``(bytes still held, un-uploaded ones dropped)``."""
         dropped: List[CheckpointInfo] = []
-        with self.spool_lock:
+        with self._spool_lock:
             everything = self.spool.list()
             total = sum(c.size_bytes or 0 for c in everything)
             if total <= limit:
@@ -326,16 +376,19 @@ class Uploader:
 
     def _open_dest(self) -> None:
         lease = self.dest.lease.read()
-        # ``ours``: an earlier front of this very process (a notebook cell run again) holds it
+        # ``ours``: an earlier spooled store of this very process (a notebook cell run again) holds it
         ours = (lease is not None and lease.get("host") == socket.gethostname()
                 and lease.get("pid") == os.getpid())
         self.dest.open_for_writing(takeover=self.takeover or ours)
         newest = self.dest.newest_committed()
         if newest is not None and newest.seq:
-            self.spool.seq_floor = max(self.spool.seq_floor, newest.seq)
-            for front in list(self.fronts):
-                if front.spool is not None:
-                    front.spool.seq_floor = max(front.spool.seq_floor, newest.seq)
+            self.raise_seq_floor(newest.seq)  # the stores' spools number on from it at their next commit
+
+    def _opened_done(self) -> None:
+        """The open request (if any) is answered: the destination's lease is held."""
+        with self._state:
+            self._want_open = False
+            self._opened.set()
 
     def _trim_cache(self, at_dest: Optional[Sequence[CheckpointInfo]] = None) -> None:
         """Keep the newest uploaded checkpoint as the local cache, drop older uploaded ones (and one
@@ -347,7 +400,7 @@ class Uploader:
                 self.drop(c)
 
     def drop(self, c: CheckpointInfo) -> None:
-        """Delete a spooled checkpoint (the caller holds ``spool_lock``)."""
+        """Delete a spooled checkpoint (the caller holds ``_spool_lock``)."""
         try:
             self.spool.remove(c)
         except OSError as exc:
@@ -404,7 +457,7 @@ class Uploader:
         finally:
             bar.close()
         seconds = time.perf_counter() - t0
-        with self.spool_lock:
+        with self._spool_lock:
             try:
                 self.spool.mark_uploaded(c)
             except FileNotFoundError:
@@ -420,8 +473,11 @@ class Uploader:
             log.info("retention at %s failed: %s", self.dest.url, exc)
         log.info("uploaded %s (%s) to %s in %.1f s", c.name, format_bytes(c.size_bytes), self.dest.url,
                  seconds)
-        for front in list(self.fronts):
-            front.on_uploaded(c, seconds)
+        for listener in list(self._listeners):
+            try:
+                listener(c, seconds)
+            except Exception as exc:  # noqa: BLE001 - a listener's fault is no upload fault
+                log.debug("upload listener failed: %s", exc)
 
     def _copy(self, src: str, dst: str, bar: Any) -> None:
         b = self.dest.backend
@@ -489,17 +545,20 @@ class Uploader:
         if self._stop:
             return
         what = describe_error(exc)
-        self.last_error = what
-        if self.failing is not None:
+        with self._state:
+            self.last_error = what
+            ongoing = self.failing is not None
+            if not ongoing:
+                self.failing, self.failing_since = what, time.time()
+            tell = not ongoing and not self._outage_reported  # a store may have told the user already
+            if tell:
+                self._outage_reported = True
+        if ongoing:
             log.info("upload to %s still failing: %s", self.dest.url, what)
-            return
-        self.failing, self.failing_since = what, time.time()
-        self._report_outage(exc)
+        elif tell:
+            self._report_outage(exc)
 
     def _report_outage(self, exc: BaseException) -> None:
-        if self._outage_reported:
-            return
-        self._outage_reported = True
         n = len(self.pending())
         where = f"{n} checkpoint(s) wait" if n else "checkpoints wait"
         if is_mount_error(exc, self.dest.backend.local):
@@ -519,12 +578,13 @@ class Uploader:
                     f"backoff (up to {BACKOFF_MAX:.0f} s apart).{hint}", quiet=self.quiet)
 
     def _recovered(self) -> None:
-        if self.failing is None:
-            return
-        took = time.time() - (self.failing_since or time.time())
-        self.failing = self.failing_since = None
-        if self._outage_reported:
-            self._outage_reported = False
+        with self._state:
+            if self.failing is None:
+                return
+            took = time.time() - (self.failing_since or time.time())
+            self.failing = self.failing_since = None
+            told, self._outage_reported = self._outage_reported, False
+        if told:
             n = len(self.pending())
             # a warning too: it ends one, and the user who saw that one must see this
             left = f"uploading {n} pending checkpoint(s)" if n else "nothing left to upload"
@@ -537,24 +597,22 @@ class Uploader:
 
     def _set_fatal(self, exc: BaseException) -> None:
         self.fatal = exc
-        self.opened.set()
+        self._opened.set()
         report.warn(f"stopped uploading to {self.dest.url}: {exc} Spooled checkpoints stay in "
                     f"{self.spool.folder}.", quiet=self.quiet)
 
 
 class UploaderRegistry:
-    """The uploaders of this process, one per spool folder, and the newest front of each folder.
+    """The uploaders of this process, one per spool folder.
 
-    A notebook cell run again builds a new front (:class:`~keepalive.spool.front.SpooledStore`) for
-    the same run while the old one's uploads go on: both share one uploader, and only the newest
-    front waits for uploads when it is flushed.
+    A notebook cell run again builds a new spooled store for the same run while the old one's
+    uploads go on: both share one uploader, each with its :data:`UploadListener`. An uploader no
+    store uses any more ends once its spool is empty.
     """
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self._by_folder: Dict[str, Uploader] = {}
-        self._newest_front: Dict[str, int] = {}
-        self._generations = itertools.count(1)
 
     def __len__(self) -> int:
         return len(self._by_folder)
@@ -563,50 +621,42 @@ class UploaderRegistry:
         with self.lock:
             return list(self._by_folder.values())
 
-    def new_front(self, folder: str) -> int:
-        """Register a new front for the spool ``folder``; returns its generation."""
+    def attach(self, folder: str, dest: CheckpointStore, takeover: bool, listener: UploadListener,
+               make: Callable[[], Uploader]) -> Uploader:
+        """The live uploader of the spool ``folder`` (started with ``make()`` when there is none;
+        else uploading to ``dest`` from its next pass), with ``listener`` among its listeners."""
         with self.lock:
-            generation = next(self._generations)
-            self._newest_front[folder] = generation
-            return generation
-
-    def is_newest_front(self, folder: str, generation: int) -> bool:
-        return self._newest_front.get(folder) == generation
-
-    def attach(self, front: "SpooledStore", make: Callable[[], Uploader]) -> Uploader:
-        """The live uploader of ``front``'s spool folder (started with ``make()`` when there is
-        none), with ``front`` among its fronts."""
-        with self.lock:
-            up = self._by_folder.get(front.folder)
+            up = self._by_folder.get(folder)
             if up is None or up.exited or up.fatal is not None:
                 up = make()
-                self._by_folder[front.folder] = up
+                self._by_folder[folder] = up
                 up.start()
             else:
-                up.use_destination(front.dest, front.takeover)
-            if front not in up.fronts:
-                up.fronts.append(front)
-            up.closing = False
+                up.use_destination(dest, takeover)
+            if listener not in up._listeners:
+                up._listeners.append(listener)
+            up._closing = False
         return up
 
-    def detach(self, front: "SpooledStore", up: Uploader) -> None:
-        """``front`` is closed; with no front left the uploader ends once the spool is empty."""
+    def detach(self, up: Uploader, listener: UploadListener) -> None:
+        """The store of ``listener`` is closed; with no store left the uploader ends once the spool
+        is empty."""
         with self.lock:
-            if front in up.fronts:
-                up.fronts.remove(front)
-            if not up.fronts:
-                up.closing = True
+            if listener in up._listeners:
+                up._listeners.remove(listener)
+            if not up._listeners:
+                up._closing = True
         up.notify()
 
     def retire(self, up: Uploader) -> None:
-        """``up`` ends: fronts attach to a new uploader from now on."""
+        """``up`` ends: stores attach to a new uploader from now on."""
         with self.lock:
             self._retire(up)
 
     def retire_if_idle(self, up: Uploader) -> bool:
-        """Retire ``up`` when it is closing, has no front and nothing pending (True then)."""
+        """Retire ``up`` when no store uses it and nothing is pending (True then)."""
         with self.lock:
-            if up.closing and not up.fronts and not up.pending():
+            if up._closing and not up._listeners and not up.pending():
                 self._retire(up)
                 return True
         return False
