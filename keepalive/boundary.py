@@ -41,12 +41,12 @@ from __future__ import annotations
 import dataclasses
 import signal as _signal
 from dataclasses import dataclass, replace
-from typing import Dict, Mapping, Optional, Tuple, Union
+from typing import Callable, Dict, Iterator, Mapping, MutableMapping, Optional, Tuple, Union
 
 __all__ = [
-    "COUNTER_NAMES", "BatchEnd", "BoundaryState", "Counters", "Deadline", "Decision", "Due", "EpochCounted",
-    "EpochEnd", "Event", "Finish", "NewFit", "OptimizerStep", "Pending", "Restored", "Saved", "SetCounter", "Signal",
-    "StageEnd", "agreed", "signal_name", "transition",
+    "COUNTER_NAMES", "BatchEnd", "BoundaryState", "CounterView", "Counters", "Deadline", "Decision", "Due",
+    "EpochCounted", "EpochEnd", "Event", "Finish", "NewFit", "OptimizerStep", "Pending", "Restored", "Saved",
+    "SetCounter", "Signal", "StageEnd", "agreed", "signal_name", "transition",
 ]
 
 #: the counters every adapter shares: epochs completed, optimizer steps, batches done in the running
@@ -131,6 +131,34 @@ class BoundaryState:
     @property
     def unsaved(self) -> bool:
         return self.saved_at != self.counters
+
+
+class CounterView(MutableMapping[str, int]):
+    """The counters as a dict (``epoch``, ``step``, ``batch``, ``samples``) for adapters; setting one
+    feeds a :class:`SetCounter` event, like every other change of the state."""
+
+    def __init__(self, get: Callable[[], Counters], feed: Callable[["SetCounter"], object]):
+        self._get, self._feed = get, feed
+
+    def __getitem__(self, name: str) -> int:
+        if name not in COUNTER_NAMES:
+            raise KeyError(name)
+        return getattr(self._get(), name)
+
+    def __setitem__(self, name: str, value: int) -> None:
+        self._feed(SetCounter(name, int(value)))
+
+    def __delitem__(self, name: str) -> None:
+        raise TypeError("counters cannot be removed")
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(COUNTER_NAMES)
+
+    def __len__(self) -> int:
+        return len(COUNTER_NAMES)
+
+    def __repr__(self) -> str:
+        return repr(dict(self))
 
 
 # ------------------------------------------------------------------------------------ events

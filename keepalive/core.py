@@ -27,15 +27,12 @@ The tree a checkpoint holds::
 from __future__ import annotations
 
 import atexit
-import collections
 import logging
 import os
-import signal
-import threading
 import time
 import weakref
 from dataclasses import replace
-from typing import Any, Callable, Deque, Dict, Iterator, List, Mapping, MutableMapping, Optional, Union
+from typing import Any, Callable, Dict, List, Mapping, MutableMapping, Optional, Union
 
 from . import boundary as bd
 from . import distributed as _distributed
@@ -44,6 +41,8 @@ from . import progress as _progress
 from . import session as _session
 from . import spool as _spool
 from .config import CheckpointConfig
+from .interrupts import DeferredSignals, raise_for, signal_name
+from .notebook import default_dir, resolve_run_url
 from .runs import Run, record_run
 from .savepath import SavePath, choose
 from .store import CheckpointInfo, CheckpointStore, WriteResult
@@ -60,69 +59,11 @@ Decision = bd.Decision
 _ACTIVE: "weakref.WeakSet[Checkpointer]" = weakref.WeakSet()
 
 
-def default_dir() -> str:
-    """``$KEEPALIVE_DIR``, else the mounted Drive, else ``./keepalive-checkpoints``."""
-    return _session.default_checkpoint_dir()
-
-
-#: unnamed checkpointers (no path, no run=) created so far per (cell execution or script, folder)
-_UNNAMED: Dict[tuple, int] = {}
-
-
-def resolve_run_url(path: Union[str, "os.PathLike[str]", None], run: Optional[str] = None) -> str:
-    """The run folder: ``path`` itself, or ``<default dir>/<run or 'default'>`` without a path.
-
-    Without a path and a name, the n-th checkpointer created by one notebook cell execution (or one
-    script) gets ``default-<n>`` from the second on: a K-fold loop gets one run per fold, and running
-    the same cell again after a reset finds each fold's own run in the same order.
-    """
-    if path is None:
-        base = default_dir().rstrip("/")
-        if run is None:
-            key = (notebook.current_cell_key() or "script", base)
-            n = _UNNAMED[key] = _UNNAMED.get(key, 0) + 1
-            run = "default" if n == 1 else f"default-{n}"
-            if n == 2:
-                report.warn("a second DriveCheckpoint() without a path or run= in this cell: it writes "
-                            "run 'default-2' (then default-3, ...), one per training, in creation order. "
-                            "Name each one, e.g. run=f'fold{k}', to make that explicit.")
-        return f"{base}/{run}"
-    return os.fspath(path)
-
-
 def active_checkpointers() -> List["Checkpointer"]:
     """The checkpointers alive in this process (the magics use it to find the run a cell trained)."""
     return list(_ACTIVE)
 
 
-
-
-class CounterView(MutableMapping[str, int]):
-    """The counters of a :class:`Checkpointer` as a dict (``epoch``, ``step``, ``batch``, ``samples``);
-    setting one is an event of the state machine, like every other change."""
-
-    def __init__(self, core: "Checkpointer"):
-        self._core = core
-
-    def __getitem__(self, name: str) -> int:
-        if name not in bd.COUNTER_NAMES:
-            raise KeyError(name)
-        return getattr(self._core.state.counters, name)
-
-    def __setitem__(self, name: str, value: int) -> None:
-        self._core._feed(bd.SetCounter(name, int(value)))
-
-    def __delitem__(self, name: str) -> None:
-        raise TypeError("counters cannot be removed")
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(bd.COUNTER_NAMES)
-
-    def __len__(self) -> int:
-        return len(bd.COUNTER_NAMES)
-
-    def __repr__(self) -> str:
-        return repr(dict(self))
 
 
 class Checkpointer:
@@ -159,7 +100,7 @@ class Checkpointer:
         self.quiet = cfg.quiet
         #: the boundary state machine's state (:mod:`keepalive.boundary`); changed only by _feed
         self.state = bd.BoundaryState()
-        self.counters: MutableMapping[str, int] = CounterView(self)
+        self.counters: MutableMapping[str, int] = bd.CounterView(lambda: self.state.counters, self._feed)
         self.extras: Dict[str, Any] = {}
         self.metadata: Dict[str, Any] = {"framework": framework}
         self.resumed_from: Optional[CheckpointInfo] = None
@@ -168,11 +109,9 @@ class Checkpointer:
         self._path: Optional[SavePath] = None
         self._opened = False
         self._reserved = False
-        self._signals: Deque[int] = collections.deque()  # from the handler, drained at boundaries
-        self._pid = os.getpid()
+        self.signals = DeferredSignals(lambda: self.state.pending.signal, self._forget_signal)
         #: why the adapter's loop cannot be saved inside an epoch (said when an interrupt comes)
         self.mid_epoch_obstacle: Optional[str] = None
-        self._old_handlers: Dict[int, Any] = {}
         self._in_loop = False
         #: the number of epochs, when the adapter knows it (for the ETA next to the session time)
         self.total_epochs: Optional[int] = None
@@ -180,7 +119,7 @@ class Checkpointer:
         #: steps of the watched optimizers so far in this process (all of them; never reset)
         self.optimizer_steps = 0
         self._watched = 0  # optimizers watched
-        self._capture_context()
+        notebook.record_context(self.metadata)  # the notebook cell, or the script, that made the run
         _ACTIVE.add(self)
 
     # ------------------------------------------------------------------------- state machine
@@ -207,8 +146,8 @@ class Checkpointer:
     @property
     def pending_signal(self) -> Optional[int]:
         """A signal received and not acted on yet (saved at the next consistent boundary)."""
-        return self.state.pending.signal if self.state.pending.signal is not None else (
-            self._signals[0] if self._signals else None)
+        held = self.state.pending.signal
+        return held if held is not None else self.signals.peek()
 
     @property
     def path(self) -> SavePath:
@@ -237,26 +176,6 @@ class Checkpointer:
                 core._feed(bd.OptimizerStep(index))
 
         optimizer.register_step_post_hook(stepped)
-
-    # -------------------------------------------------------------------------------- context
-    def _capture_context(self) -> None:
-        """Record what produced this run: the notebook cell, or the script."""
-        ctx = notebook.capture_context() or notebook.script_context()
-        if ctx:
-            self.metadata["context"] = ctx
-
-    def _refresh_context(self) -> None:
-        """A save from a training loop: when the loop runs in another notebook cell than the one
-        that created this checkpointer (``ckpt = DriveCheckpoint(...)`` in one cell, the loop in the
-        next), record the loop's cell as the training cell (the creating one becomes a setup cell)."""
-        try:
-            key = notebook.current_cell_key()
-            if key is not None and key != (self.metadata.get("context") or {}).get("cell_key"):
-                ctx = notebook.capture_context()
-                if ctx:
-                    self.metadata["context"] = ctx
-        except Exception as exc:  # noqa: BLE001 - context is informative, never fatal
-            log.debug("could not refresh the notebook context: %s", exc)
 
     # ------------------------------------------------------------------------------- messages
     def say(self, message: str) -> None:
@@ -357,8 +276,8 @@ class Checkpointer:
              finished: bool = False) -> None:
         """Checkpoint now: the state is copied to host memory, the write goes on in the background."""
         self._open()
-        if reason != "by hand":
-            self._refresh_context()
+        if reason != "by hand":  # a loop in another cell than the one that made the checkpointer
+            notebook.record_context(self.metadata, refresh=True)
         c = self.state.counters
         meta = dict(self.metadata, reason=reason, finished=finished, counters=c.as_dict())
         self.store.lease.progress = c.as_dict()
@@ -478,8 +397,10 @@ class Checkpointer:
         self._drain_signals()
 
     def _drain_signals(self) -> None:
-        while self._signals:
-            self._feed(bd.Signal(self._signals.popleft()))
+        signum = self.signals.take()
+        while signum is not None:
+            self._feed(bd.Signal(signum))
+            signum = self.signals.take()
 
     def _agree(self, decision: Decision) -> Decision:
         """At a consistent boundary of several processes: every rank's decision combined."""
@@ -495,10 +416,10 @@ class Checkpointer:
         c = self.state.counters
         if decision.signal is not None and decision.signal_note == "unsaveable":
             self.uninstall_signal_handlers()
-            self.warn(f"{bd.signal_name(decision.signal)}: this loop cannot be saved inside an epoch "
+            self.warn(f"{signal_name(decision.signal)}: this loop cannot be saved inside an epoch "
                       f"({self.mid_epoch_obstacle or 'see the earlier warning'}); stopping without a new "
                       f"checkpoint: a restart continues from the last one (epoch {c.epoch} begins again)")
-            _raise_for(decision.signal)
+            raise_for(decision.signal)
         if decision.save:
             self.save(capture, sync=decision.sync, reason=decision.reason, finished=decision.finished)
         elif decision.flush:
@@ -506,8 +427,8 @@ class Checkpointer:
         if decision.signal is not None:
             self.uninstall_signal_handlers()
             had = "training had finished; " if decision.signal_note == "finished" else ""
-            self.say(f"{bd.signal_name(decision.signal)}: {had}saved epoch {c.epoch}, step {c.step} to {self.url}")
-            _raise_for(decision.signal)
+            self.say(f"{signal_name(decision.signal)}: {had}saved epoch {c.epoch}, step {c.step} to {self.url}")
+            raise_for(decision.signal)
         if decision.stop:
             self.say(f"stopping before the session ends: saved epoch {c.epoch}, step {c.step} to {self.url}. "
                      "In a new session run the same code again (or %resume_training) to continue from here.")
@@ -515,42 +436,16 @@ class Checkpointer:
 
     # -------------------------------------------------------------------------------- signals
     def install_signal_handlers(self) -> None:
-        """Defer SIGINT and SIGTERM to the next consistent boundary."""
-        if threading.current_thread() is not threading.main_thread() or self._old_handlers:
-            return
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            try:
-                self._old_handlers[sig] = signal.signal(sig, self._on_signal)
-            except (ValueError, OSError):  # pragma: no cover - not allowed here
-                pass
-        self._in_loop = True
+        """Defer SIGINT and SIGTERM to the next consistent boundary (:mod:`keepalive.interrupts`)."""
+        self.signals.install()
+        self._in_loop = self.signals.installed
 
     def uninstall_signal_handlers(self) -> None:
-        for sig, handler in self._old_handlers.items():
-            try:
-                signal.signal(sig, handler)
-            except (ValueError, OSError, TypeError):  # pragma: no cover
-                pass
-        self._old_handlers = {}
+        self.signals.uninstall()
         self._in_loop = False
 
-    def _on_signal(self, signum: int, frame: Any) -> None:
-        # The handler only queues (a deque append is atomic): it may run between any two bytecodes of
-        # the training thread, even in the middle of a state transition, which it must not race.
-        if os.getpid() != self._pid:
-            # a forked DataLoader worker inherited this handler: behave as it would without us
-            # (torch's worker loop ends quietly on KeyboardInterrupt), and print nothing
-            _raise_for(signum)
-        if self.pending_signal is not None:  # asked twice: the user insists, act now
-            self._signals.clear()
-            # raising aborts whatever the training thread was doing, a transition included
-            self.state = replace(self.state, pending=replace(self.state.pending, signal=None))
-            self.uninstall_signal_handlers()
-            _raise_for(signum)
-        self._signals.append(signum)
-        # shown even with quiet=True: the user pressed a key and must learn what happens now
-        report.say(f"{bd.signal_name(signum)} received; saving at the end of this step "
-                   "(send it again to stop at once)", stream="stderr")
+    def _forget_signal(self) -> None:
+        self.state = replace(self.state, pending=replace(self.state.pending, signal=None))
 
     # ---------------------------------------------------------------------------------- close
     def close(self) -> None:
@@ -566,11 +461,6 @@ class Checkpointer:
                 self._path.close()
             self._opened = False
 
-
-def _raise_for(signum: int) -> None:
-    if signum == signal.SIGINT:
-        raise KeyboardInterrupt
-    raise SystemExit(128 + signum)
 
 
 def _due(decision: Any) -> bd.Due:
@@ -593,4 +483,4 @@ def _flush_all_at_exit() -> None:
             log.error("could not finish the last checkpoint of %s: %s", ckpt.url, exc)
 
 
-__all__ = ["Checkpointer", "CounterView", "Decision", "active_checkpointers", "default_dir", "resolve_run_url"]
+__all__ = ["Checkpointer", "Decision", "active_checkpointers", "default_dir", "resolve_run_url"]

@@ -32,14 +32,18 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import os
 import sys
 import time
 import uuid
-from typing import Any, Dict, Iterator, List, Mapping, Optional
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Union
 
-from . import settings
+from . import report, settings
+from . import session as _session
 from .session import ipython_shell as _session_shell
+
+log = logging.getLogger("keepalive")
 
 #: setup cells kept in a record: at most this many characters of source in all, and this many cells
 MAX_SETUP_CHARS = 256 * 1024
@@ -246,6 +250,58 @@ def script_context() -> Optional[Dict[str, Any]]:
     return {"kind": "script", "path": os.path.abspath(script), "argv": list(sys.argv)}
 
 
-__all__ = ["capture_context", "current_cell_key", "current_cell_source", "script_context", "pre_run_cell",
+
+def record_context(metadata: Dict[str, Any], refresh: bool = False) -> None:
+    """Record in a run's ``metadata`` what produced it: the notebook cell, or the script. With
+    ``refresh`` (a save from a training loop): when the loop runs in another cell than the one that
+    created the checkpointer (``ckpt = DriveCheckpoint(...)`` in one cell, the loop in the next), the
+    loop's cell becomes the training cell (the creating one a setup cell)."""
+    try:
+        if refresh:
+            key = current_cell_key()
+            if key is None or key == (metadata.get("context") or {}).get("cell_key"):
+                return
+            ctx = capture_context()
+        else:
+            ctx = capture_context() or script_context()
+        if ctx:
+            metadata["context"] = ctx
+    except Exception as exc:  # noqa: BLE001 - context is informative, never fatal
+        if not refresh:
+            raise
+        log.debug("could not refresh the notebook context: %s", exc)
+
+
+def default_dir() -> str:
+    """``$KEEPALIVE_DIR``, else the mounted Drive, else ``./keepalive-checkpoints``."""
+    return _session.default_checkpoint_dir()
+
+
+#: unnamed checkpointers (no path, no run=) created so far per (cell execution or script, folder)
+_UNNAMED: Dict[tuple, int] = {}
+
+
+def resolve_run_url(path: Union[str, "os.PathLike[str]", None], run: Optional[str] = None) -> str:
+    """The run folder: ``path`` itself, or ``<default dir>/<run or 'default'>`` without a path.
+
+    Without a path and a name, the n-th checkpointer created by one notebook cell execution (or one
+    script) gets ``default-<n>`` from the second on: a K-fold loop gets one run per fold, and running
+    the same cell again after a reset finds each fold's own run in the same order.
+    """
+    if path is None:
+        base = default_dir().rstrip("/")
+        if run is None:
+            key = (current_cell_key() or "script", base)
+            n = _UNNAMED[key] = _UNNAMED.get(key, 0) + 1
+            run = "default" if n == 1 else f"default-{n}"
+            if n == 2:
+                report.warn("a second DriveCheckpoint() without a path or run= in this cell: it writes "
+                            "run 'default-2' (then default-3, ...), one per training, in creation order. "
+                            "Name each one, e.g. run=f'fold{k}', to make that explicit.")
+        return f"{base}/{run}"
+    return os.fspath(path)
+
+__all__ = ["capture_context", "default_dir", "record_context", "resolve_run_url",
+           "current_cell_key", "current_cell_source", "script_context", "pre_run_cell",
            "post_run_cell", "register", "unregister", "is_registered", "resuming", "ipython_shell", "MAX_SETUP_CHARS",
            "MAX_SETUP_CELLS"]

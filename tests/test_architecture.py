@@ -41,7 +41,7 @@ LAYERS: Dict[str, int] = {
     "spool": 2, "writer": 2, "resume": 2, "runs": 2, "dcp": 2,
     # 3 session
     "session": 3, "trigger": 3, "progress": 3, "notebook": 3, "distributed": 3,
-    "boundary": 3, "savepath": 3,  # the core's pure boundary state machine, and its three save paths
+    "boundary": 3, "savepath": 3, "interrupts": 3,  # the boundary state machine, the save paths, deferred signals
     # 4 core
     "config": 4, "core": 4, "adapter": 4, "status": 4,
     # 5 adapters
