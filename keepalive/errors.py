@@ -1,6 +1,8 @@
 """Exceptions keepalive raises. Each message says what happened, where, and what the user can do."""
 from __future__ import annotations
 
+from typing import Tuple
+
 
 class KeepaliveError(Exception):
     """Base class of keepalive's own errors."""
@@ -37,3 +39,13 @@ class StateMismatchError(KeepaliveError):
 
 class UnsupportedStateError(KeepaliveError, TypeError):
     """A value in the training state cannot be stored without pickling (loading never runs code)."""
+
+
+class IncompatibleFrameworkError(KeepaliveError, RuntimeError):
+    """The installed framework lacks an internal an adapter relies on (raised when the callback is
+    created, never mid-training); the message is one line naming it, the version, the tested range."""
+
+    def __init__(self, message: str, *, framework: str, missing: Tuple[str, ...]):
+        self.framework = framework
+        self.missing = missing
+        super().__init__(message)

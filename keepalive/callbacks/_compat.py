@@ -1,0 +1,232 @@
+"""Framework internals the adapters rely on: listed per framework, checked when a callback is created.
+
+Every adapter reaches past its framework's public API somewhere: a private attribute it reads or sets
+(``Trainer._tr_loss``), a method it replaces on one instance (``Trainer._run_epoch``), a local variable
+of a framework function whose frame it walks (Keras ``fit``'s ``epoch_iterator``), a private module it
+imports (``keras.src...``). Each is an :class:`Internal` in its framework's inventory
+(``_compat_keras``, ``_compat_fastai``, ``_compat_transformers``, ``_compat_lightning``): what it is,
+where the adapter uses it, and a probe that says whether the installed version still has it.
+``DriveCheckpoint(...)`` runs the probes once per process (:meth:`Framework.check`) and refuses a
+version that lacks one with :class:`~keepalive.errors.IncompatibleFrameworkError`, whose one-line
+message names the framework, its version, the tested range and what is missing: at the callback's
+creation, not in the middle of a training.
+
+Names that say *how* the adapter reaches in (a patched method, the variables of a walked frame, the
+attributes read from a callback) are constants of the inventory modules, used by the adapters; plain
+attribute reads stay spelled out in the adapters, and ``tests/test_compat.py`` checks both ways that
+the inventory and the adapters' sources agree.
+
+A probe looks at classes and code objects only, nothing is instantiated or run: an attribute of a
+class or module; a name a class's own code reads or sets (``co_names``, which holds the instance
+attributes ``__init__`` creates); a local variable of a function (``co_varnames`` / ``co_cellvars``,
+what a frame walk finds in ``f_locals``); a parameter (``inspect.signature``).
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+import sys
+from dataclasses import dataclass
+from types import CodeType
+from typing import Any, Callable, Iterable, Iterator, List, Optional, Sequence, Set, Tuple
+
+from ..errors import IncompatibleFrameworkError
+
+__all__ = ["Internal", "Package", "Framework", "code_names", "code_consts", "local_names", "params_of",
+           "given", "has", "uses", "local", "param", "field", "module_has"]
+
+Probe = Callable[[], bool]
+
+
+@dataclass(frozen=True)
+class Internal:
+    """One framework internal an adapter relies on."""
+
+    name: str           #: as a reader finds it in the framework: ``Trainer._run_epoch``
+    what: str           #: what it is and what the adapter does with it
+    where: str          #: the adapter file, then what in it: ``transformers.py: _EpochRunner``
+    probe: Probe        #: True when the installed version has it
+    token: str = ""     #: text the adapter file contains where it uses it (default: the name's last part)
+    package: str = ""   #: the distribution that provides it (default: the framework's, listed first)
+    required: bool = True  #: False: the adapter falls back without it (said to the user); never refused
+
+    @property
+    def text(self) -> str:
+        return self.token or self.name.rsplit(".", 1)[-1]
+
+    @property
+    def file(self) -> str:
+        return self.where.split(":", 1)[0].strip()
+
+
+@dataclass(frozen=True)
+class Package:
+    """A distribution an adapter's internals come from, and the versions it is tested with."""
+
+    name: str           #: as pip knows it: ``transformers``
+    module: str         #: the module whose ``__version__`` is its version
+    tested: str         #: the range the extras accept: ``>=5.3,<6``
+    only_if_imported: bool = False  #: its internals are checked only when the module is imported already
+
+
+class Framework:
+    """A framework's inventory and its check (run once per process, at callback creation)."""
+
+    def __init__(self, name: str, packages: Sequence[Package], internals: Callable[[], List[Internal]]):
+        self.name = name
+        self.packages = {p.name: p for p in packages}
+        self._build = internals
+        self._internals: Optional[List[Internal]] = None
+        self._verdict: Optional[str] = None  # "" when the check passed, else its message
+        self._missing: Tuple[str, ...] = ()
+
+    @property
+    def internals(self) -> List[Internal]:
+        if self._internals is None:
+            self._internals = list(self._build())
+        return self._internals
+
+    def package_of(self, item: Internal) -> Package:
+        """The package an internal comes from: its own, else the framework's (the first)."""
+        return self.packages[item.package] if item.package else next(iter(self.packages.values()))
+
+    def version(self, package: str) -> str:
+        module = sys.modules.get(self.packages[package].module)
+        if module is None:
+            try:
+                module = importlib.import_module(self.packages[package].module)
+            except ImportError:
+                return "(not installed)"
+        return str(getattr(module, "__version__", "(unknown version)"))
+
+    def applies(self, item: Internal) -> bool:
+        pkg = self.package_of(item)
+        return not pkg.only_if_imported or pkg.module in sys.modules
+
+    def missing(self, *, required_only: bool = True) -> List[Internal]:
+        """The internals the installed versions lack (all, or only those the adapter cannot do without)."""
+        return [i for i in self.internals if (i.required or not required_only) and self.applies(i)
+                and not _holds(i.probe)]
+
+    def message(self, missing: Sequence[Internal]) -> str:
+        """One line: what is missing, from which version, the tested range, what to do."""
+        parts, specs = [], []
+        for pkg in self.packages.values():
+            names = [i.name for i in missing if self.package_of(i) is pkg]
+            if names:
+                parts.append(f"{_words(names)}, which {pkg.name} {self.version(pkg.name)} lacks (tested with "
+                             f"{pkg.name}{pkg.tested})")
+                specs.append(f'"{pkg.name}{pkg.tested}"')
+        return (f"keepalive's {self.name} adapter needs {'; and '.join(parts)}; install a tested version "
+                f"(pip install {' '.join(specs)}) or update keepalive")
+
+    def check(self) -> None:
+        """Raise :class:`~keepalive.errors.IncompatibleFrameworkError` when a required internal is
+        missing. The verdict is kept for the process: later callbacks pay nothing."""
+        if self._verdict is None:
+            missing = self.missing()
+            self._verdict = self.message(missing) if missing else ""
+            self._missing = tuple(i.name for i in missing)
+        if self._verdict:
+            raise IncompatibleFrameworkError(self._verdict, framework=self.name, missing=self._missing)
+
+    def reset(self) -> None:
+        """Forget the verdict (tests that take an internal away)."""
+        self._verdict = None
+
+
+def _holds(probe: Probe) -> bool:
+    try:
+        return bool(probe())
+    except Exception:  # noqa: BLE001 - a probe that cannot look (a module gone, a class renamed): missing
+        return False
+
+
+def _words(names: Sequence[str]) -> str:
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+
+
+# --------------------------------------------------------------------------------- code objects
+def _codes(code: CodeType) -> Iterator[CodeType]:
+    yield code
+    for const in code.co_consts:
+        if isinstance(const, CodeType):
+            yield from _codes(const)
+
+
+def _functions(obj: Any) -> Iterable[Any]:
+    """The plain functions of ``obj``: itself (unwrapped), or everything a class and its bases define
+    (methods, static / class methods, property accessors)."""
+    if not isinstance(obj, type):
+        yield inspect.unwrap(getattr(obj, "__func__", obj))
+        return
+    for cls in obj.__mro__:
+        if cls is object:
+            continue
+        for value in vars(cls).values():
+            if isinstance(value, (staticmethod, classmethod)):
+                value = value.__func__
+            if isinstance(value, property):
+                yield from (f for f in (value.fget, value.fset, value.fdel) if f is not None)
+            elif callable(value) and hasattr(inspect.unwrap(value), "__code__"):
+                yield inspect.unwrap(value)
+
+
+def code_names(obj: Any) -> Set[str]:
+    """The attribute and global names a function's (or a class's) code reads or sets, nested code too."""
+    return {n for f in _functions(obj) if hasattr(f, "__code__") for c in _codes(f.__code__) for n in c.co_names}
+
+
+def code_consts(obj: Any) -> Set[str]:
+    """The string constants of a function's (or a class's) code."""
+    return {k for f in _functions(obj) if hasattr(f, "__code__") for c in _codes(f.__code__)
+            for k in c.co_consts if isinstance(k, str)}
+
+
+def local_names(func: Any, *, unwrap: bool = True) -> Set[str]:
+    """The local variables of a function's own frame (arguments and variables, closed-over ones too)."""
+    f = inspect.unwrap(func) if unwrap else func
+    code = f.__code__
+    return set(code.co_varnames) | set(code.co_cellvars)
+
+
+def params_of(func: Any) -> Set[str]:
+    return set(inspect.signature(func).parameters)
+
+
+# ----------------------------------------------------------------------------------- probes
+def given(value: Any) -> Callable[[], Any]:
+    """A getter for an object already at hand (the probes take getters: most import on demand)."""
+    return lambda: value
+
+
+def has(get: Callable[[], Any], *names: str) -> Probe:
+    """``get()`` (a class or module) has these attributes."""
+    return lambda: all(hasattr(get(), n) for n in names)
+
+
+def uses(get: Callable[[], Any], *names: str) -> Probe:
+    """The code of ``get()`` (a class: all its methods, bases included; or a function) reads or sets
+    these attributes: instance attributes, which a class only shows once an instance exists."""
+    return lambda: set(names) <= code_names(get())
+
+
+def local(get: Callable[[], Any], *names: str, unwrap: bool = True) -> Probe:
+    """The frame of ``get()`` (a function) holds these local variables."""
+    return lambda: set(names) <= local_names(get(), unwrap=unwrap)
+
+
+def param(get: Callable[[], Any], *names: str) -> Probe:
+    """``get()`` (a function) takes these parameters."""
+    return lambda: set(names) <= params_of(get())
+
+
+def field(get: Callable[[], Any], *names: str) -> Probe:
+    """``get()`` (a dataclass) has these fields."""
+    return lambda: set(names) <= set(getattr(get(), "__dataclass_fields__", ()))
+
+
+def module_has(module: str, *names: str) -> Probe:
+    """``module`` (imported on demand) has these attributes."""
+    return lambda: all(hasattr(importlib.import_module(module), n) for n in names)
+
