@@ -37,7 +37,9 @@ loaded; without one, the Trainer's own resume runs as usual and keepalive checkp
 How: the callback finds its ``Trainer`` when training begins and, for that ``train()`` call only, puts a
 wrapper in front of the instance's ``_run_epoch`` that skips completed epochs and hands the resumed
 epoch its step counter (the same arguments the Trainer's own resume passes). Nothing is patched
-globally and no subclass is needed.
+globally and no subclass is needed. Every Trainer internal this relies on is listed in
+:mod:`keepalive.callbacks._compat_transformers` and checked when the callback is created: a
+transformers version without one is refused then, in one line, never in the middle of a training.
 """
 from __future__ import annotations
 
@@ -54,15 +56,13 @@ from ..config import CheckpointConfig
 from ..core import Checkpointer
 from ..errors import StateMismatchError
 from ..state import frozen_copy  # loaded tensors are views on the file buffer: what is kept gets copies
+from . import _compat_transformers as hfc
 from . import _hf_data
 from .torchstate import check_optimizer
 
 __all__ = ["DriveCheckpoint"]
 
 FORMAT = 1
-#: TrainerState fields that are training progress (the others are settings the Trainer recomputes)
-_STATE_FIELDS = ("epoch", "global_step", "num_input_tokens_seen", "total_flos", "log_history", "best_metric",
-                 "best_global_step", "best_model_checkpoint", "trial_name", "trial_params")
 #: a path that is never a Trainer checkpoint: the Trainer's resume branch runs, its file loads find nothing
 _NO_CHECKPOINT = os.path.join(os.sep, "nonexistent", "keepalive-positioned-resume")
 
@@ -77,6 +77,7 @@ class DriveCheckpoint(CheckpointAdapter, TrainerCallback):
 
     def __init__(self, path: Union[str, "os.PathLike[str]", None] = None, *,
                  config: Optional[CheckpointConfig] = None, **options: Any):
+        hfc.COMPAT.check()  # every Trainer internal this adapter uses exists (else one line says which)
         cfg = CheckpointConfig.strict(path, config, options, "DriveCheckpoint")
         self.core = Checkpointer(config=cfg, framework="transformers")
         self._trainer: Optional[Trainer] = None
@@ -128,7 +129,7 @@ class DriveCheckpoint(CheckpointAdapter, TrainerCallback):
         self._active = True
         core.total_epochs = int(state.num_train_epochs or 0) or None
         # The instance attribute comes before the class's method: this train() call only (see module)
-        trainer._run_epoch = _EpochRunner(self, trainer)  # type: ignore[method-assign,assignment]
+        setattr(trainer, hfc.RUN_EPOCH, _EpochRunner(self, trainer))
         if self._complete:
             control.should_training_stop = True
             return
@@ -280,7 +281,7 @@ class DriveCheckpoint(CheckpointAdapter, TrainerCallback):
         st = trainer.state
         hf = {
             "format": FORMAT,
-            "state": {name: getattr(st, name) for name in _STATE_FIELDS},
+            "state": {name: getattr(st, name) for name in hfc.STATE_FIELDS},
             "trainer": {"tr_loss": trainer._tr_loss.detach(),
                         "total_loss_scalar": float(trainer._total_loss_scalar),
                         "globalstep_last_logged": int(trainer._globalstep_last_logged),
@@ -343,7 +344,7 @@ class DriveCheckpoint(CheckpointAdapter, TrainerCallback):
                 live[name].load_state_dict(frozen_copy(objects[name]))
         hf = tree.get("hf") or {}
         for name, value in (hf.get("state") or {}).items():
-            if name in _STATE_FIELDS:
+            if name in hfc.STATE_FIELDS:
                 setattr(state, name, frozen_copy(value))
         acc = hf.get("trainer") or {}
         if "tr_loss" in acc:
@@ -367,15 +368,15 @@ class DriveCheckpoint(CheckpointAdapter, TrainerCallback):
 
 
 class _EpochRunner:
-    """Stands in for ``trainer._run_epoch`` during one ``train()`` call (see the module)."""
+    """Stands in for ``trainer._run_epoch`` (``hfc.RUN_EPOCH``) during one ``train()`` call (see the module)."""
 
     def __init__(self, cb: DriveCheckpoint, trainer: Trainer):
         self.cb, self.trainer = cb, trainer
 
     def __call__(self, **kwargs: Any) -> Any:
         cb, trainer = self.cb, self.trainer
-        run = type(trainer)._run_epoch.__get__(trainer)
-        if not cb._active or trainer._run_epoch is not self:
+        run = getattr(type(trainer), hfc.RUN_EPOCH).__get__(trainer)
+        if not cb._active or getattr(trainer, hfc.RUN_EPOCH) is not self:
             return run(**kwargs)
         epoch = int(kwargs["epoch"])
         resume = cb._resume

@@ -1,0 +1,102 @@
+"""The ``transformers`` / ``accelerate`` / ``torch`` internals the Hugging Face adapter relies on
+(``transformers.py``, ``_hf_data.py``), and their check (:mod:`keepalive.callbacks._compat`).
+
+Tested with transformers 5.23.0 and accelerate 1.15.0. The range starts at transformers 5.3, the first
+release whose ``Trainer`` runs an epoch in its own ``_run_epoch`` method with the resume arguments the
+adapter passes; ``_tr_loss`` and the running loss sums appeared with it. accelerate's sampler, loader
+wrapper and scaler attributes are the same in every 1.x release.
+"""
+from __future__ import annotations
+
+import re
+from typing import List
+
+import torch
+from transformers import Trainer, TrainerState
+from transformers.trainer_callback import CallbackHandler
+
+from ._compat import Framework, Internal, Package, code_names, field, given, has, local, param, uses
+
+__all__ = ["COMPAT", "RUN_EPOCH", "STATE_FIELDS"]
+
+#: the Trainer method that runs one epoch: replaced on the instance for one ``train()`` call
+RUN_EPOCH = "_run_epoch"
+#: TrainerState fields that are training progress (the others are settings the Trainer recomputes)
+STATE_FIELDS = ("epoch", "global_step", "num_input_tokens_seen", "total_flos", "log_history", "best_metric",
+                "best_global_step", "best_model_checkpoint", "trial_name", "trial_params")
+
+
+def _calls_run_epoch_with_keywords() -> bool:
+    """``_inner_training_loop`` calls ``self._run_epoch(epoch=..., ...)`` (the runner reads ``epoch``)."""
+    import inspect
+
+    loop = Trainer._inner_training_loop
+    try:
+        source = inspect.getsource(loop)
+    except (OSError, TypeError):  # no source shipped: the name at least
+        return RUN_EPOCH in code_names(loop)
+    return re.search(r"self\." + RUN_EPOCH + r"\(\s*(?:\w+=[^,]*,\s*)*epoch=", source) is not None
+
+
+def _internals() -> List[Internal]:
+    from accelerate import Accelerator
+    from accelerate.data_loader import DataLoaderShard, SeedableRandomSampler
+
+    T = "transformers.py"
+    rows = [
+        Internal("Trainer._inner_training_loop local 'self'", "the frame the callback walks up to at "
+                 "on_train_begin to find its Trainer (callbacks get no reference to it)",
+                 f"{T}: DriveCheckpoint._find_trainer",
+                 lambda: local(lambda: Trainer._inner_training_loop, "self")()
+                 and "on_train_begin" in code_names(Trainer._inner_training_loop),
+                 token='f_locals.get("self")'),
+        Internal("CallbackHandler.callbacks", "the callback list the found Trainer must hold this callback in",
+                 f"{T}: DriveCheckpoint._find_trainer, _exportable", uses(lambda: CallbackHandler, "callbacks"),
+                 token="callback_handler.callbacks"),
+        Internal("CallbackHandler.train_dataloader", "passed to on_train_begin as train_dataloader=: the "
+                 "loader whose batch sampler is replaced", f"{T}: DriveCheckpoint.on_train_begin",
+                 uses(lambda: CallbackHandler.call_event, "train_dataloader"), token='"train_dataloader"'),
+        Internal("Trainer._train_batch_size", "the per-step batch size (samples counter, resume check)",
+                 f"{T}: DriveCheckpoint.on_train_begin", uses(lambda: Trainer, "_train_batch_size")),
+        Internal(f"Trainer.{RUN_EPOCH}", "replaced on the instance for one train() call: skips completed "
+                 "epochs, starts the resumed one at its batch", f"{T}: DriveCheckpoint.on_train_begin, "
+                 "_EpochRunner", has(lambda: Trainer, RUN_EPOCH), token="RUN_EPOCH"),
+        Internal(f"Trainer._inner_training_loop calls {RUN_EPOCH}(epoch=...)", "the runner reads the epoch "
+                 "from the keyword arguments", f"{T}: _EpochRunner.__call__", _calls_run_epoch_with_keywords,
+                 token='kwargs["epoch"]'),
+        Internal(f"Trainer.{RUN_EPOCH}(skip_first_batches)", "a resumed epoch's first batches are dropped by "
+                 "accelerate's skip_first_batches (the positioned sampler yields placeholders for them)",
+                 f"{T}: _EpochRunner.__call__", uses(lambda: getattr(Trainer, RUN_EPOCH), "skip_first_batches"),
+                 token="SkipBatchSampler"),
+        Internal("Trainer._tr_loss", "the running loss sum since the last log (saved, restored)",
+                 f"{T}: DriveCheckpoint._capture, _restore", uses(lambda: Trainer, "_tr_loss")),
+        Internal("Trainer._total_loss_scalar", "the loss sum of the whole training (saved, restored)",
+                 f"{T}: DriveCheckpoint._capture, _restore", uses(lambda: Trainer, "_total_loss_scalar")),
+        Internal("Trainer._globalstep_last_logged", "the step of the last log (saved, restored)",
+                 f"{T}: DriveCheckpoint._capture, _restore", uses(lambda: Trainer, "_globalstep_last_logged")),
+        Internal("accelerate.Accelerator.scaler", "the GradScaler of a mixed-precision run (saved, restored)",
+                 f"{T}: DriveCheckpoint._objects", uses(lambda: Accelerator, "scaler"), token='"scaler"',
+                 package="accelerate"),
+        Internal("accelerate.data_loader.DataLoaderShard.base_dataloader", "the torch DataLoader inside "
+                 "accelerate's wrapper, whose batch sampler is replaced", "_hf_data.py: base_loader",
+                 uses(lambda: DataLoaderShard, "base_dataloader"), package="accelerate"),
+        Internal("accelerate.data_loader.SeedableRandomSampler.initial_seed", "the seed of each epoch's order "
+                 "(seed + epoch), recognised by the class name", "_hf_data.py: install",
+                 uses(lambda: SeedableRandomSampler, "initial_seed"), package="accelerate"),
+        Internal("torch.utils.data.RandomSampler._num_samples", "None unless num_samples= was given (then the "
+                 "order cannot be reproduced)", "_hf_data.py: install",
+                 uses(lambda: torch.utils.data.RandomSampler, "_num_samples"), package="torch"),
+    ]
+    rows += [Internal(f"Trainer.{RUN_EPOCH}({p}=)", "a resume argument the runner passes to the Trainer's "
+                      "own epoch (its step counter continues at the saved batch)", f"{T}: _EpochRunner.__call__",
+                      param(lambda: getattr(Trainer, RUN_EPOCH), p), token=f"{p}=")
+             for p in ("resume_from_checkpoint", "epochs_trained", "steps_trained_in_current_epoch")]
+    rows += [Internal(f"TrainerState.{f}", "a progress field saved and restored", f"{T}: DriveCheckpoint._capture",
+                      field(given(TrainerState), f), token="STATE_FIELDS")
+             for f in STATE_FIELDS]
+    return rows
+
+
+COMPAT = Framework("transformers", [Package("transformers", "transformers", ">=5.3,<6"),
+                                    Package("accelerate", "accelerate", ">=1.1,<2"),
+                                    Package("torch", "torch", ">=2.1")], _internals)
