@@ -35,6 +35,10 @@ is made at the next such boundary.
 
 Works with ``lightning.pytorch`` and, by duck typing, with a ``pytorch_lightning`` ``Trainer`` (the same
 code under its older name). Single device; with several processes (DDP) it declines to run.
+
+Versions: every Lightning internal this relies on (the loop methods it stands in front of, the
+connectors it reads) is listed in :mod:`keepalive.callbacks._compat_lightning` and checked when the
+callback is created: a Lightning without one is refused then, in one line, never in the middle of a fit.
 """
 from __future__ import annotations
 
@@ -54,6 +58,7 @@ from ..adapter import CheckpointAdapter
 from ..config import CheckpointConfig
 from ..core import Checkpointer
 from ..errors import StateMismatchError
+from . import _compat_lightning as lc
 from . import _lightning_data as data
 from . import _lightning_state as lstate
 from .torchstate import check_module
@@ -74,6 +79,7 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
 
     def __init__(self, path: Union[str, "os.PathLike[str]", None] = None, *,
                  config: Optional[CheckpointConfig] = None, **options: Any):
+        lc.COMPAT.check()  # every Lightning internal this adapter uses exists (else one line says which)
         super().__init__()
         cfg = CheckpointConfig.strict(path, config, options, "DriveCheckpoint")
         self.core = Checkpointer(config=cfg, framework="lightning")
@@ -192,18 +198,13 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
 
     # ---------------------------------------------------------------------------- loop wrappers
     def _attach(self, trainer: Any) -> None:
-        """Stand in front of four loop methods and the training data source of this trainer (its
-        instances only, until the fit ends): the boundaries where a save is exact."""
+        """Stand in front of three loop methods and the training data source's loader method of this
+        trainer (its instances only, until the fit ends): the boundaries where a save is exact. The
+        names are those of the inventory (``_compat_lightning``), checked when the callback was made."""
         self._detach()
         fit_loop = trainer.fit_loop
         epoch_loop = fit_loop.epoch_loop
-        source = getattr(fit_loop, "_data_source", None)
-        needed = ((fit_loop, "on_advance_start"), (fit_loop, "on_advance_end"), (epoch_loop, "on_advance_end"),
-                  (trainer, "_checkpoint_connector"))
-        missing = [name for obj, name in needed if getattr(obj, name, None) is None]
-        if missing:
-            raise RuntimeError(f"keepalive's Lightning DriveCheckpoint does not know this Lightning "
-                               f"{pl.__version__} (no {missing}); it is tested with Lightning 2.6")
+        source = getattr(fit_loop, lc.DATA_SOURCE, None)
         sigterm = _sigterm_exception()
 
         def epoch_start(*a: Any, **k: Any) -> Any:
@@ -229,16 +230,16 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
             self._step_boundary(trainer)
             return result
 
-        orig_start = self._wrap(fit_loop, "on_advance_start", epoch_start)
-        orig_end = self._wrap(fit_loop, "on_advance_end", epoch_end)
-        orig_batch_end = self._wrap(epoch_loop, "on_advance_end", batch_end)
-        if source is not None and callable(getattr(source, "dataloader", None)):
-            orig_loader = source.dataloader
+        orig_start = self._wrap(fit_loop, lc.EPOCH_START, epoch_start)
+        orig_end = self._wrap(fit_loop, lc.EPOCH_END, epoch_end)
+        orig_batch_end = self._wrap(epoch_loop, lc.BATCH_END, batch_end)
+        if source is not None and callable(getattr(source, lc.DATALOADER, None)):
+            orig_loader = getattr(source, lc.DATALOADER)
 
             def dataloader() -> Any:
                 return self._position(trainer, orig_loader())
 
-            self._wrap(source, "dataloader", dataloader)
+            self._wrap(source, lc.DATALOADER, dataloader)
         else:
             self.why_not = f"Lightning {pl.__version__} builds its training data in an unknown way"
 

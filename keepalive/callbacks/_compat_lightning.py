@@ -1,0 +1,139 @@
+"""The Lightning (and ``torchmetrics``) internals the Lightning adapter relies on (``lightning.py``,
+``_lightning_state.py``), and their check (:mod:`keepalive.callbacks._compat`).
+
+Tested with Lightning 2.6.6. Every name below exists since Lightning 2.2 (the release whose fit loop
+hands a training loader its saved position), but the restart code the adapter's exactness depends on
+(how the epoch loop re-creates its iterator on a resume, where a stop inside an epoch lands) changed in
+2.5.x and 2.6.0, so the range starts at 2.6; minor releases rework these loops, so it ends before 2.7.
+Works for the ``lightning.pytorch`` and the ``pytorch_lightning`` namespace (the same code).
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any, Callable, List
+
+try:  # the same namespace the adapter uses
+    import lightning.pytorch as pl
+except ImportError:  # pragma: no cover - depends on what is installed
+    import pytorch_lightning as pl  # type: ignore[no-redef]
+
+from ._compat import Framework, Internal, Package, field, has, module_has, param, uses
+
+__all__ = ["COMPAT", "EPOCH_START", "EPOCH_END", "BATCH_END", "DATA_SOURCE", "DATALOADER"]
+
+#: the fit loop's method before an epoch (replaced on the instance: restores the pending state)
+EPOCH_START = "on_advance_start"
+#: the fit loop's method after an epoch (replaced on the instance: the epoch-end checkpoint)
+EPOCH_END = "on_advance_end"
+#: the epoch loop's method after a training batch (replaced on the instance: the step checkpoint)
+BATCH_END = "on_advance_end"
+#: the fit loop's training data source, and its method that builds the loader (replaced: positioned)
+DATA_SOURCE = "_data_source"
+DATALOADER = "dataloader"
+
+_LOG_PARAMS = ("fx", "name", "value", "prog_bar", "logger", "on_step", "on_epoch", "reduce_fx", "enable_graph",
+               "add_dataloader_idx", "batch_size", "sync_dist", "sync_dist_fn", "metric_attribute",
+               "rank_zero_only")
+
+
+def _cls(module: str, name: str) -> Callable[[], Any]:
+    """A Lightning class, imported when a probe runs (from the namespace in use)."""
+    return lambda: getattr(importlib.import_module(f"{pl.__name__}.{module}"), name)
+
+
+def _internals() -> List[Internal]:
+    fit_loop = _cls("loops.fit_loop", "_FitLoop")
+    epoch_loop = _cls("loops.training_epoch_loop", "_TrainingEpochLoop")
+    connector = _cls("trainer.connectors.checkpoint_connector", "_CheckpointConnector")
+    logger = _cls("trainer.connectors.logger_connector.logger_connector", "_LoggerConnector")
+    result = "trainer.connectors.logger_connector.result"
+    metric, meta, sync = _cls(result, "_ResultMetric"), _cls(result, "_Metadata"), _cls(result, "_Sync")
+    L, S = "lightning.py", "_lightning_state.py"
+    rows = [
+        Internal(f"_FitLoop.{EPOCH_START}", "replaced on the trainer's fit loop for one fit: the RNGs and "
+                 "accumulators of a resume go back right before the epoch continues", f"{L}: DriveCheckpoint._attach",
+                 has(fit_loop, EPOCH_START), token="EPOCH_START"),
+        Internal(f"_FitLoop.{EPOCH_END}", "replaced on the trainer's fit loop for one fit: the epoch-end "
+                 "checkpoint", f"{L}: DriveCheckpoint._attach", has(fit_loop, EPOCH_END), token="EPOCH_END"),
+        Internal(f"_TrainingEpochLoop.{BATCH_END}", "replaced on the trainer's epoch loop for one fit: the "
+                 "checkpoint between two batches", f"{L}: DriveCheckpoint._attach", has(epoch_loop, BATCH_END),
+                 token="BATCH_END"),
+        Internal(f"_FitLoop.{DATA_SOURCE}", "the training data source", f"{L}: DriveCheckpoint._attach",
+                 uses(fit_loop, DATA_SOURCE), token="DATA_SOURCE"),
+        Internal(f"_DataLoaderSource.{DATALOADER}", "replaced on the fit loop's source for one fit: the "
+                 "training loader comes back positioned", f"{L}: DriveCheckpoint._attach",
+                 has(_cls("trainer.connectors.data_connector", "_DataLoaderSource"), DATALOADER),
+                 token="DATALOADER"),
+        Internal("Trainer._checkpoint_connector", "Lightning's own checkpoint: dumped at a save, handed the "
+                 "loaded one at a resume", f"{L}: DriveCheckpoint._capture, _resume",
+                 uses(lambda: pl.Trainer, "_checkpoint_connector")),
+        Internal("_CheckpointConnector.dump_checkpoint(weights_only=)", "what is saved",
+                 f"{L}: DriveCheckpoint._capture", param(lambda: connector().dump_checkpoint, "weights_only"),
+                 token="dump_checkpoint(weights_only="),
+        Internal("_CheckpointConnector._loaded_checkpoint", "set at a resume: Lightning's restore reads it",
+                 f"{L}: DriveCheckpoint._resume", uses(connector, "_loaded_checkpoint")),
+        Internal("_TrainingEpochLoop._results", "the epoch's self.log accumulators (saved, restored)",
+                 f"{L}: DriveCheckpoint._capture, _restore_pending", uses(epoch_loop, "_results")),
+        Internal("_TrainingEpochLoop._should_accumulate", "whether gradients are being accumulated (no save then)",
+                 f"{L}: DriveCheckpoint._step_boundary", has(epoch_loop, "_should_accumulate")),
+        Internal("_TrainingEpochLoop.batch_progress", "the batch position (is_last_batch, current.completed)",
+                 f"{L}: DriveCheckpoint._step_boundary", uses(epoch_loop, "batch_progress")),
+        Internal("_BatchProgress.is_last_batch", "no save after an epoch's last batch (its end comes next)",
+                 f"{L}: DriveCheckpoint._step_boundary",
+                 has(_cls("loops.progress", "_BatchProgress"), "is_last_batch")),
+        Internal("_TrainingEpochLoop.min_steps", "cleared at a deadline stop (a stop Lightning would refuse)",
+                 f"{L}: DriveCheckpoint._stop", uses(epoch_loop, "min_steps"), token='"min_steps"'),
+        Internal("_FitLoop.min_epochs", "cleared at a deadline stop (a stop Lightning would refuse)",
+                 f"{L}: DriveCheckpoint._stop", uses(fit_loop, "min_epochs"), token='"min_epochs"'),
+        Internal("_FitLoop.epoch_progress", "the epochs done (is this the last epoch)",
+                 f"{L}: DriveCheckpoint._is_last_epoch", uses(fit_loop, "epoch_progress")),
+        Internal("_FitLoop.max_epochs / max_steps", "the fit's length (is this the last epoch)",
+                 f"{L}: DriveCheckpoint._is_last_epoch", uses(fit_loop, "max_epochs", "max_steps"),
+                 token="fit_loop.max_steps"),
+        Internal("_FitLoop._can_stop_early", "whether a stop request ends the fit now",
+                 f"{L}: DriveCheckpoint._is_last_epoch", has(fit_loop, "_can_stop_early")),
+        Internal("_FitLoop._combined_loader", "the running training loaders (their batch size)",
+                 f"{L}: DriveCheckpoint._batch_samples", uses(fit_loop, "_combined_loader")),
+        Internal("lightning.pytorch.utilities.exceptions.SIGTERMException", "raised by the loop on SIGTERM: "
+                 "the boundary is saved before it propagates", f"{L}: _sigterm_exception",
+                 module_has(f"{pl.__name__}.utilities.exceptions", "SIGTERMException"), token="SIGTERMException"),
+        Internal("Trainer._logger_connector", "the trainer's metrics and the first-batch flag of self.log",
+                 f"{S}: capture_trainer_metrics", uses(lambda: pl.Trainer, "_logger_connector")),
+        Internal("_LoggerConnector._first_loop_iter", "set after a mid-epoch resume: self.log adds to the "
+                 "restored accumulators", f"{L}: DriveCheckpoint._restore_pending", uses(logger, "_first_loop_iter")),
+        Internal("_ResultCollection.log(...)", "recreates the accumulators with the metadata self.log gives "
+                 f"them ({', '.join(_LOG_PARAMS)})", f"{S}: restore_results",
+                 param(lambda: _cls(result, "_ResultCollection")().log, *_LOG_PARAMS), token="results.log("),
+        Internal("_Metadata.sync", "an accumulator's sync settings (should, rank_zero_only)",
+                 f"{S}: capture_results", lambda: has(meta, "sync")() and uses(sync, "should", "rank_zero_only")(),
+                 token="meta.sync"),
+    ]
+    rows += [Internal(f"_LoggerConnector.{a}", "the trainer's last metrics (saved, restored)",
+                      f"{S}: capture_trainer_metrics, restore_trainer_metrics", uses(logger, a))
+             for a in ("_callback_metrics", "_logged_metrics", "_progress_bar_metrics")]
+    rows += [Internal(f"_ResultMetric.{a}", "an epoch accumulator's state (saved, restored)",
+                      f"{S}: capture_results, restore_results", uses(metric, a), token=t)
+             for a, t in (("meta", "rm.meta"), ("is_tensor", '"is_tensor"'), ("value", "rm.value"),
+                          ("has_reset", "rm.has_reset"), ("cumulated_batch_size", "rm.cumulated_batch_size"),
+                          ("_forward_cache", "rm._forward_cache"), ("_computed", "rm._computed"))]
+    rows += [Internal(f"_Metadata.{f}", "an accumulator's metadata (saved, recreated)", f"{S}: capture_results",
+                      field(meta, f), token=f"meta.{f}")
+             for f in ("fx", "name", "prog_bar", "logger", "on_step", "on_epoch", "reduce_fx", "enable_graph",
+                       "add_dataloader_idx", "metric_attribute")]
+    rows += [Internal(f"torchmetrics.Metric.{a}", "a metric's non-persistent state (saved, restored)",
+                      f"{S}: capture_metrics, restore_metrics", uses(_torchmetrics_metric, a), token=a,
+                      package="torchmetrics")
+             for a in ("_defaults", "_update_count", "_computed")]
+    return rows
+
+
+def _torchmetrics_metric() -> Any:
+    import torchmetrics
+
+    return torchmetrics.Metric
+
+
+COMPAT = Framework("lightning", [Package("lightning" if pl.__name__.startswith("lightning") else "pytorch-lightning",
+                                         pl.__name__, ">=2.6,<2.7"),
+                                 Package("torchmetrics", "torchmetrics", ">=1.0,<2", only_if_imported=True)],
+                   _internals)
