@@ -20,6 +20,7 @@ from fastai.data.load import _FakeLoader
 
 from ..dataorder import mix
 from ..errors import StateMismatchError
+from . import _compat_fastai as fc
 from .torchstate import seed_worker_rngs
 
 __all__ = ["positionable", "check_resumable", "install", "rewind", "uninstall", "dl_rngs", "set_dl_rngs",
@@ -32,7 +33,7 @@ def positionable(dl: Any) -> Optional[str]:
         return f"the training loader is a {type(dl).__name__}, not a fastai DataLoader"
     if not dl.indexed or dl.bs is None or dl.n is None:
         return "the training loader is not an indexed, batched dataset of known length"
-    for name in ("get_idxs", "shuffle_fn", "sample", "create_batches", "chunkify", "randomize"):
+    for name in fc.ORDER_METHODS:
         if name in dl.__dict__:
             return f"the training loader has a custom {name}()"
         if getattr(type(dl), name) is not getattr(FastaiDataLoader, name):

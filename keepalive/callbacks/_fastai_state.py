@@ -30,13 +30,12 @@ from fastcore.foundation import L
 from .. import notebook
 from ..errors import StateMismatchError
 from ..state import frozen_copy  # loaded tensors are views on the file buffer: what is kept gets copies
+from . import _compat_fastai as fc
 from ._fastai_data import dl_rngs
 from .torchstate import check_module, check_optimizer
 
 __all__ = ["capture_objects", "check_fits", "restore", "capture_callbacks", "describe", "phase_words",
            "fine_tune_phase", "epochs", "where_words", "cell_identity", "FitLog"]
-
-_TRACKER_ATTRS = ("best", "wait", "new_best", "last_saved_path")
 
 
 # --------------------------------------------------------------------------------- conversions
@@ -159,7 +158,7 @@ def capture_callbacks(learn: Learner) -> Dict[str, Any]:
         "frozen_idx": getattr(learn.opt, "frozen_idx", None),
         "dl_rngs": dl_rngs(learn),  # restored by the caller, when the data of an epoch begins
         "recorder": _capture_recorder(learn),
-        "trackers": {key: {a: _plain(cb.__dict__[a]) for a in _TRACKER_ATTRS if a in cb.__dict__}
+        "trackers": {key: {a: _plain(cb.__dict__[a]) for a in fc.TRACKER_ATTRS if a in cb.__dict__}
                      for key, cb in _trackers(learn).items()},
     }
     sched = _scheduler(learn)
@@ -336,7 +335,7 @@ class FitLog:
 # ---------------------------------------------------------------------------------- positions
 def fine_tune_phase(learn: Learner) -> Optional[int]:
     """1 or 2 when this fit is called by ``learn.fine_tune`` (frozen / unfrozen fit), else None."""
-    code = getattr(getattr(Learner, "fine_tune", None), "__code__", None)
+    code = getattr(getattr(Learner, fc.FINE_TUNE, None), "__code__", None)
     phase = 1 if getattr(learn.opt, "frozen_idx", 0) > 0 else 2
     frame: Optional[FrameType] = sys._getframe(1)
     while frame is not None and code is not None:

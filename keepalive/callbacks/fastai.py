@@ -24,6 +24,8 @@ Near the session's time limit the fit is saved and cancelled (``cb.stopped``; la
 skipped). A checkpoint that does not fit the learner raises :class:`~keepalive.errors.StateMismatchError`
 before anything changes. How: while attached, a wrapper stands in front of ``Learner._with_events`` on
 that learner, so skipped fits and epochs reach no callback and saves run after every other callback.
+Every fastai internal this relies on is listed in :mod:`keepalive.callbacks._compat_fastai` and checked
+when the callback is created: a fastai version without one is refused then, in one line.
 """
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ from fastcore.basics import noop
 from ..adapter import RunViews
 from ..config import CheckpointConfig
 from ..core import Checkpointer
+from . import _compat_fastai as fc
 from . import _fastai_data as data
 from . import _fastai_state as state
 
@@ -79,7 +82,7 @@ class _EventsHook:
     def call(self, f, event_type, ex, final=noop):
         if self.previous is not None:
             return self.previous(f, event_type, ex, final)
-        return type(self.learn)._with_events(self.learn, f, event_type, ex, final)
+        return getattr(type(self.learn), fc.WITH_EVENTS)(self.learn, f, event_type, ex, final)
 
     def __call__(self, f, event_type, ex, final=noop):
         return self.cb._events(self.learn, self.call, f, event_type, ex, final)
@@ -98,6 +101,7 @@ class DriveCheckpoint(RunViews, Callback):  # RunViews: no epoch / step (a callb
 
     def __init__(self, path: Union[str, "os.PathLike[str]", None] = None, *,
                  config: Optional[CheckpointConfig] = None, **options: Any):
+        fc.COMPAT.check()  # every fastai internal this adapter uses exists (else one line says which)
         super().__init__()
         self._config = CheckpointConfig.strict(path, config, options, "DriveCheckpoint")
         self._n_fits = 0             # fit calls this callback has counted (lr_find etc. are not)
@@ -131,39 +135,39 @@ class DriveCheckpoint(RunViews, Callback):  # RunViews: no epoch / step (a callb
         old = self.__dict__.get("_learn")
         if old is value:
             return
-        hook = old.__dict__.get("_with_events") if old is not None else None
+        hook = old.__dict__.get(fc.WITH_EVENTS) if old is not None else None
         if isinstance(hook, _EventsHook) and hook.cb is self:  # detached: fastai's own one again
             if hook.previous is None:
-                del old.__dict__["_with_events"]
+                del old.__dict__[fc.WITH_EVENTS]
             else:
-                old.__dict__["_with_events"] = hook.previous
+                old.__dict__[fc.WITH_EVENTS] = hook.previous
         self.__dict__["_learn"] = value
         if value is not None:
-            if not callable(getattr(type(value), "_with_events", None)):
+            if not callable(getattr(type(value), fc.WITH_EVENTS, None)):
                 raise TypeError(f"keepalive's fastai DriveCheckpoint needs Learner._with_events (fastai "
                                 f"2.x); {type(value).__name__} has none")
-            value.__dict__["_with_events"] = _EventsHook(self, value, value.__dict__.get("_with_events"))
+            value.__dict__[fc.WITH_EVENTS] = _EventsHook(self, value, value.__dict__.get(fc.WITH_EVENTS))
 
     # ---------------------------------------------------------------------------- event routing
     def _events(self, learn: Learner, call: Callable, f, event_type: str, ex, final) -> Any:
-        if event_type == "fit":
+        if event_type == fc.FIT_EVENT:
             return self._run_fit(learn, call, f, ex, final)
         st = self._fit
         if st is None:
             return call(f, event_type, ex, final)
-        if event_type == "epoch":
+        if event_type == fc.EPOCH_EVENT:
             if learn.epoch < st.skip_until:
                 return None  # finished before the restart: no event, nothing runs
             st.epoch_ended = False
             self.core.start_epoch()
-            return call(f, "epoch", ex, _then(lambda: self._epoch_end(learn, st), final))
-        if event_type == "batch" and learn.training:
-            return call(f, "batch", ex, _then(lambda: self._step_end(learn, st), final))
+            return call(f, fc.EPOCH_EVENT, ex, _then(lambda: self._epoch_end(learn, st), final))
+        if event_type == fc.BATCH_EVENT and learn.training:
+            return call(f, fc.BATCH_EVENT, ex, _then(lambda: self._step_end(learn, st), final))
         return call(f, event_type, ex, final)
 
     def _run_fit(self, learn: Learner, call: Callable, f, ex, final) -> Any:
         if self._fit is not None or any(isinstance(cb, LRFinder) for cb in learn.cbs):
-            return call(f, "fit", ex, final)  # lr_find (restores the weights itself) or nested
+            return call(f, fc.FIT_EVENT, ex, final)  # lr_find (restores the weights itself) or nested
         core = self.core
         if core.stopped:
             core.say("fit skipped: training stopped before the session's end. In a new session run the "
@@ -221,7 +225,7 @@ class DriveCheckpoint(RunViews, Callback):  # RunViews: no epoch / step (a callb
             f()
 
         try:
-            return call(do_fit, "fit", ex, _then(lambda: self._fit_end(learn, st), final))
+            return call(do_fit, fc.FIT_EVENT, ex, _then(lambda: self._fit_end(learn, st), final))
         finally:
             self._fit = None
             if st.positioned:
