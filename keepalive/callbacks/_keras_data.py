@@ -55,6 +55,7 @@ import keras
 import numpy as np
 
 from ..dataorder import EpochOrder, mix
+from . import _compat_keras as kc
 
 __all__ = ["ResumableData", "bind_passes", "batch_samples", "default_data_seed", "inexact_input",
            "pass_length", "resume_at", "sample_batch", "set_epoch_length", "unbind_passes"]
@@ -218,7 +219,7 @@ def bind_passes(iterator: Any) -> Tuple[Optional[ResumableData], Any, Optional[s
     ds = getattr(adapter, "py_dataset", None)
     if not isinstance(ds, ResumableData):
         return None, None, None
-    if getattr(adapter, "enqueuer", None) is not None or not hasattr(adapter, "_finite_generator") \
+    if getattr(adapter, "enqueuer", None) is not None or not hasattr(adapter, kc.FINITE_GENERATOR) \
             or not hasattr(adapter, "_standardize_batch") or not hasattr(iterator, "_num_batches"):
         return None, None, ("this Keras version iterates ResumableData differently; checkpoints at "
                             "epoch ends only")
@@ -231,7 +232,7 @@ def bind_passes(iterator: Any) -> Tuple[Optional[ResumableData], Any, Optional[s
         for b in range(start, ds.batches_per_epoch):
             yield adapter._standardize_batch(ds.get(epoch, b))
 
-    adapter._finite_generator = one_pass  # per instance: fit's input pipeline calls it per pass
+    setattr(adapter, kc.FINITE_GENERATOR, one_pass)  # per instance: fit's input pipeline calls it per pass
     return ds, adapter, None
 
 
@@ -263,7 +264,7 @@ def resume_at(data: Optional[ResumableData], saved: Mapping[str, Any], epoch: in
 
 def unbind_passes(adapter: Any) -> None:
     """Undo :func:`bind_passes` (the Keras data adapter iterates as Keras does again)."""
-    adapter.__dict__.pop("_finite_generator", None)
+    adapter.__dict__.pop(kc.FINITE_GENERATOR, None)
 
 
 def set_epoch_length(iterator: Any, callbacks: List[Any], batches: int) -> None:

@@ -21,6 +21,7 @@ import numpy as np
 from .. import rng
 from ..adapter import check_fits
 from ..errors import StateMismatchError
+from . import _compat_keras as kc
 
 __all__ = ["CALLBACK_STATE", "assign", "assign_if_fits", "callback_state", "callback_states", "capture_tree",
            "describe",
@@ -256,27 +257,24 @@ def ensure_built(model: Any, batch: Any) -> Optional[str]:
 
 
 def fit_locals(model: Any) -> Dict[str, Any]:
-    """The local variables of the ``fit`` call that runs the callbacks (its epoch iterator and
-    callback list), found by walking up from the callback hook; empty if the layout is unknown."""
+    """The local variables of the ``fit`` call that runs the callbacks (``iterator``, ``callbacks``,
+    ``epochs``, ``initial_epoch``: :data:`kc.FIT_LOCALS` names them in Keras), found by walking up from
+    the callback hook; empty if the layout is unknown."""
+    names = kc.FIT_LOCALS
     frame: Any = sys._getframe(1)
     for _ in range(16):
         if frame is None:
             break
         loc = frame.f_locals
-        if loc.get("self") is model and "epoch_iterator" in loc and "callbacks" in loc:
-            return dict(loc)
+        if loc.get("self") is model and names["iterator"] in loc and names["callbacks"] in loc:
+            return {key: loc.get(name) for key, name in names.items()}
         frame = frame.f_back
     return {}
 
 
 # ---------------------------------------------------------------------------------- callbacks
 #: the attributes that make up the state of Keras' stateful callbacks (subclasses included)
-CALLBACK_STATE = {
-    keras.callbacks.EarlyStopping: ("wait", "stopped_epoch", "best", "best_epoch", "best_weights"),
-    keras.callbacks.ReduceLROnPlateau: ("wait", "cooldown_counter", "best"),
-    keras.callbacks.ModelCheckpoint: ("best", "_current_epoch", "_batches_seen_since_last_saving",
-                                      "_last_batch_seen"),
-}
+CALLBACK_STATE = kc.CALLBACK_STATE
 
 
 def _csv_text(cb: Any) -> str:

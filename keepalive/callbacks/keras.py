@@ -36,6 +36,8 @@ n exactly; a kill before stage n's first save restores stage n-1's end. Create t
 Put it anywhere in ``callbacks=[...]`` (it saves after all other callbacks' epoch ends). Options:
 :class:`keepalive.config.CheckpointConfig`. Before the session's time limit it saves and sets
 ``model.stop_training`` (check ``ckpt.stopped``). Not restorable: ``keepalive.callbacks._keras_state``.
+The Keras internals this relies on are listed in ``keepalive.callbacks._compat_keras`` and checked when
+the callback is created: a Keras version without one is refused then, in one line.
 """
 from __future__ import annotations
 
@@ -48,6 +50,7 @@ import keras
 from ..adapter import CheckpointAdapter
 from ..config import CheckpointConfig
 from ..core import Checkpointer
+from . import _compat_keras as kc
 from . import _keras_state as kstate
 from ._keras_data import (
     ResumableData,
@@ -110,6 +113,7 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
 
     def __init__(self, path: Union[str, "os.PathLike[str]", None] = None, *, track: Sequence[Any] = (),
                  config: Optional[CheckpointConfig] = None, **options: Any) -> None:
+        kc.COMPAT.check()  # every Keras internal this adapter uses exists (else one line says which)
         super().__init__()
         cfg = CheckpointConfig.strict(path, config, options, "DriveCheckpoint")
         self.core = Checkpointer(config=cfg, framework="keras")
@@ -126,7 +130,7 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
         _LIVE.add(self)
 
     def _reset_fit_state(self) -> None:
-        self._fit: Dict[str, Any] = {}  # the locals of the running fit (epoch_iterator, callbacks)
+        self._fit: Dict[str, Any] = {}  # the locals of the running fit (kstate.fit_locals: iterator, callbacks, ...)
         self._callbacks: List[Any] = []
         self._tail: Optional[_EpochEnd] = None
         self._pending: Dict[str, Any] = {}  # restored at the latest moment before the first batch
@@ -174,7 +178,7 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
         self._callbacks = self._find_callbacks()
         self._bind_data()
         model._initial_epoch = None
-        it = self._fit.get("epoch_iterator")
+        it = self._fit.get("iterator")
         for key, problem in (("inexact-data", inexact_input(it, self.data)),
                              ("build", kstate.ensure_built(model, sample_batch(it, self.data)))):
             if problem:
@@ -251,7 +255,7 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
 
     def _bind_data(self) -> None:
         """Find the fit's input; with ResumableData, bind each pass to its epoch (mid-epoch saves)."""
-        self.data, self._adapter, problem = bind_passes(self._fit.get("epoch_iterator"))
+        self.data, self._adapter, problem = bind_passes(self._fit.get("iterator"))
         self.core.trigger.mid_epoch = self.data is not None
         if problem:
             self.core.warn(problem, key="resumable-data")
@@ -266,7 +270,7 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
         batch, problems = resume_at(self.data, tree.get("data") or {}, epoch, int(tree["counters"].get("batch", 0)))
         for line in problems:
             core.warn(line)
-        it = self._fit.get("epoch_iterator")
+        it = self._fit.get("iterator")
         if batch and self.data is not None:
             self._short_epoch = epoch
             set_epoch_length(it, self._callbacks, self.data.batches_per_epoch - batch)
@@ -330,14 +334,14 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
             return
         core = self.core
         done = int(batch) + 1  # batches done in this pass (batch = last step of the execution)
-        length = pass_length(self._fit.get("epoch_iterator"))
+        length = pass_length(self._fit.get("iterator"))
         if length:  # the last execution of a pass may hold fewer than steps_per_execution steps
             done = min(done, length)
         n = max(0, done - self._pass_done)
         self._pass_done = done
         first = core.counters["batch"]
         samples = self.data.samples_between(first, n) if self.data is not None else \
-            batch_samples(getattr(self._fit.get("epoch_iterator"), "data_adapter", None), first, n)
+            batch_samples(getattr(self._fit.get("iterator"), "data_adapter", None), first, n)
         # The epoch's last batch: its end (validation, other callbacks) has not run yet, and a resume
         # cannot replay an epoch end without batches. A save or a deadline stop due here is carried
         # out at the epoch end (the core defers both).
@@ -357,7 +361,7 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
             return
         self._offset = 0
         if self._short_epoch is not None and self.data is not None:
-            set_epoch_length(self._fit["epoch_iterator"], self._callbacks, self.data.batches_per_epoch)
+            set_epoch_length(self._fit["iterator"], self._callbacks, self.data.batches_per_epoch)
             self._short_epoch = None
         done = int(epoch) + 1
         last = done >= self._epochs() or bool(self.model.stop_training)

@@ -1,0 +1,153 @@
+"""The Keras (and TensorFlow) internals the Keras adapter relies on (``keras.py``, ``_keras_state.py``,
+``_keras_data.py``), and their check (:mod:`keepalive.callbacks._compat`).
+
+Tested with Keras 3.15 on TensorFlow 2.21 and on the torch backend. The range starts at Keras 3.13, the
+first release that names its global seed generator's slot (``GLOBAL_SEED_GENERATOR``, restored with
+the RNGs); the other names below exist since 3.6. TensorFlow's internals are checked only when
+TensorFlow is imported (the TensorFlow backend), as the adapter only uses them then.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any, Callable, Dict, List, Tuple
+
+import keras
+
+from ._compat import Framework, Internal, Package, given, has, local, module_has, param, uses
+
+__all__ = ["COMPAT", "FIT_LOCALS", "FINITE_GENERATOR", "CALLBACK_STATE"]
+
+#: the local variables of the running ``fit`` the callback reads (its key -> Keras' name): found by
+#: walking up from a callback hook to the frame whose ``self`` is the model
+FIT_LOCALS = {"iterator": "epoch_iterator", "callbacks": "callbacks", "epochs": "epochs",
+              "initial_epoch": "initial_epoch"}
+#: the method of Keras' PyDataset adapter that yields one pass: replaced on the instance for ResumableData
+FINITE_GENERATOR = "_finite_generator"
+#: the attributes that make up the state of Keras' stateful callbacks (subclasses included)
+CALLBACK_STATE: Dict[Any, Tuple[str, ...]] = {
+    keras.callbacks.EarlyStopping: ("wait", "stopped_epoch", "best", "best_epoch", "best_weights"),
+    keras.callbacks.ReduceLROnPlateau: ("wait", "cooldown_counter", "best"),
+    keras.callbacks.ModelCheckpoint: ("best", "_current_epoch", "_batches_seen_since_last_saving",
+                                      "_last_batch_seen"),
+}
+
+_ADAPTERS = {"ArrayDataAdapter": "array_data_adapter", "TFDatasetAdapter": "tf_dataset_adapter",
+             "GeneratorDataAdapter": "generator_data_adapter", "PyDatasetAdapter": "py_dataset_adapter"}
+
+
+def _adapter(name: str) -> Callable[[], Any]:
+    """A Keras data adapter class (compared by name in ``_keras_data``)."""
+    return lambda: getattr(importlib.import_module(f"keras.src.trainers.data_adapters.{_ADAPTERS[name]}"), name)
+
+
+def _epoch_iterator() -> Any:
+    from keras.src.trainers.epoch_iterator import EpochIterator
+
+    return EpochIterator
+
+
+def _tf_context() -> Any:
+    from tensorflow.python.eager import context
+
+    return context.Context
+
+
+def _eager_tensor() -> Any:
+    from tensorflow.python.framework import ops
+
+    return ops.EagerTensor
+
+
+def _internals() -> List[Internal]:
+    K, S, D = "keras.py", "_keras_state.py", "_keras_data.py"
+    tf = "tensorflow"
+    rows = [Internal(f"Model.fit local '{name}'", "read from the running fit's frame (walked up to from a "
+                     "callback hook)", f"{S}: fit_locals", local(lambda: keras.Model.fit, "self", name),
+                     token="FIT_LOCALS")
+            for name in FIT_LOCALS.values()]
+    rows += [
+        Internal("Model._initial_epoch", "read by fit before its first epoch: set to skip finished epochs",
+                 f"{K}: DriveCheckpoint._restore, _begin_stage", uses(lambda: keras.Model.fit, "_initial_epoch")),
+        Internal("CallbackList.callbacks", "the fit's callback list: the epoch-end tail is appended to it",
+                 f"{K}: DriveCheckpoint._install_tail", uses(lambda: keras.callbacks.CallbackList, "callbacks"),
+                 token='"callbacks", None)'),
+        Internal("Layer._flatten_layers", "whether every layer is built", f"{S}: ensure_built",
+                 has(lambda: keras.Model, "_flatten_layers")),
+        Internal("Model._symbolic_build(data_batch=)", "builds compiled metrics, loss and optimizer before the "
+                 "first step (the checkpoint loads into them)", f"{S}: ensure_built",
+                 param(lambda: keras.Model._symbolic_build, "data_batch"), token="_symbolic_build(data_batch="),
+        Internal("Model._compile_metrics", "whether the compiled metrics are built", f"{S}: _unbuilt",
+                 uses(lambda: keras.Model, "_compile_metrics"), token='"_compile_metrics"'),
+        Internal("Model._compile_loss", "whether the compiled loss is built", f"{S}: _unbuilt",
+                 uses(lambda: keras.Model, "_compile_loss"), token='"_compile_loss"'),
+        Internal("keras.src.backend.common.global_state.get_global_attribute / set_global_attribute",
+                 "reach the Keras global SeedGenerator (saved, restored)", f"{S}: _keras_seed_capture",
+                 module_has("keras.src.backend.common.global_state", "get_global_attribute", "set_global_attribute"),
+                 token="global_state.set_global_attribute"),
+        Internal("keras.src.random.seed_generator.GLOBAL_SEED_GENERATOR", "the global SeedGenerator's slot",
+                 f"{S}: _keras_seed_capture", module_has("keras.src.random.seed_generator", "GLOBAL_SEED_GENERATOR")),
+        Internal("keras.src.random.seed_generator.global_seed_generator", "creates the global SeedGenerator at a "
+                 "restore", f"{S}: _keras_seed_restore", module_has("keras.src.random.seed_generator",
+                                                                    "global_seed_generator")),
+        Internal("keras.src.utils.file_utils.exists / File", "read a CSVLogger's file (saved with the checkpoint)",
+                 f"{S}: _csv_text", module_has("keras.src.utils.file_utils", "exists", "File"),
+                 token="file_utils.File"),
+        Internal("CSVLogger.csv_file", "the open file a resume rewrites", f"{S}: _csv_restore",
+                 uses(lambda: keras.callbacks.CSVLogger, "csv_file"), token='"csv_file"'),
+        Internal("CSVLogger.append_header", "whether the next write starts with the header", f"{S}: _csv_restore",
+                 uses(lambda: keras.callbacks.CSVLogger, "append_header"), token="cb.append_header"),
+        Internal("ProgbarLogger.target", "the progress bar's length in a resumed, shorter epoch (display only)",
+                 f"{D}: set_epoch_length", uses(lambda: keras.callbacks.ProgbarLogger, "target"),
+                 token="cb.target", required=False),
+        Internal("EpochIterator.data_adapter", "the fit's input, to recognise ResumableData and the input kind",
+                 f"{D}: bind_passes, sample_batch", uses(_epoch_iterator, "data_adapter"), token='"data_adapter"'),
+        Internal("EpochIterator._num_batches", "the number of batches of a pass (a resumed epoch has fewer)",
+                 f"{D}: set_epoch_length, pass_length", uses(_epoch_iterator, "_num_batches")),
+        Internal("EpochIterator.steps_per_epoch", "fit(steps_per_epoch=...) (then: epoch-end saves)",
+                 f"{D}: bind_passes, pass_length", uses(_epoch_iterator, "steps_per_epoch"), token='"steps_per_epoch"'),
+        Internal(f"PyDatasetAdapter.{FINITE_GENERATOR}", "replaced on the instance: each pass of ResumableData "
+                 "yields its epoch from the planned batch (without it: epoch-end saves, said once)",
+                 f"{D}: bind_passes", has(_adapter("PyDatasetAdapter"), FINITE_GENERATOR), token="FINITE_GENERATOR",
+                 required=False),
+        Internal("PyDatasetAdapter._standardize_batch", "what Keras does to each batch of a pass (without it: "
+                 "epoch-end saves, said once)", f"{D}: bind_passes",
+                 has(_adapter("PyDatasetAdapter"), "_standardize_batch"), required=False),
+        Internal("PyDatasetAdapter.py_dataset", "the PyDataset fit iterates (is it ResumableData)", f"{D}: bind_passes",
+                 uses(_adapter("PyDatasetAdapter"), "py_dataset"), token='"py_dataset"'),
+        Internal("PyDatasetAdapter.enqueuer", "worker threads / processes (then: epoch-end saves)", f"{D}: bind_passes",
+                 uses(_adapter("PyDatasetAdapter"), "enqueuer"), token='"enqueuer"'),
+        Internal("PyDatasetAdapter.shuffle", "a shuffled PyDataset (then: an inexact resume, said once)",
+                 f"{D}: inexact_input", uses(_adapter("PyDatasetAdapter"), "shuffle"), token='"shuffle"'),
+        Internal("ArrayDataAdapter._inputs", "the arrays, to peek at one batch without drawing from the pipeline",
+                 f"{D}: sample_batch", uses(_adapter("ArrayDataAdapter"), "_inputs"), token="adapter._inputs"),
+        Internal("ArrayDataAdapter._shuffle", "whether plain arrays are shuffled (TF seed check)",
+                 f"{S}: seed_mismatch", uses(_adapter("ArrayDataAdapter"), "_shuffle"), token='"_shuffle"'),
+        Internal("TFDatasetAdapter._dataset", "the tf.data.Dataset's element spec (to build the model)",
+                 f"{D}: sample_batch", uses(_adapter("TFDatasetAdapter"), "_dataset"), token="adapter._dataset"),
+        Internal("GeneratorDataAdapter._first_batches", "the batch Keras peeked at already (to build the model)",
+                 f"{D}: sample_batch", uses(_adapter("GeneratorDataAdapter"), "_first_batches"),
+                 token='"_first_batches"'),
+        Internal("tensorflow.python.ops.stateful_random_ops.global_generator", "TensorFlow's global "
+                 "tf.random.Generator (saved)", f"{S}: _tf_generator_capture",
+                 module_has("tensorflow.python.ops.stateful_random_ops", "global_generator"),
+                 token="stateful_random_ops.global_generator", package=tf),
+        Internal("tensorflow.python.eager.context.Context._seed / _rng", "TensorFlow's global seed and eager op-seed sequence (saved, "
+                 "restored)", f"{S}: _tf_op_seeds_capture", uses(_tf_context, "_seed", "_rng"), token="ctx._rng",
+                 package=tf),
+        Internal("tensorflow.python.eager.context.Context._set_global_seed", "sets the global seed at a restore",
+                 f"{S}: _tf_op_seeds_restore", has(_tf_context, "_set_global_seed"), package=tf),
+        Internal("tensorflow.python.framework.ops.EagerTensor._numpy", "a view of a variable's buffer (without it: a copy, slower)",
+                 f"{S}: variable_array", has(_eager_tensor, "_numpy"), token='"_numpy"', package=tf,
+                 required=False),
+    ]
+    rows += [Internal(name, "compared by class name: what kind of input fit reads", f"{D}: sample_batch",
+                      module_has(f"keras.src.trainers.data_adapters.{module}", name), token=f'"{name}"')
+             for name, module in _ADAPTERS.items()]
+    rows += [Internal(f"{cls.__name__}.{a}", "a stateful callback's state (saved, restored)",
+                      f"{S}: callback_state", uses(given(cls), a), token="CALLBACK_STATE")
+             for cls, attrs in CALLBACK_STATE.items() for a in attrs]
+    return rows
+
+
+COMPAT = Framework("keras", [Package("keras", "keras", ">=3.13,<4"),
+                             Package("tensorflow", "tensorflow", ">=2.16,<3", only_if_imported=True)], _internals)
