@@ -46,7 +46,7 @@ from typing import Callable, Dict, Iterator, Mapping, MutableMapping, Optional, 
 __all__ = [
     "COUNTER_NAMES", "BatchEnd", "BoundaryState", "CounterView", "Counters", "Deadline", "Decision", "Due",
     "EpochCounted", "EpochEnd", "Event", "Finish", "NewFit", "OptimizerStep", "Pending", "Restored", "Saved",
-    "SetCounter", "Signal", "StageEnd", "agreed", "signal_name", "transition",
+    "SetCounter", "Signal", "StageEnd", "agreed", "count", "signal_name", "transition",
 ]
 
 #: the counters every adapter shares: epochs completed, optimizer steps, batches done in the running
@@ -307,6 +307,19 @@ def transition(state: BoundaryState, event: Event) -> Tuple[BoundaryState, Decis
             raise KeyError(event.name)
         return replace(state, counters=replace(state.counters, **{event.name: int(event.value)})), NOTHING
     raise TypeError(f"not a boundary event: {event!r}")
+
+
+def count(state: BoundaryState, event: Union[BatchEnd, EpochEnd]) -> Tuple[BoundaryState, Union[BatchEnd, EpochEnd]]:
+    """The counting half of a batch or epoch end, alone: the state with its counters moved, and the
+    event that acts at that boundary without counting again. (The schedule is asked between the two,
+    so that what it reads, e.g. a deadline that depends on the step, sees the new counters.)"""
+    if isinstance(event, BatchEnd):
+        counted, _ = _batch_end(state, replace(event, positionable=False, grads_pending=True, requested=False,
+                                               due=Due()))
+        return (replace(counted, pending=state.pending),
+                replace(event, steps=0, batch=counted.counters.batch, samples=0))
+    counted, _ = _epoch_end(state, replace(event, last=False, requested=False, due=Due()))
+    return replace(state, counters=counted.counters, steps_seen=()), replace(event, count=False, epoch=None)
 
 
 def _owe(pending: Pending, due: Due, requested: bool) -> Pending:

@@ -325,9 +325,11 @@ class Checkpointer:
             steps = self.state.counted_steps if self._watched else 1
         n = int(steps)
         consistent = can_save and not pending
-        due = _due(self.trigger.after_step(n, consistent=consistent))
-        decision = self._feed(bd.BatchEnd(steps=n, batch=batch, samples=int(samples), positionable=can_save,
-                                          grads_pending=pending, requested=requested, due=due))
+        self.state, event = bd.count(self.state, bd.BatchEnd(
+            steps=n, batch=batch, samples=int(samples), positionable=can_save, grads_pending=pending,
+            requested=requested))
+        due = _due(self.trigger.after_step(n, consistent=consistent))  # sees the counters moved
+        decision = self._feed(replace(event, due=due))
         if consistent:
             decision = self._agree(decision)
         return self._carry_out(decision, capture)
@@ -340,9 +342,11 @@ class Checkpointer:
         without an epoch end, e.g. stopped by another callback)."""
         self._before_boundary(capture)
         steps = self.state.counted_steps
-        due = _due(self.trigger.after_step(steps)) if steps else bd.Due()
+        self.state, event = bd.count(self.state, bd.EpochEnd(epoch=epoch, last=last, requested=requested,
+                                                             count=count))
+        due = _due(self.trigger.after_step(steps)) if steps else bd.Due()  # see the counters moved
         due = _merge(due, _due(self.trigger.after_epoch()))
-        decision = self._feed(bd.EpochEnd(epoch=epoch, last=last, requested=requested, count=count, due=due))
+        decision = self._feed(replace(event, due=due))
         if not last:
             decision = self._agree(decision)
         if self.training_progress is not None:

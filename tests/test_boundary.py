@@ -36,6 +36,7 @@ from keepalive.boundary import (
     Signal,
     StageEnd,
     agreed,
+    count,
     signal_name,
     transition,
 )
@@ -795,3 +796,16 @@ def test_random_sequences_reach_every_decision():
                 kinds.add("async save")
     assert notes == {"", "received", "saved", "insisted", "unsaveable", "finished"}
     assert kinds == {"save", "flush", "stop", "finished", "async save"}
+
+
+def test_count_moves_the_counters_first_and_the_rest_of_the_event_acts_without_counting_again():
+    start = feed([OptimizerStep(), OptimizerStep(1), OptimizerStep(1)])[0]
+    event = BatchEnd(samples=4, due=Due(save="every 2 steps"))
+    counted, rest = count(start, event)
+    assert counted.counters.step == 2 and counted.counters.samples == 4 and counted.steps_seen == ()
+    assert counted.pending == start.pending  # nothing owed, nothing paid yet
+    whole = transition(start, event)
+    assert transition(counted, rest) == whole  # the two halves are the whole
+    ended, rest = count(whole[0], EpochEnd(due=Due(save="end of epoch")))
+    assert ended.counters.epoch == 1 and ended.counters.batch == 0
+    assert transition(ended, rest)[0].counters == ended.counters
