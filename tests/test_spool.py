@@ -22,6 +22,7 @@ import pytest
 import faultyfs
 from keepalive import cli, runs
 from keepalive import spool as spool_mod
+from keepalive.backends import LocalBackend
 from keepalive.core import Checkpointer
 from keepalive.errors import RunLockedError
 from keepalive.spool import mount as mount_mod
@@ -300,6 +301,31 @@ def test_bound_drops_only_superseded_never_the_newest(tmp_path, spool_env, capsy
         g.commit(files(s), step=s)
     assert [c.step for c in g.pending()] == [1, 2, 3]  # keep everything: nothing may be dropped
 
+
+
+def test_a_spooled_manifest_being_written_is_not_taken_for_damage(tmp_path, spool_env, monkeypatch):
+    """The uploader lists the spool from its own thread while the writer commits into it. A manifest
+    it read half-written would look like a damaged checkpoint, which it removes: the newest one, lost.
+    Here the uploader makes a whole pass while the writer holds the manifest open, empty."""
+    dest = tmp_path / "d" / "run"
+    f = spooled_store(f"faulty://{dest}")
+    f.open_for_writing()
+    f.commit(files(1), step=1)
+    assert f.flush(timeout=30)
+    open_write = LocalBackend.open_write
+
+    def open_then_let_the_uploader_look(backend, path):
+        out = open_write(backend, path)
+        if MANIFEST in os.path.basename(path) and path.startswith(f.folder):
+            f.uploader.wait_settled(5)  # the uploader's pass, with this file open and empty
+        return out
+
+    monkeypatch.setattr(LocalBackend, "open_write", open_then_let_the_uploader_look)
+    f.commit(files(2), step=2)
+    monkeypatch.undo()
+    assert f.flush(timeout=30)
+    assert steps_at(dest) == [1, 2] and [c.step for c in f.spool.cached()] == [2]
+    f.close()
 
 def test_after_an_outage_superseded_checkpoints_are_not_uploaded(tmp_path, spool_env):
     dest = tmp_path / "d" / "run"

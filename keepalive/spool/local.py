@@ -13,11 +13,11 @@ import os
 import re
 import socket
 import time
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 
 from .. import settings
 from .._version import __version__
-from ..store import CheckpointInfo, CheckpointStore, is_at_or_below
+from ..store import MANIFEST, Buffer, CheckpointInfo, CheckpointStore, is_at_or_below
 
 SPOOL_RECORD = "SPOOL.json"
 UPLOADED = "UPLOADED.json"  # in a spooled checkpoint's folder: it verified at the destination
@@ -83,6 +83,19 @@ class Spool(CheckpointStore):
         with open(tmp, "w") as f:
             json.dump(record, f, indent=1)
         os.replace(tmp, os.path.join(self.folder, SPOOL_RECORD))  # the spool is local disk: rename is fine
+
+    def _write_one(self, path: str, chunks: Iterable[Buffer], hasher: Any = None,
+                   progress: Optional[Callable[[int], None]] = None) -> int:
+        """As the store's, except that a manifest appears whole or not at all. The uploader lists the
+        spool from its own thread (``keepalive sync`` from another process) while a commit writes
+        here; a manifest it read half-written would look like a damaged checkpoint, and it removes
+        damaged ones. The spool is local disk, where a rename is atomic (a destination needs none)."""
+        if os.path.basename(path) != MANIFEST:
+            return super()._write_one(path, chunks, hasher, progress)
+        partial = os.path.join(os.path.dirname(path), f".{MANIFEST}.partial")
+        n = super()._write_one(partial, chunks, hasher, progress)
+        os.replace(partial, path)  # the store syncs the folder next, which makes the rename durable
+        return n
 
     def list(self, include_uncommitted: bool = False) -> List[CheckpointInfo]:
         """As :meth:`CheckpointStore.list`, each marked ``source="spool"``; an uploaded copy kept as
