@@ -9,7 +9,7 @@ objects (:mod:`keepalive.adapter` has the base class). Everything else lives her
 * what a boundary does — save, stop, re-raise a signal — is decided by the pure state machine of
   :mod:`keepalive.boundary`, fed the schedule's answer (:mod:`keepalive.trigger`); this module only
   carries its decisions out;
-* how a checkpoint leaves the process (one writer, gathered to rank 0, sharded through DCP) is the
+* how a checkpoint leaves the process (one writer, gathered to rank 0, in pieces through DCP) is the
   save path of :mod:`keepalive.savepath`, chosen once when the run is first used;
 * resuming from the newest valid checkpoint with fallback (:mod:`keepalive.runs`), RNG capture
   (:mod:`keepalive.rng`), deferred interrupts (Ctrl-C / "Interrupt kernel" and SIGTERM save at the
@@ -64,8 +64,6 @@ def active_checkpointers() -> List["Checkpointer"]:
     return list(_ACTIVE)
 
 
-
-
 class Checkpointer:
     """Where, when and how a training run is checkpointed and resumed (see module docstring).
 
@@ -104,8 +102,8 @@ class Checkpointer:
         self.extras: Dict[str, Any] = {}
         self.metadata: Dict[str, Any] = {"framework": framework}
         self.resumed_from: Optional[CheckpointInfo] = None
-        #: objects whose state is sharded across ranks (set by the torch adapter before first use)
-        self.sharded: Any = None
+        #: objects whose state DCP saves in pieces, one per rank (set by the torch adapter before use)
+        self.dcp_objects: Any = None
         self._path: Optional[SavePath] = None
         self._opened = False
         self._reserved = False
@@ -153,7 +151,8 @@ class Checkpointer:
     def path(self) -> SavePath:
         """How checkpoints leave this process (:mod:`keepalive.savepath`), chosen once, at first use."""
         if self._path is None:
-            self._path = choose(self.writer, _distributed.GROUP, self.sharded, self.sink, self.on_commit, self.url)
+            self._path = choose(self.writer, _distributed.GROUP, self.dcp_objects, self.sink,
+                                self.on_commit, self.url)
         return self._path
 
     @property

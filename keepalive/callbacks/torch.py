@@ -68,7 +68,7 @@ __all__ = ["DriveCheckpoint"]
 
 
 def _holds_dtensors(obj: Any) -> bool:
-    """FSDP2 (issue 16): whether ``obj`` has DTensor parameters; without ``torch.distributed.tensor``
+    """FSDP2: whether ``obj`` has DTensor parameters; without ``torch.distributed.tensor``
     imported there are none, and keepalive.dcp (which imports torch's DCP) is not imported."""
     if "torch.distributed.tensor" not in sys.modules:
         return False
@@ -151,7 +151,7 @@ class DriveCheckpoint(CheckpointAdapter):
         if RandomState.wraps(obj):
             obj = RandomState(obj)
         if isinstance(obj, torch.nn.parallel.DistributedDataParallel):
-            # DDP (issue 16): the wrapped module's state (no "module." prefix), so a checkpoint of a
+            # DDP: the wrapped module's state (no "module." prefix), so a checkpoint of a
             # DDP run resumes in a plain one (another world size) and the other way round
             obj = obj.module
         if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
@@ -160,13 +160,13 @@ class DriveCheckpoint(CheckpointAdapter):
             raise TypeError(f"{name}: a {type(obj).__name__} has no state_dict()/load_state_dict(); "
                             "put plain values in ckpt.extras instead")
         if _holds_dtensors(obj):
-            # FSDP2 (issue 16): sharded state is saved and loaded through torch.distributed.checkpoint
+            # FSDP2: sharded state is saved and loaded through torch.distributed.checkpoint
             # by the core (keepalive.dcp), not in rank 0's tensors
             from ..dcp import ShardedObjects
 
-            if self.core.sharded is None:
-                self.core.sharded = ShardedObjects()
-            self.core.sharded.add(name, obj)
+            if self.core.dcp_objects is None:
+                self.core.dcp_objects = ShardedObjects()
+            self.core.dcp_objects.add(name, obj)
         else:
             self.objects[name] = obj
         if isinstance(obj, torch.optim.Optimizer):
@@ -192,8 +192,8 @@ class DriveCheckpoint(CheckpointAdapter):
         objects = tree.get("objects", {})
         for name, obj in self.objects.items():
             obj.load_state_dict(objects[name])
-        if self.core.sharded:  # FSDP2 (issue 16): a collective, DCP reshards if the world size changed
-            self.core.sharded.load(self.core.resumed_from.url,
+        if self.core.dcp_objects:  # FSDP2: a collective, DCP reshards if the world size changed
+            self.core.dcp_objects.load(self.core.resumed_from.url,
                                    storage_options=self.core.sink.storage_options)
         restore_gradients(self.objects, (tree.get("data") or {}).get("pending_grads"))
         self._saved_data = dict(tree.get("data") or {})
@@ -209,10 +209,10 @@ class DriveCheckpoint(CheckpointAdapter):
 
     def _check_fits(self, tree: Dict[str, Any]) -> None:
         check_objects(self.objects, tree, self.core.resumed_from.url)
-        if self.core.sharded:  # FSDP2 (issue 16): the checkpoint must hold their DCP part
+        if self.core.dcp_objects:  # FSDP2: the checkpoint must hold their DCP part
             from ..dcp import check_saved
 
-            check_saved(tree, self.core.sharded, self.core.resumed_from.url)
+            check_saved(tree, self.core.dcp_objects, self.core.resumed_from.url)
 
     # ------------------------------------------------------------------------------------ loops
     def epochs(self, n: int) -> Iterator[int]:
@@ -395,7 +395,7 @@ class DriveCheckpoint(CheckpointAdapter):
             return int(streams.pop(key))
         size, position = saved.get("batch_size"), saved.get("position")
         if saved.pop("resharded", None) and position is not None:
-            # DDP (issue 16): another world size; the position was carried over by global sample
+            # DDP: another world size; the position was carried over by global sample
             # (keepalive.distributed.localize, which warned); once: the next epoch starts at 0
             self._saved_data.pop("position", None)
             self.core.counters["batch"] = int(position) // int(rl.batch_size or 1)
