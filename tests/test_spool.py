@@ -485,6 +485,50 @@ def test_flush_returns_only_once_the_spool_is_settled(tmp_path, spool_env, monke
     assert [c.step for c in f.spool.cached()] == [6] and steps_at(dest) == [6]
     f.close()
 
+
+def test_a_listing_overtaken_by_an_upload_is_not_taken_for_settled(tmp_path, spool_env, monkeypatch):
+    """settled() lists the spool; an upload may start and mark its checkpoint uploaded while that
+    listing runs. The listing then shows nothing pending although the local copy the upload
+    supersedes is not evicted yet: settled() must see that the uploader was at work meanwhile.
+    Events force the order: the uploader's pass waits until the listing has begun, the listing
+    waits until the upload is marked done, and the uploader holds before its eviction."""
+    dest = tmp_path / "d" / "run"
+    f = spooled_store(f"faulty://{dest}")
+    f.open_for_writing()
+    f.commit(files(5), step=5)
+    assert f.flush(timeout=30)
+    up = f.uploader
+    me = threading.current_thread()
+    listing, marked, release = threading.Event(), threading.Event(), threading.Event()
+    hold_my_listing = []  # armed once commit 6 is in
+    spool_list, mark_uploaded = spool_mod.Spool.list, spool_mod.Spool.mark_uploaded
+
+    def list_in_order(spool, *args, **kwargs):
+        if threading.current_thread() is me and hold_my_listing:
+            hold_my_listing.clear()
+            listing.set()
+            marked.wait(30)
+        elif threading.current_thread() is not me:
+            listing.wait(30)  # the uploader looks only once the listing has begun
+        return spool_list(spool, *args, **kwargs)
+
+    def mark_then_hold(spool, info):
+        mark_uploaded(spool, info)
+        marked.set()
+        release.wait(30)
+
+    monkeypatch.setattr(spool_mod.Spool, "list", list_in_order)
+    monkeypatch.setattr(spool_mod.Spool, "mark_uploaded", mark_then_hold)
+    f.commit(files(6), step=6)
+    hold_my_listing.append(True)
+    try:
+        assert not up.settled(), "the listing saw 6 uploaded while 5 was not evicted yet"
+    finally:
+        release.set()
+    assert f.flush(timeout=30)
+    assert [c.step for c in f.spool.cached()] == [6]
+    f.close()
+
 # ---------------------------------------------------------------------------------- flush
 def test_close_waits_bounded_and_says_what_is_pending(tmp_path, spool_env, capsys):
     url = f"faulty://{tmp_path / 'dest' / 'run'}"
