@@ -131,12 +131,13 @@ def _internals() -> List[Internal]:
                  "tf.random.Generator (saved)", f"{S}: _tf_generator_capture",
                  module_has("tensorflow.python.ops.stateful_random_ops", "global_generator"),
                  token="stateful_random_ops.global_generator", package=tf),
-        Internal("tensorflow.python.eager.context.Context._seed / _rng", "TensorFlow's global seed and eager op-seed sequence (saved, "
-                 "restored)", f"{S}: _tf_op_seeds_capture", uses(_tf_context, "_seed", "_rng"), token="ctx._rng",
-                 package=tf),
+        Internal("tensorflow.python.eager.context.Context._seed / _rng", "TensorFlow's global seed and eager "
+                 "op-seed sequence (saved, restored)", f"{S}: _tf_op_seeds_capture",
+                 uses(_tf_context, "_seed", "_rng"), token="ctx._rng", package=tf),
         Internal("tensorflow.python.eager.context.Context._set_global_seed", "sets the global seed at a restore",
                  f"{S}: _tf_op_seeds_restore", has(_tf_context, "_set_global_seed"), package=tf),
-        Internal("tensorflow.python.framework.ops.EagerTensor._numpy", "a view of a variable's buffer (without it: a copy, slower)",
+        Internal("tensorflow.python.framework.ops.EagerTensor._numpy", "a view of a variable's buffer "
+                 "(without it: a copy, slower)",
                  f"{S}: variable_array", has(_eager_tensor, "_numpy"), token='"_numpy"', package=tf,
                  required=False),
     ]
