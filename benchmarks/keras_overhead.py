@@ -102,7 +102,7 @@ def run_one(kind, x, y, args, workdir):
     callbacks = [Split()]
     if kind == "keepalive":
         ckpt = DriveCheckpoint(os.path.join(workdir, "ka"), every="epoch", quiet=True)
-        ckpt.core.writer.on_commit.append(lambda r: writes.append(r.seconds))
+        ckpt.core.on_commit.append(lambda r: writes.append(r.seconds))
         timed(ckpt, ["on_train_batch_end", "on_train_batch_begin", "on_epoch_begin", "_epoch_end",
                      "on_train_begin", "_late_train_begin"], blocking)
         callbacks.append(ckpt)

@@ -57,21 +57,14 @@ class LocalSave:
 
     writes = True
 
-    def __init__(self, writer: AsyncWriter):
-        self.writer = writer
+    def __init__(self, writer: AsyncWriter, group: _distributed.ProcessGroup):
+        self.writer, self.group = writer, group
 
     def agree(self, save: bool, stop: bool, signal: Optional[int]) -> Optional[_distributed.Agreement]:
         return None  # one process: nothing to agree on
 
     def localize(self, found: Optional[Found], url: str, warn: Callable[[str], None]) -> Optional[Found]:
-        if found is None:
-            return None
-        info, tree, previous = found
-        if tree.get(_distributed.RANKS_KEY):  # a checkpoint of several ranks: take rank 0's part
-            tree, changed = _distributed.localize(tree, 0, 1)
-            if changed:
-                warn(changed)
-        return info, tree, previous
+        return localize(self.group, found, url, warn)
 
     def reserve(self, tree: Dict[str, Any]) -> None:
         self.writer.reserve(tree)
@@ -92,15 +85,11 @@ class GatheredSave(LocalSave):
     boundary (one small collective) so they save and stop together."""
 
     def __init__(self, writer: AsyncWriter, group: _distributed.ProcessGroup):
-        super().__init__(writer)
-        self.group = group
+        super().__init__(writer, group)
         self.writes = group.is_main
 
     def agree(self, save: bool, stop: bool, signal: Optional[int]) -> Optional[_distributed.Agreement]:
         return self.group.agree(save, stop, signal)  # one small collective per consistent boundary
-
-    def localize(self, found: Optional[Found], url: str, warn: Callable[[str], None]) -> Optional[Found]:
-        return localize(self.group, found, url, warn)
 
     def reserve(self, tree: Dict[str, Any]) -> None:
         if self.writes:  # only rank 0 writes, only it needs the host buffer
@@ -119,18 +108,21 @@ class GatheredSave(LocalSave):
 
 def localize(group: _distributed.ProcessGroup, found: Optional[Found], url: str,
              warn: Callable[[str], None]) -> Optional[Found]:
-    """Check that every rank found the same checkpoint, then give this rank its own random state and
-    data position; a changed world size is warned about (by rank 0)."""
-    names = group.all_gather(found[0].name if found is not None else None)
-    if len(set(names)) != 1:
-        raise RuntimeError(f"the ranks found different newest checkpoints in {url} ({names}): every rank "
-                           "must see the same run folder (shared storage)")
+    """This rank's view of the checkpoint found: under a process group, every rank must have found
+    the same one; each takes its own random state and data position (a checkpoint of several ranks
+    loaded by one process takes rank 0's); a changed world size is warned about, by rank 0."""
+    if group.active:
+        names = group.all_gather(found[0].name if found is not None else None)
+        if len(set(names)) != 1:
+            raise RuntimeError(f"the ranks found different newest checkpoints in {url} ({names}): every rank "
+                               "must see the same run folder (shared storage)")
     if found is None:
         return None
     info, tree, previous = found
-    tree, changed = _distributed.localize(tree, group.rank, group.world_size)
-    if changed and group.is_main:  # not bit-exact any more: a warning, not news
-        warn(changed)
+    if tree.get(_distributed.RANKS_KEY) or group.world_size > 1:
+        tree, changed = _distributed.localize(tree, group.rank, group.world_size)
+        if changed and group.is_main:  # not bit-exact any more: a warning, not news
+            warn(changed)
     return info, tree, previous
 
 
@@ -162,7 +154,7 @@ class ShardedSave:
         return self.group.agree(save, stop, signal) if self.group.active else None
 
     def localize(self, found: Optional[Found], url: str, warn: Callable[[str], None]) -> Optional[Found]:
-        return localize(self.group, found, url, warn) if self.group.active else found
+        return localize(self.group, found, url, warn)
 
     def reserve(self, tree: Dict[str, Any]) -> None:
         pass  # DCP's stager keeps its own buffers
@@ -254,7 +246,7 @@ def choose(writer: AsyncWriter, group: _distributed.ProcessGroup, sharded: Any, 
         return ShardedSave(sharded, group, spooled, on_commit, writer.background, url)
     if group.active:
         return GatheredSave(writer, group)
-    return LocalSave(writer)
+    return LocalSave(writer, group)
 
 
 __all__ = ["GatheredSave", "LocalSave", "SavePath", "ShardedSave", "choose", "localize"]

@@ -51,7 +51,7 @@ class Steps(Callback):
 
 
 ckpt = DriveCheckpoint(run="two-cells", every=4)
-ckpt.core.writer.on_commit.append(lambda r: emit(f"COMMITTED {{r.info.step}}"))
+ckpt.core.on_commit.append(lambda r: emit(f"COMMITTED {{r.info.step}}"))
 learn = make_learner(cbs=[ckpt, Steps()])
 if hasattr(learn, "progress"):
     learn.remove_cb(learn.progress)

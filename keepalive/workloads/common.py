@@ -150,7 +150,7 @@ def commit_hook(core: Any, on_commit: Optional[StepHook]) -> None:
     """Call ``on_commit(step)`` (from the writer thread) once each checkpoint of ``core`` is
     committed; nothing when either is None."""
     if on_commit is not None and core is not None:
-        core.writer.on_commit.append(lambda result: on_commit(int(result.info.step)))
+        core.on_commit.append(lambda result: on_commit(int(result.info.step)))
 
 
 # --------------------------------------------------------------------------------- results IO
@@ -294,7 +294,7 @@ class RunRecorder:
     def attach(self, core: Any) -> None:
         """Time the checkpointer's boundaries (what it costs the training loop) and its writes."""
         self.core = core
-        for name in ("step_boundary", "epoch_boundary", "end_stage"):
+        for name in ("advance", "end_epoch", "end_stage"):
             setattr(core, name, self._timed(getattr(core, name)))
         load = core.load
 
@@ -321,7 +321,7 @@ class RunRecorder:
             return save(*a, **kw)
 
         core.save = noted_save
-        core.writer.on_commit.append(self._committed)
+        core.on_commit.append(self._committed)
 
     def _timed(self, fn: Callable) -> Callable:
         def wrapper(*a, **kw):

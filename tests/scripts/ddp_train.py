@@ -84,7 +84,7 @@ def main(run_dir: str, out_dir: str) -> None:
     ckpt = DriveCheckpoint(run_dir, model=model, optimizer=opt, every=knob("DDP_EVERY", 3),
                            keep=knob("DDP_KEEP", 3) or None, **options)
     if rank == 0:
-        ckpt.core.writer.on_commit.append(lambda r: emit(f"COMMITTED {r.info.step}"))
+        ckpt.core.on_commit.append(lambda r: emit(f"COMMITTED {r.info.step}"))
     train(ckpt, model, opt, sampler, loader, prefix="DDP", rank=rank, restart=restart)
     torch.save({k: v.detach().clone() for k, v in net.state_dict().items()},
                os.path.join(out_dir, f"final.{rank}.pt"))

@@ -69,7 +69,7 @@ class PrintSteps(Callback):
 
 every = int(args.every) if args.every.isdigit() else args.every
 ckpt = DriveCheckpoint(args.run, every=every)
-ckpt.core.writer.on_commit.append(lambda r: emit(f"COMMITTED {r.info.step}"))
+ckpt.core.on_commit.append(lambda r: emit(f"COMMITTED {r.info.step}"))
 cbs = [PrintSteps(ckpt)]
 if args.trackers:
     cbs += [AtomicSaveModel(monitor="valid_loss"),

@@ -105,7 +105,7 @@ def main(run_dir: str, out_dir: str) -> None:
     ckpt = DriveCheckpoint(run_dir, model=net, optimizer=opt, every=knob("FSDP_EVERY", 3),
                            keep=knob("FSDP_KEEP", 3) or None, storage_options=options)
     if rank == 0:
-        ckpt.core.writer.on_commit.append(lambda r: emit(f"COMMITTED {r.info.step}"))
+        ckpt.core.on_commit.append(lambda r: emit(f"COMMITTED {r.info.step}"))
     train(ckpt, net, opt, sampler, loader, prefix="FSDP", rank=rank, restart=restart)
     full = get_model_state_dict(net, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:

@@ -113,7 +113,7 @@ if args.mode == "keepalive":
         session.configure(budget=args.budget, start=time.time())
     every = int(args.every) if args.every.isdigit() else args.every
     ckpt = DriveCheckpoint(args.run, every=every, deadline_margin=args.margin)
-    ckpt.core.writer.on_commit.append(lambda r: emit(f"COMMITTED {r.info.step}"))
+    ckpt.core.on_commit.append(lambda r: emit(f"COMMITTED {r.info.step}"))
     callbacks.append(ckpt)
 model = build_model()
 trainer = Trainer(model=model, args=targs, train_dataset=Tokens(args.samples), callbacks=callbacks)

@@ -104,7 +104,7 @@ class Steps(keras.callbacks.Callback):
 
 
 ckpt = DriveCheckpoint(args.run, every=args.every)
-ckpt.core.writer.on_commit.append(lambda r: emit(f"COMMITTED {r.info.step}"))
+ckpt.core.on_commit.append(lambda r: emit(f"COMMITTED {r.info.step}"))
 data = ResumableData(x, y, batch_size=args.batch, seed=5)
 histories = []
 stages = [int(e) for e in args.epochs.split(",")]

@@ -108,7 +108,7 @@ if args.callback == "ours":
 
     every = int(args.every) if args.every.isdigit() else args.every
     ckpt = DriveCheckpoint(args.run, every=every)
-    ckpt.core.writer.on_commit.append(lambda r: emit(f"COMMITTED {r.info.step}"))
+    ckpt.core.on_commit.append(lambda r: emit(f"COMMITTED {r.info.step}"))
     callbacks.append(ckpt)
 elif args.callback == "backup":
     # Keras' best setting: double_checkpoint falls back to the previous slot when a kill tore the last

@@ -166,7 +166,7 @@ else:
         # the session's remaining time, as the trigger asks it after each step: plenty, then nearly none
         options["remaining_fn"] = lambda: 10_000.0 if next(counter) < args.deadline_after else 1.0
     ckpt = DriveCheckpoint(os.path.join(args.run, "ka"), every=every_n or args.every, **options)
-    ckpt.core.writer.on_commit.append(lambda r: emit(f"COMMITTED {r.info.step}"))
+    ckpt.core.on_commit.append(lambda r: emit(f"COMMITTED {r.info.step}"))
     callbacks.append(ckpt)
 
 logger = FileLogger(os.path.join(args.run, "metrics.jsonl"))

@@ -176,7 +176,7 @@ def on_commit(result) -> None:
 
 def checkpoint(**objects) -> DriveCheckpoint:
     ckpt = DriveCheckpoint(args.run, every=args.every, keep=None, **objects)
-    ckpt.core.writer.on_commit.append(on_commit)
+    ckpt.core.on_commit.append(on_commit)
     return ckpt
 
 
@@ -421,7 +421,7 @@ def kfold() -> None:
         loader = loader_for(Subset(ds, train_idx))
         named = {"run": "default"} if args.control == "same-run" else {}
         ckpt = DriveCheckpoint(model=model, optimizer=opt, every=args.every, keep=None, **named)
-        ckpt.core.writer.on_commit.append(on_commit)
+        ckpt.core.on_commit.append(on_commit)
         log("FOLD", fold, ckpt.url)
         for epoch in ckpt.epochs(args.epochs):
             epoch_began(ckpt, epoch)

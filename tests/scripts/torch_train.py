@@ -68,7 +68,7 @@ ckpt = DriveCheckpoint(args.run, model=model, optimizer=opt, scheduler=sched, ev
                        deadline_margin=args.margin)
 
 
-ckpt.core.writer.on_commit.append(lambda r: emit(f"COMMITTED {r.info.step}"))
+ckpt.core.on_commit.append(lambda r: emit(f"COMMITTED {r.info.step}"))
 for epoch in ckpt.epochs(args.epochs):
     model.train()
     if args.accum > 1:

@@ -69,7 +69,7 @@ every = int(args.every) if args.every.isdigit() else args.every
 options = json.loads(args.storage_options) if args.storage_options else None
 ckpt = DriveCheckpoint(args.run, model=model, optimizer=opt, scheduler=sched, every=every,
                        keep=args.keep or None, storage_options=options)
-ckpt.core.writer.on_commit.append(lambda r: emit(f"COMMITTED {r.info.step}"))
+ckpt.core.on_commit.append(lambda r: emit(f"COMMITTED {r.info.step}"))
 for epoch in ckpt.epochs(args.epochs):
     model.train()
     for x, y in ckpt.batches(loader):
