@@ -89,6 +89,10 @@ class Due:
     save: Optional[str] = None
     stop: Optional[str] = None
 
+    def __or__(self, other: "Due") -> "Due":
+        """Both answers at one boundary (the first reason wins)."""
+        return Due(save=self.save or other.save, stop=self.stop or other.stop)
+
 
 @dataclass(frozen=True)
 class Decision:

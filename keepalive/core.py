@@ -327,7 +327,7 @@ class Checkpointer:
         self.state, event = bd.count(self.state, bd.BatchEnd(
             steps=n, batch=batch, samples=int(samples), positionable=can_save, grads_pending=pending,
             requested=requested))
-        due = _due(self.trigger.after_step(n, consistent=consistent))  # sees the counters moved
+        due = self.trigger.after_step(n, consistent=consistent)  # sees the counters moved
         decision = self._feed(replace(event, due=due))
         if consistent:
             decision = self._agree(decision)
@@ -343,8 +343,8 @@ class Checkpointer:
         steps = self.state.counted_steps
         self.state, event = bd.count(self.state, bd.EpochEnd(epoch=epoch, last=last, requested=requested,
                                                              count=count))
-        due = _due(self.trigger.after_step(steps)) if steps else bd.Due()  # see the counters moved
-        due = _merge(due, _due(self.trigger.after_epoch()))
+        due = self.trigger.after_step(steps) if steps else bd.Due()  # see the counters moved
+        due = due | self.trigger.after_epoch()
         decision = self._feed(replace(event, due=due))
         if not last:
             decision = self._agree(decision)
@@ -382,7 +382,7 @@ class Checkpointer:
         self._drain_signals()
         due = bd.Due()
         if epoch_end:
-            due = bd.Due(stop=_due(self.trigger.after_epoch()).stop)
+            due = bd.Due(stop=self.trigger.after_epoch().stop)
             if self.training_progress is not None:
                 self.training_progress.epoch_end(True)
         return self._carry_out(self._feed(bd.StageEnd(reason=reason, finished=finished, due=due)), capture)
@@ -465,16 +465,6 @@ class Checkpointer:
             self._opened = False
 
 
-
-def _due(decision: Any) -> bd.Due:
-    """The trigger's answer as the state machine takes it."""
-    if decision.stop:
-        return bd.Due(save=decision.reason, stop=decision.reason)
-    return bd.Due(save=decision.reason or "a save came due") if decision.save else bd.Due()
-
-
-def _merge(a: bd.Due, b: bd.Due) -> bd.Due:
-    return bd.Due(save=a.save or b.save, stop=a.stop or b.stop)
 
 
 @atexit.register

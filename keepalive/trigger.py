@@ -12,24 +12,14 @@ from __future__ import annotations
 import logging
 import numbers
 import time
-from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
+from .boundary import Due
 from .units import format_duration, parse_duration
 
 log = logging.getLogger("keepalive.trigger")
 
 ON_DEADLINE = ("save_and_stop", "save", "ignore")
-
-
-@dataclass
-class Decision:
-    save: bool = False
-    stop: bool = False
-    reason: str = ""
-
-    def __bool__(self) -> bool:
-        return self.save or self.stop
 
 
 class Schedule:
@@ -128,7 +118,7 @@ class SaveTrigger:
         return max(self.min_margin, 2.0 * (self.save_seconds or 0.0))
 
     # -------------------------------------------------------------------------------- decisions
-    def after_step(self, steps: int = 1, consistent: bool = True) -> Decision:
+    def after_step(self, steps: int = 1, consistent: bool = True) -> Due:
         """After a step boundary; ``steps`` optimizer steps ran since the last one (e.g. Keras'
         ``steps_per_execution``; 0 while gradients are accumulated). ``step_seconds`` stays the time
         between boundaries; ``consistent``: a save would be possible at this one."""
@@ -144,12 +134,12 @@ class SaveTrigger:
         self._steps_in_epoch += steps
         s = self.schedule
         if s.steps is not None and self._steps_since_save >= s.steps:
-            return self._with_deadline(Decision(save=True, reason=f"every {s.steps} steps"), now)
+            return self._with_deadline(Due(save=f"every {s.steps} steps"), now)
         if s.seconds is not None and now - self._last_save_time >= s.seconds:
-            return self._with_deadline(Decision(save=True, reason=f"every {s.text}"), now)
-        return self._with_deadline(Decision(), now)
+            return self._with_deadline(Due(save=f"every {s.text}"), now)
+        return self._with_deadline(Due(), now)
 
-    def after_epoch(self) -> Decision:
+    def after_epoch(self) -> Due:
         now = self.clock()
         if self._epoch_start is not None:
             self.epoch_seconds = _ewma(self.epoch_seconds, now - self._epoch_start)
@@ -159,8 +149,8 @@ class SaveTrigger:
         self._last_boundary = now
         self._steps_in_epoch = 0
         if self.schedule.epoch:
-            return self._with_deadline(Decision(save=True, reason="end of epoch"), now, at_epoch_end=True)
-        return self._with_deadline(Decision(), now, at_epoch_end=True)
+            return self._with_deadline(Due(save="end of epoch"), now, at_epoch_end=True)
+        return self._with_deadline(Due(), now, at_epoch_end=True)
 
     def _horizon(self, at_epoch_end: bool) -> Optional[float]:
         """Seconds until the next boundary at which a save is possible, or None if none is here."""
@@ -170,7 +160,7 @@ class SaveTrigger:
             return None  # only epoch ends can be saved: decide there
         return self.epoch_seconds or 0.0
 
-    def _with_deadline(self, decision: Decision, now: float, at_epoch_end: bool = False) -> Decision:
+    def _with_deadline(self, decision: Due, now: float, at_epoch_end: bool = False) -> Due:
         if self.on_deadline == "ignore" or self.deadline_hit:
             return decision
         horizon = self._horizon(at_epoch_end)
@@ -188,4 +178,4 @@ class SaveTrigger:
                   f"{format_duration(horizon)} away, a save takes {format_duration(self.save_seconds or 0)} "
                   f"and {format_duration(self.margin)} are kept as margin")
         log.warning("deadline: %s -> saving now%s", reason, " and stopping" if stop else "")
-        return Decision(save=True, stop=stop, reason=f"deadline: {reason}")
+        return Due(save=f"deadline: {reason}", stop=f"deadline: {reason}" if stop else None)
