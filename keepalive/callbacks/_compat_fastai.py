@@ -16,7 +16,6 @@ from fastai.callback.tracker import EarlyStoppingCallback, ReduceLROnPlateau, Sa
 from fastai.callback.training import GradientAccumulation
 from fastai.data import load
 from fastai.learner import AvgSmoothLoss, Learner
-from fastai.optimizer import _BaseOptimizer
 
 from ._compat import Framework, Internal, Package, code_consts, code_names, given, has, local, module_has, param, uses
 
@@ -43,9 +42,20 @@ def _passes(event: str) -> Callable[[], bool]:
     return lambda: event in code_consts(Learner) and WITH_EVENTS in code_names(Learner)
 
 
-def _stored(cls: Any, name: str) -> Callable[[], bool]:
-    """The class reads or sets ``name``, also through fastcore's ``store_attr('a,b,...')``."""
-    return lambda: name in code_names(cls) or any(name in k.replace(" ", "").split(",") for k in code_consts(cls))
+def _stored(get: Callable[[], Any], name: str) -> Callable[[], bool]:
+    """The class ``get()`` reads or sets ``name``, also through fastcore's ``store_attr('a,b,...')``."""
+    return lambda: name in code_names(get()) or any(name in k.replace(" ", "").split(",")
+                                                    for k in code_consts(get()))
+
+
+def _base_optimizer() -> Any:
+    from fastai.optimizer import _BaseOptimizer
+
+    return _BaseOptimizer
+
+
+def _fake_loader() -> Any:
+    return load._FakeLoader
 
 
 def _internals() -> List[Internal]:
@@ -72,7 +82,7 @@ def _internals() -> List[Internal]:
         Internal("Callback._stateattrs", "attributes left out when a learner is pickled (learn.export())",
                  f"{F}: DriveCheckpoint", has(lambda: Callback, "_stateattrs")),
         Internal("_BaseOptimizer.frozen_idx", "the freeze state (saved, restored; fine_tune's phase)",
-                 f"{S}: capture_callbacks, fine_tune_phase", uses(lambda: _BaseOptimizer, "frozen_idx")),
+                 f"{S}: capture_callbacks, fine_tune_phase", uses(_base_optimizer, "frozen_idx")),
         Internal("GradientAccumulation.count", "micro-batches accumulated (no save while any are pending), found "
                  "as learn.gradient_accumulation", f"{F}: DriveCheckpoint._step_end",
                  lambda: uses(lambda: GradientAccumulation, "count")()
@@ -94,12 +104,12 @@ def _internals() -> List[Internal]:
         Internal("fastai.data.load._FakeLoader", "subclassed: iterates an epoch from any batch",
                  f"{D}: _PositionedLoader", module_has("fastai.data.load", "_FakeLoader")),
         Internal("_FakeLoader.generator", "the generator torch's iterator draws its base seed from (set at a "
-                 "resume)", f"{D}: resume_epoch", has(lambda: load._FakeLoader, "generator"), token="fl.generator"),
+                 "resume)", f"{D}: resume_epoch", has(_fake_loader, "generator"), token="fl.generator"),
         Internal("ProgressCallback.mbar", "the epoch bar, shown from the resumed epoch (display only)",
                  f"{F}: DriveCheckpoint._begin", uses(lambda: ProgressCallback, "mbar"), required=False),
     ]
     rows += [Internal(f"_FakeLoader.{a}", "read by the positioned loader", f"{D}: _indices, positionable",
-                      _stored(load._FakeLoader, a), token=t)
+                      _stored(_fake_loader, a), token=t)
              for a, t in (("d", "self.d"), ("num_workers", "fake_l.num_workers"),
                           ("persistent_workers", "persistent_workers"))]
     rows += [Internal(f"{_TRACKERS[a].__name__}.{a}", "tracker state (saved, restored)", f"{S}: capture_callbacks",

@@ -8,8 +8,9 @@ wrapper and scaler attributes are the same in every 1.x release.
 """
 from __future__ import annotations
 
+import importlib
 import re
-from typing import List
+from typing import Any, Callable, List
 
 import torch
 from transformers import Trainer, TrainerState
@@ -38,10 +39,12 @@ def _calls_run_epoch_with_keywords() -> bool:
     return re.search(r"self\." + RUN_EPOCH + r"\(\s*(?:\w+=[^,]*,\s*)*epoch=", source) is not None
 
 
-def _internals() -> List[Internal]:
-    from accelerate import Accelerator
-    from accelerate.data_loader import DataLoaderShard, SeedableRandomSampler
+def _accelerate(module: str, name: str) -> Callable[[], Any]:
+    """An accelerate class, imported when a probe runs."""
+    return lambda: getattr(importlib.import_module(module), name)
 
+
+def _internals() -> List[Internal]:
     T = "transformers.py"
     rows = [
         Internal("Trainer._inner_training_loop local 'self'", "the frame the callback walks up to at "
@@ -75,14 +78,16 @@ def _internals() -> List[Internal]:
         Internal("Trainer._globalstep_last_logged", "the step of the last log (saved, restored)",
                  f"{T}: DriveCheckpoint._capture, _restore", uses(lambda: Trainer, "_globalstep_last_logged")),
         Internal("accelerate.Accelerator.scaler", "the GradScaler of a mixed-precision run (saved, restored)",
-                 f"{T}: DriveCheckpoint._objects", uses(lambda: Accelerator, "scaler"), token='"scaler"',
-                 package="accelerate"),
+                 f"{T}: DriveCheckpoint._objects", uses(_accelerate("accelerate", "Accelerator"), "scaler"),
+                 token='"scaler"', package="accelerate"),
         Internal("accelerate.data_loader.DataLoaderShard.base_dataloader", "the torch DataLoader inside "
                  "accelerate's wrapper, whose batch sampler is replaced", "_hf_data.py: base_loader",
-                 uses(lambda: DataLoaderShard, "base_dataloader"), package="accelerate"),
+                 uses(_accelerate("accelerate.data_loader", "DataLoaderShard"), "base_dataloader"),
+                 package="accelerate"),
         Internal("accelerate.data_loader.SeedableRandomSampler.initial_seed", "the seed of each epoch's order "
                  "(seed + epoch), recognised by the class name", "_hf_data.py: install",
-                 uses(lambda: SeedableRandomSampler, "initial_seed"), package="accelerate"),
+                 uses(_accelerate("accelerate.data_loader", "SeedableRandomSampler"), "initial_seed"),
+                 package="accelerate"),
         Internal("torch.utils.data.RandomSampler._num_samples", "None unless num_samples= was given (then the "
                  "order cannot be reproduced)", "_hf_data.py: install",
                  uses(lambda: torch.utils.data.RandomSampler, "_num_samples"), package="torch"),

@@ -15,13 +15,17 @@ import random
 from typing import Any, Dict, Iterator, List, Optional
 
 import torch
+from fastai.data import load as _load
 from fastai.data.load import DataLoader as FastaiDataLoader
-from fastai.data.load import _FakeLoader
 
 from ..dataorder import mix
 from ..errors import StateMismatchError
 from . import _compat_fastai as fc
 from .torchstate import seed_worker_rngs
+
+# fastai's private iterable that torch's DataLoader iterates; a fastai without it imports this module
+# still, and DriveCheckpoint(...) then says what is missing (``_compat_fastai``) instead of an ImportError
+_FakeLoader: Any = getattr(_load, "_FakeLoader", object)
 
 __all__ = ["positionable", "check_resumable", "install", "rewind", "uninstall", "dl_rngs", "set_dl_rngs",
            "epoch_start", "resume_epoch"]
