@@ -2,7 +2,7 @@
 
 An adapter (torch loop, Keras callback, fastai callback, ...) does three things only: it says where
 the boundaries are (:meth:`Checkpointer.advance` after a batch, :meth:`Checkpointer.end_epoch`,
-:meth:`Checkpointer.end_stage`; optimizer steps through :meth:`Checkpointer.watch`), it gives a
+:meth:`Checkpointer.end_stage`; optimizer steps through :meth:`Checkpointer.optimizer_stepped`), it gives a
 ``capture()`` function returning its objects' state as a tree, and it restores such a tree into its
 objects (:mod:`keepalive.adapter` has the base class). Everything else lives here and below:
 
@@ -29,7 +29,6 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import time
 import weakref
 from dataclasses import replace
 from typing import Any, Callable, Dict, List, Mapping, MutableMapping, Optional, Union
@@ -43,11 +42,10 @@ from . import spool as _spool
 from .config import CheckpointConfig
 from .interrupts import DeferredSignals, raise_for, signal_name
 from .notebook import default_dir, resolve_run_url
-from .runs import Run, record_run
+from .runs import Run, record_run, resuming_line
 from .savepath import SavePath, choose
 from .store import CheckpointInfo, CheckpointStore, WriteResult
 from .trigger import SaveTrigger
-from .units import format_duration
 from .writer import AsyncWriter
 
 log = logging.getLogger("keepalive")
@@ -83,11 +81,11 @@ class Checkpointer:
                                    remaining_fn=cfg.remaining_fn)
         #: what the writer commits through: the store itself, or a local spool whose checkpoints a
         #: background thread uploads (remote URLs, Drive, failing destinations: keepalive/spool)
-        self.sink = _spool.SpooledStore(self.store, cfg.spool, storage_options=cfg.storage_options,
+        self.spooled = _spool.SpooledStore(self.store, cfg.spool, storage_options=cfg.storage_options,
                                         flush_timeout=cfg.flush_timeout, drive_flush=cfg.drive_flush,
                                         quiet=cfg.quiet, remaining_fn=self.trigger.remaining,
                                         on_durable=self.trigger.record_save)
-        self.writer = AsyncWriter(self.sink, background=cfg.background)
+        self.writer = AsyncWriter(self.spooled, background=cfg.background)
         #: called with each WriteResult after a checkpoint is committed, whatever the save path
         self.on_commit: List[Callable[[WriteResult], None]] = self.writer.on_commit
         self.on_commit.append(self._committed)
@@ -114,9 +112,10 @@ class Checkpointer:
         #: the number of epochs, when the adapter knows it (for the ETA next to the session time)
         self.total_epochs: Optional[int] = None
         self._progress: Any = False  # the training progress bar, made on first use
-        #: steps of the watched optimizers so far in this process (all of them; never reset)
+        #: steps of the watched optimizers so far in this process (all of them; never reset), and how
+        #: many optimizers are watched (their step hooks call optimizer_stepped: torchstate.watch_steps)
         self.optimizer_steps = 0
-        self._watched = 0  # optimizers watched
+        self.watched = 0
         notebook.record_context(self.metadata)  # the notebook cell, or the script, that made the run
         _ACTIVE.add(self)
 
@@ -151,7 +150,7 @@ class Checkpointer:
     def path(self) -> SavePath:
         """How checkpoints leave this process (:mod:`keepalive.savepath`), chosen once, at first use."""
         if self._path is None:
-            self._path = choose(self.writer, _distributed.GROUP, self.dcp_objects, self.sink,
+            self._path = choose(self.writer, _distributed.GROUP, self.dcp_objects, self.spooled,
                                 self.on_commit, self.url)
         return self._path
 
@@ -162,19 +161,10 @@ class Checkpointer:
             self._progress = None if self.quiet or not self.path.writes else _progress.TrainingProgress(self)
         return self._progress
 
-    def watch(self, optimizer: Any) -> None:
-        """Count ``optimizer``'s steps (a torch optimizer's step post-hook): every registered optimizer
-        feeds the boundaries; a step a GradScaler skipped is no step."""
-        me, index = weakref.ref(self), self._watched
-        self._watched = index + 1
-
-        def stepped(*_: Any) -> None:  # a weak reference: the hook must not keep us alive
-            core = me()
-            if core is not None:
-                core.optimizer_steps += 1
-                core._feed(bd.OptimizerStep(index))
-
-        optimizer.register_step_post_hook(stepped)
+    def optimizer_stepped(self, index: int = 0) -> None:
+        """A watched optimizer (``index`` of those watched) stepped: boundaries count such steps."""
+        self.optimizer_steps += 1
+        self._feed(bd.OptimizerStep(index))
 
     # ------------------------------------------------------------------------------- messages
     def say(self, message: str) -> None:
@@ -196,7 +186,7 @@ class Checkpointer:
         returns adapter-specific words for that line from the tree (e.g. what is restored).
         """
         # the run = its destination and this machine's spool of it: the newest valid checkpoint of both
-        found = Run(self.store, spool=self.sink.local_spool()).load_newest(quiet=self.quiet)
+        found = Run(self.store, spool=self.spooled.local_spool()).load_newest(quiet=self.quiet)
         # Take the writer lease now, at the start of training: a second session on the same run
         # learns it at once instead of after its first epoch.
         self._open()
@@ -216,25 +206,9 @@ class Checkpointer:
         self.extras.update(tree.get("extras") or {})
         self.trigger.saved()
         if not self.quiet:
-            self.say(self._resuming_line(info, tree, previous, describe))
+            self.say(resuming_line(self.store.run, info, self.state.counters.as_dict(), previous,
+                                   _words(describe, tree)))
         return tree
-
-    def _resuming_line(self, info: CheckpointInfo, tree: Dict[str, Any], previous: Optional[Dict[str, Any]],
-                       describe: Optional[Callable[[Dict[str, Any]], str]]) -> str:
-        c = self.state.counters
-        age = time.time() - (info.created or time.time())
-        redone = ""
-        if previous and previous.get("step") is not None and previous["step"] > c.step:
-            redone = f"; about {previous['step'] - c.step} step(s) will be redone"
-        finished = " (this run had finished)" if (info.manifest or {}).get("metadata", {}).get("finished") else ""
-        detail = ""
-        if describe is not None:
-            try:
-                detail = describe(tree) or ""
-            except Exception as exc:  # noqa: BLE001 - words only: never stop a resume for them
-                log.debug("describe() failed: %s", exc)
-        return (f"resuming run '{self.store.run}' from {info.name}: epoch {c.epoch}, step {c.step}, saved "
-                f"{format_duration(age)} ago{redone}{finished}{'; ' + detail if detail else ''}")
 
     def restore_rng(self, tree: Mapping[str, Any]) -> None:
         if tree.get("rng"):
@@ -250,7 +224,7 @@ class Checkpointer:
             if (other is not self and other._opened and not other._in_loop
                     and other.store.url == self.store.url):
                 other.close()
-        self.sink.open_for_writing(takeover=self.takeover)
+        self.spooled.open_for_writing(takeover=self.takeover)
         record_run(self.url, _session.platforms.run_index_dir)  # found after a reset (RUNS.json)
         self._opened = True
 
@@ -291,7 +265,7 @@ class Checkpointer:
         if self._path is not None:
             self._path.wait(timeout)
         self.writer.wait(timeout)
-        self.sink.flush(timeout, end_of_run=self.finished or self.stopped)
+        self.spooled.flush(timeout, end_of_run=self.finished or self.stopped)
 
     # ------------------------------------------------------------------------------ lifecycle
     # An adapter calls these at its framework's boundaries. Counters mean the same for every
@@ -313,7 +287,7 @@ class Checkpointer:
                 samples: int = 0, can_save: bool = True, pending: bool = False,
                 requested: bool = False) -> Decision:
         """After a training batch: count it, then act as due. ``steps``: optimizer steps in it when
-        the framework counts them (default: the steps :meth:`watch` saw since the last boundary, or
+        the framework counts them (default: the watched optimizers' steps since the last boundary, or
         one where no optimizer is watched);
         ``batch``: the batch index reached in the epoch, when known; ``can_save=False`` where the
         loop cannot be resumed inside an epoch; ``pending``: gradients are being accumulated;
@@ -321,7 +295,7 @@ class Checkpointer:
         be: what came due waits for the next boundary where it can."""
         self._before_boundary(capture)
         if steps is None:  # one step a batch where no optimizer is watched (the framework steps)
-            steps = self.state.counted_steps if self._watched else 1
+            steps = self.state.counted_steps if self.watched else 1
         n = int(steps)
         consistent = can_save and not pending
         self.state, event = bd.count(self.state, bd.BatchEnd(
@@ -459,12 +433,20 @@ class Checkpointer:
             self.uninstall_signal_handlers()
             if self._progress:
                 self._progress.close()
-            self.sink.close()
+            self.spooled.close()
             if self._path is not None:
                 self._path.close()
             self._opened = False
 
 
+
+
+def _words(describe: Optional[Callable[[Dict[str, Any]], str]], tree: Dict[str, Any]) -> str:
+    try:
+        return (describe(tree) or "") if describe is not None else ""
+    except Exception as exc:  # noqa: BLE001 - words only: never stop a resume for them
+        log.debug("describe() failed: %s", exc)
+        return ""
 
 
 @atexit.register

@@ -32,7 +32,7 @@ bucket) and puts it back with
 then carried over as :func:`keepalive.distributed.localize` says).
 
 Where: into the run folder when checkpoints go to it directly (a local path); else (gs://, s3://, a
-Drive mount the spool fronts) into this machine's spool, whose uploader sends the committed checkpoint
+Drive mount the spools) into this machine's spool, whose uploader sends the committed checkpoint
 on, manifest last, as any other (so one machine: ranks elsewhere do not see this spool). One sharded
 model (any number of optimizers over it).
 Saves run in the background (the training waits for the copy to host memory); ``background=False``

@@ -54,7 +54,7 @@ from .store import (
 )
 from .units import format_bytes, format_duration
 
-__all__ = ["Run", "Location", "open_run", "find_runs", "spooled_runs", "locate", "checkpoints_at",
+__all__ = ["Run", "Location", "resuming_line", "open_run", "find_runs", "spooled_runs", "locate", "checkpoints_at",
            "read_state", "pending_summary", "format_pending", "RUN_INDEX", "record_run", "read_run_index",
            "indexed_runs", "answered_within", "RUN_RECORDS"]
 
@@ -663,3 +663,15 @@ def format_pending(pending: Optional[Mapping[str, Any]]) -> str:
     dests = ", ".join(r["destination"] for r in pending.get("destinations") or [])
     return f"{text} (to {dests}; `keepalive sync` uploads them)" if dests else text
 
+
+def resuming_line(run: str, info: Any, counters: Mapping[str, int], previous: Optional[Mapping[str, Any]],
+                  detail: str = "") -> str:
+    """The one line said when a run resumes: from which checkpoint, where, how old, what is redone."""
+    age = time.time() - (info.created or time.time())
+    step = counters.get("step", 0)
+    redone = ""
+    if previous and previous.get("step") is not None and previous["step"] > step:
+        redone = f"; about {previous['step'] - step} step(s) will be redone"
+    finished = " (this run had finished)" if (info.manifest or {}).get("metadata", {}).get("finished") else ""
+    return (f"resuming run '{run}' from {info.name}: epoch {counters.get('epoch', 0)}, step {step}, saved "
+            f"{format_duration(age)} ago{redone}{finished}{'; ' + detail if detail else ''}")

@@ -355,7 +355,7 @@ def die(ckpt):
     released here because this process lives on: a dead one's would simply not be live.)"""
     ckpt.writer.wait()
     spool_mod.UPLOADERS.stop_all(timeout=10)
-    ckpt.sink.spool.lease.release()
+    ckpt.spooled.spool.lease.release()
     ckpt._opened = False
 
 
@@ -374,7 +374,7 @@ def test_resume_takes_the_newest_of_spool_and_destination(tmp_path, spool_env, c
     b = Checkpointer(url, quiet=True, keep=None)
     recover(spool_env)
     tree = b.load()  # the destination answers: both are looked at, the spool's step 20 wins
-    assert tree["counters"]["step"] == 20 and b.resumed_from.path.startswith(b.sink.folder)
+    assert tree["counters"]["step"] == 20 and b.resumed_from.path.startswith(b.spooled.folder)
     b.close()
     b.flush(timeout=30)
 
@@ -384,7 +384,7 @@ def test_resume_takes_the_newest_of_spool_and_destination(tmp_path, spool_env, c
     c.load()
     save(c, 30, 3.0)
     die(c)
-    spooled = c.sink.pending()[-1]
+    spooled = c.spooled.pending()[-1]
     with open(os.path.join(spooled.path, "tensors.safetensors"), "r+b") as fh:
         fh.seek(-1, 2)
         last = fh.read(1)[0]
@@ -421,12 +421,12 @@ def test_the_newest_upload_stays_as_a_local_cache(tmp_path, spool_env):
     for step in (5, 6):
         save(a, step, float(step))
         a.flush(timeout=30)
-    assert steps_at(dest) == [5, 6] and a.sink.pending() == []
-    assert [c.step for c in a.sink.spool.cached()] == [6]  # only the newest upload is kept locally
+    assert steps_at(dest) == [5, 6] and a.spooled.pending() == []
+    assert [c.step for c in a.spooled.spool.cached()] == [6]  # only the newest upload is kept locally
     die(a)
     fail(spool_env, "EIO")  # the destination is down: resume from the copy on this machine
     b = Checkpointer(url, quiet=True, keep=None)
-    assert b.load()["counters"]["step"] == 6 and b.resumed_from.path.startswith(b.sink.folder)
+    assert b.load()["counters"]["step"] == 6 and b.resumed_from.path.startswith(b.spooled.folder)
     die(b)
     recover(spool_env)
     shutil.rmtree(dest)  # the run deleted at the destination on purpose: the cache does not revive it
@@ -586,7 +586,7 @@ def test_drive_destination_flush_on_colab(fake_colab, capsys, drive_flush):
     root, calls = fake_colab
     run = root / "MyDrive" / "runs" / "x"
     a = Checkpointer(str(run), quiet=True, drive_flush=drive_flush)
-    assert a.sink.drive and a.sink.spooling  # Drive paths always go through the spool
+    assert a.spooled.drive and a.spooled.spooling  # Drive paths always go through the spool
     a.load()
     save(a, 3, 1.0)
     a.flush()  # mid-run flush: sync only
@@ -637,7 +637,7 @@ def test_rerun_cell_shares_the_uploader_and_its_lease(tmp_path, spool_env):
     b = Checkpointer(url, quiet=True, keep=None)  # the same cell run again, same process
     b.load()  # hands the run over from `a`
     save(b, 2, 2.0)
-    assert b.sink.uploader is not None and len(spool_mod.UPLOADERS) == 1
+    assert b.spooled.uploader is not None and len(spool_mod.UPLOADERS) == 1
     recover(spool_env)
     b.flush(timeout=30)
     assert steps_at(tmp_path / "dest" / "run") == [1, 2]

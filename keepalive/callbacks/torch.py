@@ -61,6 +61,7 @@ from .torchstate import (
     gradients_pending,
     hyperparameters,
     restore_gradients,
+    watch_steps,
     without_lazy,
 )
 
@@ -172,7 +173,7 @@ class DriveCheckpoint(CheckpointAdapter):
         if isinstance(obj, torch.optim.Optimizer):
             self._optimizers.append(obj)
             self._hparams[name] = hyperparameters(obj)
-            self.core.watch(obj)  # steps are the optimizer's steps, counted by its step hook
+            watch_steps(self.core, obj)  # steps are the optimizer's steps, counted by its step hook
 
     # ---------------------------------------------------------------------------------- resume
     def resume(self) -> bool:
@@ -194,7 +195,7 @@ class DriveCheckpoint(CheckpointAdapter):
             obj.load_state_dict(objects[name])
         if self.core.dcp_objects:  # FSDP2: a collective, DCP reshards if the world size changed
             self.core.dcp_objects.load(self.core.resumed_from.url,
-                                   storage_options=self.core.sink.storage_options)
+                                   storage_options=self.core.spooled.storage_options)
         restore_gradients(self.objects, (tree.get("data") or {}).get("pending_grads"))
         self._saved_data = dict(tree.get("data") or {})
         self.data_seed = int(self._saved_data.get("seed", torch.initial_seed()))

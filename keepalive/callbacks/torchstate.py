@@ -5,6 +5,7 @@ per-batch worker seeding. It is no adapter itself; adapters import it, never eac
 from __future__ import annotations
 
 import random
+import weakref
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
@@ -14,9 +15,24 @@ from torch.nn.parameter import is_lazy
 from ..adapter import check_fits
 from ..errors import StateMismatchError
 
-__all__ = ["RandomState", "changed_hyperparameters", "check_module", "check_objects", "check_optimizer",
+__all__ = ["RandomState", "watch_steps", "changed_hyperparameters", "check_module", "check_objects", "check_optimizer",
            "gradients", "gradients_pending", "hyperparameters", "restore_gradients", "seed_worker_rngs",
            "without_lazy"]
+
+
+def watch_steps(core: Any, optimizer: torch.optim.Optimizer) -> None:
+    """Count ``optimizer``'s steps in ``core`` (:meth:`keepalive.core.Checkpointer.optimizer_stepped`)
+    through its step post-hook: a step a GradScaler skipped never runs the optimizer, so is no step.
+    The hook holds the checkpointer weakly: it must not keep it alive."""
+    ref, index = weakref.ref(core), core.watched
+    core.watched += 1
+
+    def stepped(*_: Any) -> None:
+        target = ref()
+        if target is not None:
+            target.optimizer_stepped(index)
+
+    optimizer.register_step_post_hook(stepped)
 
 
 def check_module(name: str, module: torch.nn.Module, saved: Dict[str, Any], where: str = "") -> None:
