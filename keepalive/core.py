@@ -273,9 +273,7 @@ class Checkpointer:
     # ``step`` = optimizer steps, ``samples`` = samples seen.
     def new_fit(self, keep_counters: bool = False) -> None:
         """A new training call with the same checkpointer (Keras' ``fit`` run again): counters and
-        end states start over; the next :meth:`load` finds where the run stands. ``keep_counters``:
-        a further stage of the same run (a second ``fit`` after the first completed): only the end
-        states reset, the counters go on (checkpoints stay ordered by step)."""
+        end states start over (``keep_counters``: a further stage of the same run, the counters go on)."""
         self._feed(bd.NewFit(keep_counters))
         self.trigger.deadline_hit = False
 
@@ -286,17 +284,12 @@ class Checkpointer:
     def advance(self, capture: Capture, *, steps: Optional[int] = None, batch: Optional[int] = None,
                 samples: int = 0, can_save: bool = True, pending: bool = False,
                 requested: bool = False) -> Decision:
-        """After a training batch: count it, then act as due. ``steps``: optimizer steps in it when
-        the framework counts them (default: the watched optimizers' steps since the last boundary, or
-        one where no optimizer is watched);
-        ``batch``: the batch index reached in the epoch, when known; ``can_save=False`` where the
-        loop cannot be resumed inside an epoch; ``pending``: gradients are being accumulated;
-        ``requested``: the user asked for a save during this batch. Nothing is saved where it cannot
-        be: what came due waits for the next boundary where it can."""
+        """After a training batch: count it, then act as due (:class:`keepalive.boundary.BatchEnd`).
+        ``steps``: its optimizer steps when the framework counts them (default: the watched
+        optimizers' steps since the last boundary; one where none is watched); ``can_save=False``:
+        the loop cannot be resumed inside an epoch; ``pending``: gradients are being accumulated."""
         self._before_boundary(capture)
-        if steps is None:  # one step a batch where no optimizer is watched (the framework steps)
-            steps = self.state.counted_steps if self.watched else 1
-        n = int(steps)
+        n = int(steps if steps is not None else self.state.counted_steps if self.watched else 1)
         consistent = can_save and not pending
         self.state, event = bd.count(self.state, bd.BatchEnd(
             steps=n, batch=batch, samples=int(samples), positionable=can_save, grads_pending=pending,
@@ -325,10 +318,6 @@ class Checkpointer:
         if self.training_progress is not None:
             self.training_progress.epoch_end(last)
         return self._carry_out(decision, capture)
-
-    def epoch_boundary(self, capture: Capture, *, last: bool = False) -> Decision:
-        """The training's end where no epoch ended (a fit stopped by another callback)."""
-        return self.end_epoch(capture, last=last, count=False)
 
     def count_epoch(self) -> None:
         """An epoch ended whose boundary is acted on later (fastai saves a fit's last epoch in
@@ -381,12 +370,11 @@ class Checkpointer:
 
     def _agree(self, decision: Decision) -> Decision:
         """At a consistent boundary of several processes: every rank's decision combined."""
-        signal_here = decision.signal if decision.signal_note == "saved" else None
-        agreement = self.path.agree(decision.save, decision.stop, signal_here)
-        if agreement is None:
-            return decision
-        self.state, decision = bd.agreed(self.state, decision, save=agreement.save, stop=agreement.stop,
-                                         signal=agreement.signal)
+        agreement = self.path.agree(decision.save, decision.stop,
+                                    decision.signal if decision.signal_note == "saved" else None)
+        if agreement is not None:  # None: one process
+            self.state, decision = bd.agreed(self.state, decision, save=agreement.save, stop=agreement.stop,
+                                             signal=agreement.signal)
         return decision
 
     def _carry_out(self, decision: Decision, capture: Capture) -> Decision:

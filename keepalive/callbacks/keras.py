@@ -382,7 +382,7 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
         try:
             if not core.finished and not core.stopped:
                 # fit ended without our last-epoch marker (e.g. stopped by a callback after us)
-                core.epoch_boundary(self._capture, last=True)
+                core.end_epoch(self._capture, last=True, count=False)
         finally:
             if core.finished:  # this fit (stage) is complete: the next fit is the next stage
                 if len(self._stages) <= self._stage:
