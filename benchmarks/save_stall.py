@@ -75,7 +75,7 @@ def main() -> int:
     # trains on (an epoch, N steps) before its first save. Here we wait for that preparation and
     # report how long it took, in the background.
     t0 = time.perf_counter()
-    ckpt.core.path.reserve(ckpt.core.build_tree(ckpt._capture))
+    ckpt.core.path.reserve(ckpt.core.build_tree(ckpt.capture))
     reserving = ckpt.core.writer.snapshot._reserving
     if reserving is not None:
         reserving.join()

@@ -110,7 +110,7 @@ def stall(tmp):
     for _ in range(opts.repeat + 1):
         cb.core.counters["step"] += 1
         t0 = time.perf_counter()
-        cb.core.save(cb._capture, reason="benchmark")
+        cb.core.save(cb.capture, reason="benchmark")
         ours.append(time.perf_counter() - t0)
         cb.core.flush()
         writes.append(time.perf_counter() - t0)

@@ -3,9 +3,11 @@ and the check that a checkpoint fits the live objects before anything is loaded.
 
 An adapter subclasses :class:`CheckpointAdapter` (or :class:`RunViews` where the framework's own base
 class already has ``epoch`` / ``step``, as fastai's ``Callback`` does), creates ``self.core`` (a
-:class:`keepalive.core.Checkpointer`), and implements ``_capture()`` (its objects' state as a tree) and
-its framework's hooks. It calls the core at boundaries (``core.advance`` / ``core.end_epoch`` /
-``core.end_stage``) and restores trees into its objects; nothing else.
+:class:`keepalive.core.Checkpointer`), and implements the contract's two methods: ``capture()`` (its
+objects' state as a :class:`~keepalive.statetree.Captured` tree) and ``restore(tree)`` (a loaded
+:class:`~keepalive.statetree.StateTree` put back into its objects), plus its framework's hooks, which
+call the core at boundaries (``core.advance`` / ``core.end_epoch`` / ``core.end_stage``); nothing
+else. The framework internals an adapter relies on are listed in its ``callbacks/_compat_*.py``.
 
 >>> from keepalive.adapter import check_fits
 >>> import numpy as np
@@ -18,20 +20,33 @@ keepalive.errors.StateMismatchError: model: 'w' has shape (4, 2) in the checkpoi
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+import abc
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, MutableMapping, Optional, Sequence
 
 from .errors import StateMismatchError
+from .statetree import Captured, StateTree
+
+if TYPE_CHECKING:  # the adapters build their Checkpointer; this module only names its type
+    from .core import Checkpointer
 
 __all__ = ["RunViews", "CheckpointAdapter", "check_fits", "shape_of"]
 
 
-class RunViews:
-    """Read-only views on ``self.core`` (a :class:`~keepalive.core.Checkpointer`)."""
+class RunViews(abc.ABC):
+    """The adapter contract (:meth:`capture`, :meth:`restore`) and read-only views on ``self.core``."""
 
-    core: Any
+    core: "Checkpointer"
+
+    @abc.abstractmethod
+    def capture(self) -> Captured:
+        """The adapter's objects as a state tree (``objects``, ``data``, its framework's section)."""
+
+    @abc.abstractmethod
+    def restore(self, tree: StateTree) -> None:
+        """Put a loaded checkpoint's state into the live objects (it was checked to fit first)."""
 
     @property
-    def counters(self) -> Dict[str, int]:
+    def counters(self) -> MutableMapping[str, int]:
         """``epoch`` (completed), ``step`` (optimizer steps), ``batch`` (within the epoch), ``samples``."""
         return self.core.counters
 
@@ -56,13 +71,9 @@ class RunViews:
         return self.core.url
 
     # ------------------------------------------------------------------------------- actions
-    def _capture(self) -> Dict[str, Any]:
-        """The adapter's objects as a state tree (``objects``, ``data``, framework keys)."""
-        raise NotImplementedError
-
     def save(self, *, sync: bool = False) -> None:
         """Save now (in the background unless ``sync``), e.g. after validation."""
-        self.core.save(self._capture, sync=sync, reason="by hand")
+        self.core.save(self.capture, sync=sync, reason="by hand")
 
     def flush(self, timeout: Optional[float] = None) -> None:
         """Wait for the write in flight and the uploads (at most ``timeout`` seconds)."""

@@ -31,7 +31,7 @@ import logging
 import os
 import weakref
 from dataclasses import replace
-from typing import Any, Callable, Dict, List, Mapping, MutableMapping, Optional, Union
+from typing import Any, Callable, Dict, List, Mapping, MutableMapping, Optional, Union, cast
 
 from . import boundary as bd
 from . import distributed as _distributed
@@ -43,7 +43,8 @@ from .config import CheckpointConfig
 from .interrupts import DeferredSignals, raise_for, signal_name
 from .notebook import default_dir, resolve_run_url
 from .runs import Run, record_run, resuming_line
-from .savepath import SavePath, choose
+from .savepath import Found, SavePath, choose
+from .statetree import Captured, StateTree
 from .store import CheckpointInfo, CheckpointStore, WriteResult
 from .trigger import SaveTrigger
 from .writer import AsyncWriter
@@ -51,7 +52,7 @@ from .writer import AsyncWriter
 log = logging.getLogger("keepalive")
 
 STATE_FORMAT = 1
-Capture = Callable[[], Dict[str, Any]]
+Capture = Callable[[], Captured]
 Decision = bd.Decision
 
 _ACTIVE: "weakref.WeakSet[Checkpointer]" = weakref.WeakSet()
@@ -176,8 +177,8 @@ class Checkpointer:
         report.warn(message, key=None if key is None else f"{self.url}:{key}", quiet=self.quiet)
 
     # --------------------------------------------------------------------------------- resume
-    def load(self, describe: Optional[Callable[[Dict[str, Any]], str]] = None,
-             check: Optional[Callable[[Dict[str, Any]], None]] = None) -> Optional[Dict[str, Any]]:
+    def load(self, describe: Optional[Callable[[StateTree], str]] = None,
+             check: Optional[Callable[[StateTree], None]] = None) -> Optional[StateTree]:
         """The newest valid checkpoint's state tree (falling back past corrupt ones), or None.
 
         ``check(tree)`` runs first and may raise (e.g. ``StateMismatchError``): then nothing is changed
@@ -186,7 +187,7 @@ class Checkpointer:
         returns adapter-specific words for that line from the tree (e.g. what is restored).
         """
         # the run = its destination and this machine's spool of it: the newest valid checkpoint of both
-        found = Run(self.store, spool=self.spooled.local_spool()).load_newest(quiet=self.quiet)
+        found = cast(Optional[Found], Run(self.store, spool=self.spooled.local_spool()).load_newest(quiet=self.quiet))
         # Take the writer lease now, at the start of training: a second session on the same run
         # learns it at once instead of after its first epoch.
         self._open()
@@ -238,9 +239,11 @@ class Checkpointer:
 
         encode(self.build_tree(capture))
 
-    def build_tree(self, capture: Capture) -> Dict[str, Any]:
-        tree = {"keepalive": {"format": STATE_FORMAT, "framework": self.framework},
-                "counters": self.state.counters.as_dict(), "extras": dict(self.extras)}
+    def build_tree(self, capture: Capture) -> StateTree:
+        c = self.state.counters
+        tree: StateTree = {"keepalive": {"format": STATE_FORMAT, "framework": self.framework},
+                           "counters": {"epoch": c.epoch, "step": c.step, "batch": c.batch, "samples": c.samples},
+                           "extras": dict(self.extras)}
         tree.update(capture())
         tree["rng"] = rng.capture()
         return tree
@@ -429,7 +432,7 @@ class Checkpointer:
 
 
 
-def _words(describe: Optional[Callable[[Dict[str, Any]], str]], tree: Dict[str, Any]) -> str:
+def _words(describe: Optional[Callable[[StateTree], str]], tree: StateTree) -> str:
     try:
         return (describe(tree) or "") if describe is not None else ""
     except Exception as exc:  # noqa: BLE001 - words only: never stop a resume for them

@@ -18,18 +18,19 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Tuple, cast
 
 from . import distributed as _distributed
 from . import report
 from .state import HostSnapshot, frozen_copy
+from .statetree import StateTree
 from .store import WriteResult
 from .writer import AsyncWriter
 
 log = logging.getLogger("keepalive")
 
 #: what a run's newest valid checkpoint is when found: its info, its tree, the previous one's summary
-Found = Tuple[Any, Dict[str, Any], Optional[Dict[str, Any]]]
+Found = Tuple[Any, StateTree, Optional[Dict[str, Any]]]
 
 
 class SavePath(Protocol):
@@ -42,9 +43,9 @@ class SavePath(Protocol):
 
     def localize(self, found: Optional[Found], url: str, warn: Callable[[str], None]) -> Optional[Found]: ...
 
-    def reserve(self, tree: Dict[str, Any]) -> None: ...
+    def reserve(self, tree: StateTree) -> None: ...
 
-    def submit(self, tree: Dict[str, Any], *, step: int, epoch: int, metadata: Mapping[str, Any],
+    def submit(self, tree: StateTree, *, step: int, epoch: int, metadata: Mapping[str, Any],
                sync: bool) -> None: ...
 
     def wait(self, timeout: Optional[float] = None) -> None: ...
@@ -66,10 +67,10 @@ class LocalSave:
     def localize(self, found: Optional[Found], url: str, warn: Callable[[str], None]) -> Optional[Found]:
         return localize(self.group, found, url, warn)
 
-    def reserve(self, tree: Dict[str, Any]) -> None:
+    def reserve(self, tree: StateTree) -> None:
         self.writer.reserve(tree)
 
-    def submit(self, tree: Dict[str, Any], *, step: int, epoch: int, metadata: Mapping[str, Any],
+    def submit(self, tree: StateTree, *, step: int, epoch: int, metadata: Mapping[str, Any],
                sync: bool) -> None:
         self.writer.submit(tree, step=step, epoch=epoch, metadata=metadata, sync=sync)
 
@@ -91,16 +92,16 @@ class GatheredSave(LocalSave):
     def agree(self, save: bool, stop: bool, signal: Optional[int]) -> Optional[_distributed.Agreement]:
         return self.group.agree(save, stop, signal)  # one small collective per consistent boundary
 
-    def reserve(self, tree: Dict[str, Any]) -> None:
+    def reserve(self, tree: StateTree) -> None:
         if self.writes:  # only rank 0 writes, only it needs the host buffer
             super().reserve(tree)
 
-    def submit(self, tree: Dict[str, Any], *, step: int, epoch: int, metadata: Mapping[str, Any],
+    def submit(self, tree: StateTree, *, step: int, epoch: int, metadata: Mapping[str, Any],
                sync: bool) -> None:
-        parts = self.group.gather(_distributed.rank_part(tree))  # a collective
+        parts = self.group.gather(_distributed.rank_part(dict(tree)))  # a collective
         if parts is not None:  # rank 0
             meta = dict(metadata, world_size=self.group.world_size)
-            self.writer.submit(_distributed.combine(tree, parts), step=step, epoch=epoch, metadata=meta,
+            self.writer.submit(_distributed.combine(dict(tree), parts), step=step, epoch=epoch, metadata=meta,
                                sync=sync)
         if sync:
             self.group.barrier()  # no rank goes on (or exits) before the write is durable
@@ -120,7 +121,8 @@ def localize(group: _distributed.ProcessGroup, found: Optional[Found], url: str,
         return None
     info, tree, previous = found
     if tree.get(_distributed.RANKS_KEY) or group.world_size > 1:
-        tree, changed = _distributed.localize(tree, group.rank, group.world_size)
+        local, changed = _distributed.localize(dict(tree), group.rank, group.world_size)
+        tree = cast(StateTree, local)
         if changed and group.is_main:  # not bit-exact any more: a warning, not news
             warn(changed)
     return info, tree, previous
@@ -156,18 +158,18 @@ class ShardedSave:
     def localize(self, found: Optional[Found], url: str, warn: Callable[[str], None]) -> Optional[Found]:
         return localize(self.group, found, url, warn)
 
-    def reserve(self, tree: Dict[str, Any]) -> None:
+    def reserve(self, tree: StateTree) -> None:
         pass  # DCP's stager keeps its own buffers
 
-    def submit(self, tree: Dict[str, Any], *, step: int, epoch: int, metadata: Mapping[str, Any],
+    def submit(self, tree: StateTree, *, step: int, epoch: int, metadata: Mapping[str, Any],
                sync: bool) -> None:
         from . import dcp as _dcp  # imports torch's DCP, as the adapter that holds DTensors did
 
         group, sharded = self.group, self.sharded
         self.wait()  # one save in flight: the previous one is committed first
-        tree = dict(tree, **{_dcp.DCP_KEY: sharded.describe()})
-        own = frozen_copy(_distributed.rank_part(tree))
-        rest = frozen_copy(tree) if group.is_main else None
+        whole = dict(tree, **{_dcp.DCP_KEY: sharded.describe()})
+        own = frozen_copy(_distributed.rank_part(whole))
+        rest = frozen_copy(whole) if group.is_main else None
         meta = dict(metadata, world_size=group.world_size, sharded="dcp")
         staged = sharded.stage()  # the stall: this rank's shards in host memory
 

@@ -20,15 +20,18 @@ class Toy(CheckpointAdapter):
         self.core = Checkpointer(config=CheckpointConfig.strict(path, None, options, "Toy"),
                                  framework="toy")
 
-    def _capture(self):
+    def capture(self):
         return {"objects": {"weights": self.weights}}
+
+    def restore(self, tree):
+        self.weights = {k: np.array(v) for k, v in tree["objects"]["weights"].items()}
 
     def train(self, epochs, batches):
         core = self.core
-        tree = core.load()
+        tree = core.load(check=lambda t: check_fits("weights", self.weights, t["objects"]["weights"],
+                                                     where=core.resumed_from.name))
         if tree is not None:
-            check_fits("weights", self.weights, tree["objects"]["weights"], where=core.resumed_from.name)
-            self.weights = {k: np.array(v) for k, v in tree["objects"]["weights"].items()}
+            self.restore(tree)
         if core.counters["epoch"] >= epochs:
             core.already_complete(epochs)
             return
@@ -36,8 +39,8 @@ class Toy(CheckpointAdapter):
             core.start_epoch()
             for _ in range(core.counters["batch"], batches):
                 self.weights["w"] = self.weights["w"] + 1
-                core.advance(self._capture, samples=4)
-            core.end_epoch(self._capture, last=core.counters["epoch"] + 1 >= epochs)
+                core.advance(self.capture, samples=4)
+            core.end_epoch(self.capture, last=core.counters["epoch"] + 1 >= epochs)
 
 
 def test_counters_mean_the_same_for_every_adapter(tmp_path):
@@ -129,3 +132,22 @@ def test_verbosity_quiet_and_debug(capsys, monkeypatch):
     report.debug("details")
     captured = capsys.readouterr()
     assert "news" not in captured.out and "keepalive: details" in captured.err
+
+
+def test_the_adapter_contract_is_capture_and_restore():
+    """Every adapter implements the two methods of the contract; one that lacks one cannot be built."""
+    import importlib
+
+    import pytest
+
+    class Half(CheckpointAdapter):
+        def capture(self):
+            return {}
+
+    with pytest.raises(TypeError, match="restore"):
+        Half()
+    adapters = [importlib.import_module(f"keepalive.callbacks.{name}").DriveCheckpoint
+                for name in ("torch", "keras", "fastai", "transformers", "lightning")]
+    for cls in adapters:
+        assert not getattr(cls, "__abstractmethods__", None), cls
+        assert cls.capture is not CheckpointAdapter.capture and cls.restore is not CheckpointAdapter.restore

@@ -211,7 +211,7 @@ def test_lora_checkpoint_holds_only_the_adapters(tmp_path):
     cb = DriveCheckpoint(tmp_path / "run", quiet=True)
     t = _trainer(tmp_path, cb, epochs=1, model="lora")
     t.train()
-    tree = cb.state_dict() if hasattr(cb, "state_dict") else cb.core.build_tree(cb._capture)
+    tree = cb.state_dict() if hasattr(cb, "state_dict") else cb.core.build_tree(cb.capture)
     keys = list(tree["objects"]["model"])
     assert keys and all("lora_" in k for k in keys if k.endswith("weight")), keys[:5]
     assert not any(k.endswith("wte.weight") for k in keys)

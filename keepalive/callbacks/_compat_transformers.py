@@ -72,11 +72,11 @@ def _internals() -> List[Internal]:
                  f"{T}: _EpochRunner.__call__", uses(lambda: getattr(Trainer, RUN_EPOCH), "skip_first_batches"),
                  token="SkipBatchSampler"),
         Internal("Trainer._tr_loss", "the running loss sum since the last log (saved, restored)",
-                 f"{T}: DriveCheckpoint._capture, _restore", uses(lambda: Trainer, "_tr_loss")),
+                 f"{T}: DriveCheckpoint.capture, _restore", uses(lambda: Trainer, "_tr_loss")),
         Internal("Trainer._total_loss_scalar", "the loss sum of the whole training (saved, restored)",
-                 f"{T}: DriveCheckpoint._capture, _restore", uses(lambda: Trainer, "_total_loss_scalar")),
+                 f"{T}: DriveCheckpoint.capture, _restore", uses(lambda: Trainer, "_total_loss_scalar")),
         Internal("Trainer._globalstep_last_logged", "the step of the last log (saved, restored)",
-                 f"{T}: DriveCheckpoint._capture, _restore", uses(lambda: Trainer, "_globalstep_last_logged")),
+                 f"{T}: DriveCheckpoint.capture, _restore", uses(lambda: Trainer, "_globalstep_last_logged")),
         Internal("accelerate.Accelerator.scaler", "the GradScaler of a mixed-precision run (saved, restored)",
                  f"{T}: DriveCheckpoint._objects", uses(_accelerate("accelerate", "Accelerator"), "scaler"),
                  token='"scaler"', package="accelerate"),
@@ -96,7 +96,7 @@ def _internals() -> List[Internal]:
                       "own epoch (its step counter continues at the saved batch)", f"{T}: _EpochRunner.__call__",
                       param(lambda: getattr(Trainer, RUN_EPOCH), p), token=f"{p}=")
              for p in ("resume_from_checkpoint", "epochs_trained", "steps_trained_in_current_epoch")]
-    rows += [Internal(f"TrainerState.{f}", "a progress field saved and restored", f"{T}: DriveCheckpoint._capture",
+    rows += [Internal(f"TrainerState.{f}", "a progress field saved and restored", f"{T}: DriveCheckpoint.capture",
                       field(given(TrainerState), f), token="STATE_FIELDS")
              for f in STATE_FIELDS]
     return rows

@@ -17,7 +17,7 @@ import hashlib
 import sys
 from pathlib import Path
 from types import FrameType
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 import torch
@@ -74,7 +74,7 @@ def capture_objects(learn: Learner) -> Dict[str, Any]:
     return objects
 
 
-def check_fits(learn: Learner, tree: Dict[str, Any], where: str) -> None:
+def check_fits(learn: Learner, tree: Mapping[str, Any], where: str) -> None:
     """Refuse, before anything is changed, a checkpoint (at ``where``) that does not fit the learner."""
     framework = tree.get("keepalive", {}).get("framework")
     if framework != "fastai":
@@ -109,7 +109,7 @@ def _check_fastai_optimizer(opt: Optimizer, saved: Dict[str, Any]) -> None:
                                          f"{tuple(p.shape)}. Nothing was loaded.")
 
 
-def restore(learn: Learner, tree: Dict[str, Any], warn: Optional[Callable[[str, str], Any]] = None) -> None:
+def restore(learn: Learner, tree: Mapping[str, Any], warn: Optional[Callable[[str, str], Any]] = None) -> None:
     """A checked tree's objects and callbacks' state into the learner (not the RNGs: the caller knows
     when). ``warn(message, key)`` (inside a fit) is told when a tracker's saved file did not survive."""
     _load_objects(learn, tree["objects"], tree["fastai"].get("frozen_idx"))
@@ -365,7 +365,7 @@ def where_words(epochs_done: int, n_epoch: int, batches_done: int = 0, n_iter: i
     return words
 
 
-def describe(tree: Dict[str, Any]) -> str:
+def describe(tree: Mapping[str, Any]) -> str:
     """Where a checkpoint is, in words (for the "resuming run ..." line)."""
     pos = (tree.get("fastai") or {}).get("position")
     if not pos:

@@ -13,7 +13,7 @@ Keras' own layers use ``SeedGenerator`` states, which are restored.
 from __future__ import annotations
 
 import sys
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, Mapping, Optional, Sequence
 
 import keras
 import numpy as np
@@ -172,7 +172,7 @@ def restore_metrics(model: Any, saved: Sequence[Any]) -> bool:
     return assign_if_fits(model.metrics_variables, saved)
 
 
-def load_variables(model: Any, tree: Dict[str, Any], where: str) -> None:
+def load_variables(model: Any, tree: Mapping[str, Any], where: str) -> None:
     """Load a checkpoint's model and optimizer variables, after checking that every saved variable
     fits its live one (else StateMismatchError, and nothing is loaded)."""
     objects, names = tree.get("objects", {}), (tree.get("keras") or {}).get("names") or {}
@@ -199,7 +199,7 @@ def assign_if_fits(variables: Sequence[Any], saved: Any) -> bool:
     return True
 
 
-def load_start(model: Any, tree: Dict[str, Any]) -> None:
+def load_start(model: Any, tree: Mapping[str, Any]) -> None:
     """An earlier stage's end state as the start of a new one: the model's variables, and the
     optimizer's when it is the same (not recompiled), each only where it fits."""
     objects = tree.get("objects") or {}
@@ -402,7 +402,7 @@ def capture_tree(model: Any, callbacks: Sequence[Any], *, epochs: int, finished:
     }
 
 
-def stage_of(tree: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+def stage_of(tree: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
     """Which ``fit`` of the run (stage) a checkpoint belongs to and where that stage began:
     ``{"index", "epoch_base", "step_base", "done"}`` (checkpoints from before stages: stage 0)."""
     keras_part = (tree or {}).get("keras") or {}
@@ -411,7 +411,7 @@ def stage_of(tree: Optional[Dict[str, Any]]) -> Dict[str, Any]:
             "step_base": int(st.get("step_base", 0)), "done": bool(keras_part.get("finished"))}
 
 
-def describe(tree: Dict[str, Any]) -> str:
+def describe(tree: Mapping[str, Any]) -> str:
     """What a resume restores, for the "resuming run ..." line."""
     parts = ["weights", "optimizer", "RNG"]
     counters = tree.get("counters", {})

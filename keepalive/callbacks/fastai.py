@@ -43,6 +43,7 @@ from fastcore.basics import noop
 from ..adapter import RunViews
 from ..config import CheckpointConfig
 from ..core import Checkpointer
+from ..statetree import Captured, StateTree
 from . import _compat_fastai as fc
 from . import _fastai_data as data
 from . import _fastai_state as state
@@ -61,7 +62,7 @@ class _FitState:
     begun: bool = False
     n_iter: int = 0
     skip_until: int = 0            # epochs below this are skipped (finished before the restart)
-    resume_mid: Optional[Dict[str, Any]] = None  # a mid-epoch checkpoint, applied at before_train
+    resume_mid: Optional[StateTree] = None  # a mid-epoch checkpoint, applied at before_train
     iter_offset: int = 0
     dl: Any = None                 # the training loader of this fit
     positioned: bool = False       # it can start an epoch at any batch (mid-epoch saves possible)
@@ -112,12 +113,12 @@ class DriveCheckpoint(RunViews, Callback):  # RunViews: no epoch / step (a callb
         super()._init_state()
         self._core: Optional[Checkpointer] = None
         self._fit: Optional[_FitState] = None
-        self._tree: Optional[Dict[str, Any]] = None  # loaded, not yet applied to a fit
+        self._tree: Optional[StateTree] = None  # loaded, not yet applied to a fit
         self._fits = state.FitLog()
         self._loaded = False  # the checkpoint (and with it the run's fits) is read at the next fit
 
-    @property
-    def core(self) -> Checkpointer:
+    @property  # built on first use: learn.export() pickles the callback without it
+    def core(self) -> Checkpointer:  # type: ignore[override]
         if self._core is None:
             self._core = Checkpointer(config=self._config, framework="fastai")
         return self._core
@@ -212,7 +213,7 @@ class DriveCheckpoint(RunViews, Callback):  # RunViews: no epoch / step (a callb
             self._fits.pass_all()
             core.say(f"fit {len(self._fits.entries) + 1}{state.phase_words(phase)} is new to run "
                      f"'{core.store.run}': it trains from the end of fit {pos['fit']}")
-        resume: Optional[Dict[str, Any]] = None
+        resume: Optional[StateTree] = None
         if pos is not None and k == pos["fit"]:
             resume, self._tree = tree, None
         if k is None:
@@ -239,7 +240,7 @@ class DriveCheckpoint(RunViews, Callback):  # RunViews: no epoch / step (a callb
                 self._fits.restart_cell()
 
     # ------------------------------------------------------------------------------------ resume
-    def _load(self, learn: Learner) -> Optional[Dict[str, Any]]:
+    def _load(self, learn: Learner) -> Optional[StateTree]:
         if self._loaded:
             return self._tree
         core = self.core
@@ -251,7 +252,7 @@ class DriveCheckpoint(RunViews, Callback):  # RunViews: no epoch / step (a callb
         self._loaded = True
         return tree
 
-    def _begin(self, learn: Learner, st: _FitState, resume: Optional[Dict[str, Any]]) -> None:
+    def _begin(self, learn: Learner, st: _FitState, resume: Optional[StateTree]) -> None:
         """Start of a counted fit, after every callback's before_fit: position data, restore state."""
         core = self.core
         st.begun = True
@@ -275,7 +276,22 @@ class DriveCheckpoint(RunViews, Callback):  # RunViews: no epoch / step (a callb
         core.check_storable(lambda: self._state_tree(learn, st, "epoch"))  # fails now, not at a save
         core.install_signal_handlers()
 
-    def _restore_in_fit(self, learn: Learner, st: _FitState, tree: Dict[str, Any]) -> None:
+    def restore(self, tree: StateTree) -> None:
+        """Put a loaded tree into the running fit: model, optimizer, schedule position, callbacks'
+        states, Recorder, the DataLoaders' and global RNGs (inside an epoch: at its saved batch)."""
+        st = self._fit
+        if st is None or self.learn is None:
+            raise RuntimeError("DriveCheckpoint.restore() works while a fit runs")
+        self._restore_in_fit(self.learn, st, tree)
+
+    def capture(self) -> Captured:
+        """The running fit's state as at its last epoch end (as :meth:`save` writes it)."""
+        st = self._fit
+        if st is None or self.learn is None:
+            raise RuntimeError("DriveCheckpoint.capture() works while a fit runs")
+        return self._state_tree(self.learn, st, "epoch")
+
+    def _restore_in_fit(self, learn: Learner, st: _FitState, tree: StateTree) -> None:
         fa = tree["fastai"]
         pos = fa["position"]
         if pos["n_epoch"] != learn.n_epoch:
@@ -363,7 +379,7 @@ class DriveCheckpoint(RunViews, Callback):  # RunViews: no epoch / step (a callb
         st.stopped = st.stopped or decision.stop
 
     # ---------------------------------------------------------------------------------- capture
-    def _state_tree(self, learn: Learner, st: _FitState, kind: str) -> Dict[str, Any]:
+    def _state_tree(self, learn: Learner, st: _FitState, kind: str) -> Captured:
         objects = state.capture_objects(learn)
         if kind == "step":
             epoch, batch = learn.epoch, learn.iter + 1
@@ -386,10 +402,9 @@ class DriveCheckpoint(RunViews, Callback):  # RunViews: no epoch / step (a callb
 
     def save(self, *, sync: bool = False) -> None:
         """Save now (only at an epoch boundary or inside a running fit's step boundary is it exact)."""
-        st = self._fit
-        if st is None or self.learn is None:
+        if self._fit is None or self.learn is None:
             raise RuntimeError("DriveCheckpoint.save() works while a fit runs (e.g. from a callback)")
-        self.core.save(lambda: self._state_tree(self.learn, st, "epoch"), sync=sync, reason="by hand")
+        self.core.save(self.capture, sync=sync, reason="by hand")
 
 
 def _then(first: Callable[[], Any], final: Callable[[], Any]) -> Callable[[], None]:

@@ -43,13 +43,14 @@ from __future__ import annotations
 
 import os
 import weakref
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Union, cast
 
 import keras
 
 from ..adapter import CheckpointAdapter
 from ..config import CheckpointConfig
 from ..core import Checkpointer
+from ..statetree import Captured, StateTree
 from . import _compat_keras as kc
 from . import _keras_state as kstate
 from ._keras_data import (
@@ -124,7 +125,7 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
         self._stage = 0  # this fit's stage: module docstring, "Several fits"
         self._stages: List[Dict[str, Any]] = []  # completed stages: {"epochs", "history"}
         self._loaded = False  # the run's newest checkpoint was read (once, at the first fit)
-        self._tree: Optional[Dict[str, Any]] = None  # it, kept for a later stage it belongs to
+        self._tree: Optional[StateTree] = None  # it, kept for a later stage it belongs to
         self._base = {"epoch": 0, "step": 0}  # the counters where this stage began
         self._reset_fit_state()
         _LIVE.add(self)
@@ -205,7 +206,7 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
                                    else why or f"fit {k + 1} of run '{self.core.store.run}' already completed "
                                    f"{done} epoch(s) of {epochs}; nothing to do (its end state restored)")
 
-    def _begin_stage(self, tree: Optional[Dict[str, Any]], epochs: int) -> None:
+    def _begin_stage(self, tree: Optional[StateTree], epochs: int) -> None:
         """Match this fit with the checkpoint's stage (module docstring, "Several fits")."""
         core, k, saved = self.core, self._stage, kstate.stage_of(tree)
         if tree is not None:
@@ -220,7 +221,7 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
                 f"is in fit {saved['index'] + 1}): skipped, the newest weights loaded"))
         elif tree is not None and saved["index"] == k:
             self._base = {"epoch": saved["epoch_base"], "step": saved["step_base"]}
-            self._restore(tree, epochs)
+            self.restore(tree, epochs)
         else:  # a new stage; from an earlier stage's end when this stage's fit raised before a save
             if tree is not None:
                 kstate.load_start(self.model, tree)
@@ -261,7 +262,10 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
             self.core.warn(problem, key="resumable-data")
 
     # -------------------------------------------------------------------------------- restore
-    def _restore(self, tree: Dict[str, Any], epochs: int) -> None:
+    def restore(self, tree: StateTree, epochs: Optional[int] = None) -> None:
+        """Put a loaded tree into the model, optimizer, metrics, callbacks and the data position of
+        this fit (of ``epochs``, default the fit's own)."""
+        epochs = self._epochs() if epochs is None else epochs
         core, model = self.core, self.model
         objects = tree.get("objects", {})
         kstate.load_variables(model, tree, core.resumed_from.url if core.resumed_from else "?")
@@ -346,7 +350,7 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
         # cannot replay an epoch end without batches. A save or a deadline stop due here is carried
         # out at the epoch end (the core defers both).
         last = self.data is not None and self._offset + done >= self.data.batches_per_epoch
-        decision = core.advance(self._capture, steps=n, batch=self._offset + done, samples=samples,
+        decision = core.advance(self.capture, steps=n, batch=self._offset + done, samples=samples,
                                 can_save=core.trigger.mid_epoch and not last)
         if decision.stop:
             self.model.stop_training = True
@@ -365,7 +369,7 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
             self._short_epoch = None
         done = int(epoch) + 1
         last = done >= self._epochs() or bool(self.model.stop_training)
-        if core.end_epoch(self._capture, last=last, epoch=self._base["epoch"] + done).stop:
+        if core.end_epoch(self.capture, last=last, epoch=self._base["epoch"] + done).stop:
             self.model.stop_training = True
 
     def on_train_end(self, logs: Logs = None) -> None:
@@ -382,7 +386,7 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
         try:
             if not core.finished and not core.stopped:
                 # fit ended without our last-epoch marker (e.g. stopped by a callback after us)
-                core.end_epoch(self._capture, last=True, count=False)
+                core.end_epoch(self.capture, last=True, count=False)
         finally:
             if core.finished:  # this fit (stage) is complete: the next fit is the next stage
                 if len(self._stages) <= self._stage:
@@ -400,13 +404,14 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
             core.close()
 
     # ------------------------------------------------------------------------------- capture
-    def _capture(self) -> Dict[str, Any]:
+    def capture(self) -> Captured:
         core, epochs = self.core, self._epochs()
         stage = {"index": self._stage, "epoch_base": self._base["epoch"], "step_base": self._base["step"]}
-        tree = kstate.capture_tree(self.model, self._callbacks, epochs=epochs, finished=core.finished,
-                                   ended_early=core.counters["epoch"] - self._base["epoch"] < epochs,
-                                   stage=stage, stages=self._stages)
-        tree["data"] = {"kind": "resumable" if self.data is not None else "keras"}
+        tree = cast(Captured, kstate.capture_tree(
+            self.model, self._callbacks, epochs=epochs, finished=core.finished,
+            ended_early=core.counters["epoch"] - self._base["epoch"] < epochs, stage=stage, stages=self._stages))
+        data: Dict[str, Any] = {"kind": "resumable" if self.data is not None else "keras"}
         if self.data is not None:
-            tree["data"].update(seed=self.data.seed, batches_per_epoch=self.data.batches_per_epoch)
+            data.update(seed=self.data.seed, batches_per_epoch=self.data.batches_per_epoch)
+        tree["data"] = data
         return tree

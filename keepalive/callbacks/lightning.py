@@ -58,6 +58,7 @@ from ..adapter import CheckpointAdapter
 from ..config import CheckpointConfig
 from ..core import Checkpointer
 from ..errors import StateMismatchError
+from ..statetree import Captured, StateTree
 from . import _compat_lightning as lc
 from . import _lightning_data as data
 from . import _lightning_state as lstate
@@ -124,7 +125,7 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         core = self.core
         core.total_epochs = trainer.max_epochs if (trainer.max_epochs or -1) > 0 else None
-        core.check_storable(self._capture)  # a value that cannot be stored fails now, not at a save
+        core.check_storable(self.capture)  # a value that cannot be stored fails now, not at a save
         core.install_signal_handlers()
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
@@ -152,6 +153,15 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
         if tree is None:
             self.data_seed = torch.initial_seed() & _MASK63
             return
+        self.restore(tree)
+
+    def restore(self, tree: StateTree) -> None:
+        """Hand a loaded tree to Lightning's own restore (the connector's loaded checkpoint: model,
+        datamodule, callbacks, precision, loops, optimizers, schedulers) and keep what Lightning leaves
+        out (RNGs, the epoch's accumulators, metrics) for the moment training continues."""
+        core, trainer = self.core, self.trainer
+        if trainer is None:
+            raise RuntimeError("DriveCheckpoint: no fit is running")
         lt = tree["lightning"]
         self.data_seed = int((tree.get("data") or {}).get("seed", torch.initial_seed() & _MASK63))
         # Lightning's own restore takes it from here: _restore_modules_and_callbacks (model,
@@ -167,7 +177,7 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
             if lt.get("should_stop") or (max_epochs is not None and core.counters["epoch"] >= max_epochs):
                 core.already_complete(max_epochs)
 
-    def _check_fits(self, tree: Dict[str, Any], pl_module: Any) -> None:
+    def _check_fits(self, tree: StateTree, pl_module: Any) -> None:
         lt = tree.get("lightning")
         where = self.core.resumed_from.url if self.core.resumed_from is not None else self.core.url
         if not isinstance(lt, dict) or "checkpoint" not in lt:
@@ -176,9 +186,9 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
                                      "another run (path or run=)")
         check_module("model", pl_module, lt["checkpoint"].get("state_dict", {}), where)
 
-    def _describe(self, tree: Dict[str, Any]) -> str:
-        c = tree.get("counters") or {}
-        return f"inside epoch {c.get('epoch')} after batch {c['batch']}" if c.get("batch") else ""
+    def _describe(self, tree: StateTree) -> str:
+        c = tree.get("counters")
+        return f"inside epoch {c['epoch']} after batch {c['batch']}" if c and c["batch"] else ""
 
     def _restore_pending(self, trainer: Any) -> None:
         """Right before training continues (the first epoch start of a resumed fit, where the run
@@ -286,7 +296,7 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
         bp = epoch_loop.batch_progress
         can_save = (self.why_not is None and not validated and not bp.is_last_batch
                     and not trainer.should_stop)
-        decision = core.advance(self._capture, steps=max(steps, 0), batch=int(bp.current.completed),
+        decision = core.advance(self.capture, steps=max(steps, 0), batch=int(bp.current.completed),
                                 samples=self._batch_samples(trainer), can_save=can_save, pending=pending)
         if decision.stop:
             self._stop(trainer)
@@ -297,7 +307,7 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
         if self.core.stopped:
             return  # the checkpoint of the deadline stop is the run's; this partial epoch's end is not
         core = self.core
-        decision = core.end_epoch(self._capture, last=self._is_last_epoch(trainer),
+        decision = core.end_epoch(self.capture, last=self._is_last_epoch(trainer),
                                   epoch=int(trainer.current_epoch))
         if decision.stop:
             self._stop(trainer)
@@ -329,7 +339,7 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
         return 0
 
     # ----------------------------------------------------------------------------------- capture
-    def _capture(self) -> Dict[str, Any]:
+    def capture(self) -> Captured:
         trainer = self.trainer
         if trainer is None:
             raise RuntimeError("DriveCheckpoint: no fit is running")

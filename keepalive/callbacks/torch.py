@@ -43,7 +43,7 @@ from __future__ import annotations
 import os
 import sys
 import zlib
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union, cast
 
 import torch
 
@@ -52,6 +52,7 @@ from ..adapter import CheckpointAdapter
 from ..config import CheckpointConfig
 from ..core import Checkpointer
 from ..dataorder import mix
+from ..statetree import Captured, StateTree
 from ._torch_data import DatasetKeys, ResumableLoader
 from .torchstate import (
     RandomState,
@@ -190,12 +191,17 @@ class DriveCheckpoint(CheckpointAdapter):
         if tree is None:
             self.data_seed = torch.initial_seed() & ((1 << 63) - 1)
             return False
+        self.restore(tree)
+        return True
+
+    def restore(self, tree: StateTree) -> None:
+        """Put a loaded (and checked) tree into the registered objects, the RNGs and the data position."""
         objects = tree.get("objects", {})
         for name, obj in self.objects.items():
             obj.load_state_dict(objects[name])
-        if self.core.dcp_objects:  # FSDP2: a collective, DCP reshards if the world size changed
-            self.core.dcp_objects.load(self.core.resumed_from.url,
-                                   storage_options=self.core.spooled.storage_options)
+        where = self.core.resumed_from
+        if self.core.dcp_objects and where is not None:  # FSDP2: a collective, DCP reshards if needed
+            self.core.dcp_objects.load(where.url, storage_options=self.core.spooled.storage_options)
         restore_gradients(self.objects, (tree.get("data") or {}).get("pending_grads"))
         self._saved_data = dict(tree.get("data") or {})
         self.data_seed = int(self._saved_data.get("seed", torch.initial_seed()))
@@ -206,14 +212,14 @@ class DriveCheckpoint(CheckpointAdapter):
         self.core.restore_rng(tree)
         if self.core.counters["batch"] and self._saved_data.get("epoch_rng") is not None:
             self._resume_rng = tree.get("rng")
-        return True
 
-    def _check_fits(self, tree: Dict[str, Any]) -> None:
-        check_objects(self.objects, tree, self.core.resumed_from.url)
+    def _check_fits(self, tree: StateTree) -> None:
+        where = self.core.resumed_from.url if self.core.resumed_from is not None else self.url
+        check_objects(self.objects, tree, where)
         if self.core.dcp_objects:  # FSDP2: the checkpoint must hold their DCP part
             from ..dcp import check_saved
 
-            check_saved(tree, self.core.dcp_objects, self.core.resumed_from.url)
+            check_saved(tree, self.core.dcp_objects, where)
 
     # ------------------------------------------------------------------------------------ loops
     def epochs(self, n: int) -> Iterator[int]:
@@ -242,7 +248,7 @@ class DriveCheckpoint(CheckpointAdapter):
                     return
                 self._claim_unstepped_epoch()
                 requested, self._save_requested = self._save_requested, False
-                decision = core.end_epoch(self._capture, last=core.counters["epoch"] + 1 >= n,
+                decision = core.end_epoch(self.capture, last=core.counters["epoch"] + 1 >= n,
                                           requested=requested)
                 if decision.stop:
                     return
@@ -320,7 +326,7 @@ class DriveCheckpoint(CheckpointAdapter):
                 if p.trains:
                     if self._boundary(p, stepped).stop:
                         return
-                elif core.advance(self._capture, steps=None if stepped else 0, batch=core.counters["batch"],
+                elif core.advance(self.capture, steps=None if stepped else 0, batch=core.counters["batch"],
                                   pending=True).stop:
                     return
             completed = True
@@ -336,7 +342,7 @@ class DriveCheckpoint(CheckpointAdapter):
                 requested, self._save_requested = self._save_requested, False
                 self._datasets.new_epoch()
                 try:
-                    core.end_epoch(self._capture, requested=requested)
+                    core.end_epoch(self.capture, requested=requested)
                 finally:
                     core.uninstall_signal_handlers()
         elif promote and self._in_epochs and self._unclaimed is None and not self._batches_done:
@@ -355,7 +361,7 @@ class DriveCheckpoint(CheckpointAdapter):
                           for q in self._passes)
         requested, self._save_requested = self._save_requested, False
         mid_epoch = all(q.rl.mid_epoch for q in self._passes if q.trains)
-        return self.core.advance(self._capture, steps=steps, batch=p.done, can_save=mid_epoch,
+        return self.core.advance(self.capture, steps=steps, batch=p.done, can_save=mid_epoch,
                                  pending=pending or outstanding, requested=requested)
 
     def _claim_unstepped_epoch(self) -> None:
@@ -370,7 +376,7 @@ class DriveCheckpoint(CheckpointAdapter):
             "no optimizer given to DriveCheckpoint stepped during this epoch: its batches count as "
             "steps. If your loop steps another optimizer, register that one (optimizer=...), so that "
             "saves never land between two accumulation steps.", key="no-optimizer-step")
-        self.core.advance(self._capture, steps=0 if self._seen_step else batches, batch=batches,
+        self.core.advance(self.capture, steps=0 if self._seen_step else batches, batch=batches,
                           samples=samples, can_save=rl.mid_epoch)
         self._batches_done = True
 
@@ -428,7 +434,7 @@ class DriveCheckpoint(CheckpointAdapter):
         return rl, key
 
     # ------------------------------------------------------------------------------- save/state
-    def _capture(self) -> Dict[str, Any]:
+    def capture(self) -> Captured:
         data: Dict[str, Any] = {"seed": self.data_seed, "seen_step": self._seen_step,
                                 "train_loader": self._train_key}
         if self.core.counters["batch"]:  # inside an epoch: where, and the epoch's starting RNGs
@@ -449,12 +455,12 @@ class DriveCheckpoint(CheckpointAdapter):
     def _current_batch_size(self) -> Optional[int]:
         return self._main.batch_size if self._main is not None else None
 
-    def _storable_preview(self) -> Dict[str, Any]:
-        return without_lazy(self._capture())
+    def _storable_preview(self) -> Captured:
+        return cast(Captured, without_lazy(dict(self.capture())))
 
-    def state_dict(self) -> Dict[str, Any]:
+    def state_dict(self) -> StateTree:
         """The whole training state as it would be saved now (tensors are live references)."""
-        return self.core.build_tree(self._capture)
+        return self.core.build_tree(self.capture)
 
     def save(self, *, sync: bool = False) -> None:
         """Save now (in the background unless ``sync``). Inside the batch loop the save is made at

@@ -56,6 +56,7 @@ from ..config import CheckpointConfig
 from ..core import Checkpointer
 from ..errors import StateMismatchError
 from ..state import frozen_copy  # loaded tensors are views on the file buffer: what is kept gets copies
+from ..statetree import Captured, StateTree
 from . import _compat_transformers as hfc
 from . import _hf_data
 from .torchstate import check_optimizer
@@ -125,7 +126,7 @@ class DriveCheckpoint(CheckpointAdapter, TrainerCallback):
         tree = core.load(describe=self._describe, check=self._check_fits)  # may refuse: nothing changed
         self._restored = tree is not None
         if tree is not None:
-            self._restore(trainer, state, tree)
+            self.restore(tree)
         self._active = True
         core.total_epochs = int(state.num_train_epochs or 0) or None
         # The instance attribute comes before the class's method: this train() call only (see module)
@@ -133,7 +134,7 @@ class DriveCheckpoint(CheckpointAdapter, TrainerCallback):
         if self._complete:
             control.should_training_stop = True
             return
-        core.check_storable(self._capture)  # a value that cannot be stored fails now
+        core.check_storable(self.capture)  # a value that cannot be stored fails now
         core.install_signal_handlers()
 
     def _find_trainer(self) -> Trainer:
@@ -212,7 +213,7 @@ class DriveCheckpoint(CheckpointAdapter, TrainerCallback):
                 if self._pending_epoch is not None:
                     self._epoch, self._batches = epochs, 0
                 self._pending_epoch = None
-                core.end_epoch(self._capture, last=True, epoch=epochs)
+                core.end_epoch(self.capture, last=True, epoch=epochs)
         finally:
             self._active = False
             core.uninstall_signal_handlers()
@@ -225,7 +226,7 @@ class DriveCheckpoint(CheckpointAdapter, TrainerCallback):
             return
         self._pending_step = False
         try:
-            decision = self.core.advance(self._capture, steps=1, batch=self._batches,
+            decision = self.core.advance(self.capture, steps=1, batch=self._batches,
                                          samples=self._batch_size * self._batches_since_step(),
                                          can_save=self._sampler is not None)
         except BaseException:  # an interrupt saved and now takes effect (or a failure): train() ends
@@ -246,7 +247,7 @@ class DriveCheckpoint(CheckpointAdapter, TrainerCallback):
         epochs, self._pending_epoch = self._pending_epoch, None
         self._epoch, self._batches = epochs, 0
         try:
-            decision = self.core.end_epoch(self._capture, epoch=epochs)
+            decision = self.core.end_epoch(self.capture, epoch=epochs)
         except BaseException:
             self._active = False
             raise
@@ -273,7 +274,7 @@ class DriveCheckpoint(CheckpointAdapter, TrainerCallback):
             objects["scaler"] = scaler
         return objects
 
-    def _capture(self) -> Dict[str, Any]:
+    def capture(self) -> Captured:
         trainer = self._trainer
         assert trainer is not None
         objects = {name: (self._model_state(obj) if name == "model" else obj.state_dict())
@@ -297,13 +298,13 @@ class DriveCheckpoint(CheckpointAdapter, TrainerCallback):
         return {"objects": objects, "hf": hf, "data": data}
 
     # --------------------------------------------------------------------------------- restore
-    def _describe(self, tree: Dict[str, Any]) -> str:
+    def _describe(self, tree: StateTree) -> str:
         data = tree.get("data") or {}
         if data.get("batch") and not (tree.get("hf") or {}).get("finished"):
             return f"epoch {data['epoch']} continues at batch {data['batch']}/{data.get('steps_in_epoch')}"
         return ""
 
-    def _check_fits(self, tree: Dict[str, Any]) -> None:
+    def _check_fits(self, tree: StateTree) -> None:
         trainer = self._trainer
         assert trainer is not None
         where = self.core.resumed_from.url if self.core.resumed_from else self.core.url
@@ -330,7 +331,13 @@ class DriveCheckpoint(CheckpointAdapter, TrainerCallback):
                     f"the checkpoint {where} is inside epoch {data['epoch']}, but this training's data cannot "
                     f"be positioned ({self.core.mid_epoch_obstacle}). Nothing was loaded.")
 
-    def _restore(self, trainer: Trainer, state: TrainerState, tree: Dict[str, Any]) -> None:
+    def restore(self, tree: StateTree) -> None:
+        """Put a loaded tree into the Trainer of this ``train()``: model (its trainable part),
+        optimizer, scheduler, scaler, ``TrainerState``, running loss sums, callbacks, data position."""
+        trainer = self._trainer
+        if trainer is None:
+            raise RuntimeError("DriveCheckpoint: no train() is running")
+        state = trainer.state
         objects = tree.get("objects") or {}
         live = self._objects(trainer)
         device = trainer.args.device

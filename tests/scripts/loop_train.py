@@ -264,7 +264,7 @@ def batchsize() -> None:
 
 def save_by_hand(ckpt) -> None:
     if args.control == "direct-save":  # what a hand save did before issue 13
-        ckpt.core.save(ckpt._capture, reason="by hand")
+        ckpt.core.save(ckpt.capture, reason="by hand")
     else:
         ckpt.save()
 
