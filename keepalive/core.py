@@ -117,6 +117,7 @@ class Checkpointer:
         #: many optimizers are watched (their step hooks call optimizer_stepped: torchstate.watch_steps)
         self.optimizer_steps = 0
         self.watched = 0
+        self.steps_paused = False  # while state is saved or restored: optimizer steps are not training
         notebook.record_context(self.metadata)  # the notebook cell, or the script, that made the run
         _ACTIVE.add(self)
 
@@ -144,8 +145,7 @@ class Checkpointer:
     @property
     def pending_signal(self) -> Optional[int]:
         """A signal received and not acted on yet (saved at the next consistent boundary)."""
-        held = self.state.pending.signal
-        return held if held is not None else self.signals.peek()
+        return self.state.pending.signal if self.state.pending.signal is not None else self.signals.peek()
 
     @property
     def path(self) -> SavePath:
@@ -163,9 +163,11 @@ class Checkpointer:
         return self._progress
 
     def optimizer_stepped(self, index: int = 0) -> None:
-        """A watched optimizer (``index`` of those watched) stepped: boundaries count such steps."""
-        self.optimizer_steps += 1
-        self._feed(bd.OptimizerStep(index))
+        """A watched optimizer (``index`` of those watched) stepped: boundaries count such steps
+        (not while a checkpoint is saved or restored: DCP initialises an optimizer's state by a step)."""
+        if not self.steps_paused:
+            self.optimizer_steps += 1
+            self._feed(bd.OptimizerStep(index))
 
     # ------------------------------------------------------------------------------- messages
     def say(self, message: str) -> None:
@@ -180,12 +182,9 @@ class Checkpointer:
     def load(self, describe: Optional[Callable[[StateTree], str]] = None,
              check: Optional[Callable[[StateTree], None]] = None) -> Optional[StateTree]:
         """The newest valid checkpoint's state tree (falling back past corrupt ones), or None.
-
-        ``check(tree)`` runs first and may raise (e.g. ``StateMismatchError``): then nothing is changed
-        here either, and calling ``load`` again after fixing the objects tries again. Otherwise sets the
-        counters and extras from the tree and says in one line what is resumed; ``describe`` (optional)
-        returns adapter-specific words for that line from the tree (e.g. what is restored).
-        """
+        ``check(tree)`` runs first and may raise (e.g. ``StateMismatchError``): then nothing changes,
+        and ``load`` after fixing the objects tries again. Otherwise sets the counters and extras and
+        says in one line what is resumed, with ``describe(tree)``'s words (e.g. what is restored)."""
         # the run = its destination and this machine's spool of it: the newest valid checkpoint of both
         found = cast(Optional[Found], Run(self.store, spool=self.spooled.local_spool()).load_newest(quiet=self.quiet))
         # Take the writer lease now, at the start of training: a second session on the same run
@@ -207,8 +206,8 @@ class Checkpointer:
         self.extras.update(tree.get("extras") or {})
         self.trigger.saved()
         if not self.quiet:
-            self.say(resuming_line(self.store.run, info, self.state.counters.as_dict(), previous,
-                                   _words(describe, tree)))
+            words = (lambda: describe(tree)) if describe is not None else None
+            self.say(resuming_line(self.store.run, info, self.state.counters.as_dict(), previous, words))
         return tree
 
     def restore_rng(self, tree: Mapping[str, Any]) -> None:
@@ -219,13 +218,16 @@ class Checkpointer:
     def _open(self) -> None:
         if not self.path.writes or self._opened:
             return  # one process writes (under DDP rank 0): it alone holds the writer lease
-        # A notebook cell run again builds a new checkpointer for the same run while the old one
-        # (same process, its loop over) still holds the writer lease: hand it over.
-        for other in list(_ACTIVE):
-            if (other is not self and other._opened and not other._in_loop
-                    and other.store.url == self.store.url):
+        # A cell run again builds a new checkpointer for the run while the old one (its loop over)
+        # holds the lease: hand it over. A lease of this process that none of its checkpointers holds
+        # (one dropped without close(), e.g. garbage-collected) is taken back, not a lock-out.
+        others = [o for o in list(_ACTIVE) if o is not self and o._opened and o.store.url == self.store.url]
+        for other in others:
+            if not other._in_loop:
                 other.close()
-        self.spooled.open_for_writing(takeover=self.takeover)
+        orphaned = (not self.spooled.spooling and not any(o._opened for o in others)
+                    and self.store.lease.names_this_process())
+        self.spooled.open_for_writing(takeover=self.takeover or orphaned)
         record_run(self.url, _session.platforms.run_index_dir)  # found after a reset (RUNS.json)
         self._opened = True
 
@@ -258,7 +260,11 @@ class Checkpointer:
         meta = dict(self.metadata, reason=reason, finished=finished, counters=c.as_dict())
         self.store.lease.progress = c.as_dict()
         log.info("saving step %d (epoch %d): %s", c.step, c.epoch, reason)
-        self.path.submit(self.build_tree(capture), step=c.step, epoch=c.epoch, metadata=meta, sync=sync)
+        self.steps_paused = True
+        try:
+            self.path.submit(self.build_tree(capture), step=c.step, epoch=c.epoch, metadata=meta, sync=sync)
+        finally:
+            self.steps_paused = False
         self._feed(bd.Saved())
         self.trigger.saved()
 
@@ -428,16 +434,6 @@ class Checkpointer:
             if self._path is not None:
                 self._path.close()
             self._opened = False
-
-
-
-
-def _words(describe: Optional[Callable[[StateTree], str]], tree: StateTree) -> str:
-    try:
-        return (describe(tree) or "") if describe is not None else ""
-    except Exception as exc:  # noqa: BLE001 - words only: never stop a resume for them
-        log.debug("describe() failed: %s", exc)
-        return ""
 
 
 @atexit.register

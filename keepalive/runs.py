@@ -665,8 +665,14 @@ def format_pending(pending: Optional[Mapping[str, Any]]) -> str:
 
 
 def resuming_line(run: str, info: Any, counters: Mapping[str, int], previous: Optional[Mapping[str, Any]],
-                  detail: str = "") -> str:
-    """The one line said when a run resumes: from which checkpoint, where, how old, what is redone."""
+                  describe: Optional[Callable[[], str]] = None) -> str:
+    """The one line said when a run resumes: from which checkpoint, where, how old, what is redone,
+    and the adapter's own words (``describe()``, e.g. what is restored; never fatal)."""
+    detail = ""
+    try:
+        detail = (describe() or "") if describe is not None else ""
+    except Exception as exc:  # noqa: BLE001 - words only: never stop a resume for them
+        log.debug("describe() failed: %s", exc)
     age = time.time() - (info.created or time.time())
     step = counters.get("step", 0)
     redone = ""

@@ -297,6 +297,14 @@ class Lease:
         except ValueError:
             return {}  # torn by a crash while it was written: nobody holds it
 
+    def names_this_process(self) -> bool:
+        """Whether the run's lease was written by this process (by any Lease object of it)."""
+        try:
+            current = self.read() or {}
+        except Exception:  # noqa: BLE001 - whoever opens the run next will say what is wrong
+            return False
+        return current.get("pid") == self.pid and current.get("host") == self.host
+
     def is_live(self, lease: Optional[Dict[str, Any]]) -> bool:
         if not lease or "owner" not in lease:
             return False

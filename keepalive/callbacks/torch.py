@@ -201,7 +201,11 @@ class DriveCheckpoint(CheckpointAdapter):
             obj.load_state_dict(objects[name])
         where = self.core.resumed_from
         if self.core.dcp_objects and where is not None:  # FSDP2: a collective, DCP reshards if needed
-            self.core.dcp_objects.load(where.url, storage_options=self.core.spooled.storage_options)
+            self.core.steps_paused = True  # DCP steps the optimizer once to create its state
+            try:
+                self.core.dcp_objects.load(where.url, storage_options=self.core.spooled.storage_options)
+            finally:
+                self.core.steps_paused = False
         restore_gradients(self.objects, (tree.get("data") or {}).get("pending_grads"))
         self._saved_data = dict(tree.get("data") or {})
         self.data_seed = int(self._saved_data.get("seed", torch.initial_seed()))
