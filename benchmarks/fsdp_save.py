@@ -1,7 +1,7 @@
 """Stall and write time of one save of an FSDP2 state on 2 ranks (gloo, CPU): keepalive's
 DriveCheckpoint (DCP shards + manifest, keepalive/dcp.py) against ``dcp.async_save`` of the same state
 into a plain folder, as DCP's docs call it and with a stager kept across saves (DCP's best; keepalive
-reuses its staging buffers the same way) (issue 16). The three run interleaved, in a rotating order, so
+reuses its staging buffers the same way). The three run interleaved, in a rotating order, so
 that the page cache's writeback state favours none of them.
 
     python benchmarks/fsdp_save.py [--params 8e6] [--repeats 5] [--dir /tmp/fsdp-bench]

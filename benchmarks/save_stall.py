@@ -10,7 +10,7 @@ folder. Compared:
 
     python benchmarks/save_stall.py [--size-mb 1024] [--repeat 3] [--dir /tmp/x]
 
-Goals (issue 3): stall <= 0.15x torch.save; resume <= 1.2x torch.load(mmap=True).
+Goals: stall <= 0.15x torch.save; resume <= 1.2x torch.load(mmap=True).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Does a slow checkpoint destination slow the training loop down? (issue 9)
+"""Does a slow checkpoint destination slow the training loop down?
 
 A real torch training loop (an MLP whose state -- weights plus SGD momentum -- is about
 ``--size-mb``) checkpoints every ``--every`` steps with the torch ``DriveCheckpoint`` to

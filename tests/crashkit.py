@@ -15,7 +15,7 @@ import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Any, List, Optional
 
 RESUME_RE = re.compile(r"resuming run .* epoch (\d+), step (\d+)")
 STEP_RE = re.compile(r"^STEP (\d+)\b")
@@ -115,3 +115,31 @@ def run_to_completion(cmd: List[str], *, total_steps: int, kills: int, rng: rand
             assert proc.returncode == 0, f"child failed ({proc.returncode}):\n{''.join(lines[-60:])}"
             return report
     raise AssertionError("unreachable")
+
+
+def assert_same(a: Any, b: Any, where: str = "state") -> None:
+    """Bit-identical: tensors by torch.equal (dtype and shape too), everything else by ==."""
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a, b), f"{where} differs: max |diff| {(a.double() - b.double()).abs().max()}"
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), f"{where}: keys {sorted(a)} != {sorted(b)}"
+        for k in a:
+            assert_same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def assert_differs(a: Any, b: Any) -> None:
+    """The negative controls' check: the two states are not bit-identical."""
+    try:
+        assert_same(a, b)
+    except AssertionError:
+        return
+    raise AssertionError("the two states are bit-identical: the control did not change the result")

@@ -227,7 +227,7 @@ def test_verify_and_ls_foreign_or_missing(tmp_path):
     assert r.returncode == 0 and "no checkpoints" in r.stdout
 
 
-# ------------------------------------------------- bad input, credentials, no network (issue 14)
+# ------------------------------------------------- bad input, credentials, no network
 def _no_cloud_credentials(**extra):
     """The environment of a machine with no cloud credentials at all."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "GOOGLE_"))}

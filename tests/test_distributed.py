@@ -1,4 +1,4 @@
-"""DDP (issue 16): the same DriveCheckpoint under ``torchrun --nproc_per_node=2`` (gloo, CPU).
+"""DDP: the same DriveCheckpoint under ``torchrun --nproc_per_node=2`` (gloo, CPU).
 
 * ranks SIGKILLed at random moments (inside saves too), the job restarted by torchrun's elastic agent
   each time: the final weights of every rank are bit-identical to an uninterrupted run; every

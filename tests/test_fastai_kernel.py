@@ -1,6 +1,6 @@
 """A fastai learner trained in two notebook cells, in real IPython kernels (jupyter_client).
 
-The story of issue 14 (item 6): a setup cell builds the learner with ``DriveCheckpoint``, cell A runs
+The notebook story: a setup cell builds the learner with ``DriveCheckpoint``, cell A runs
 ``learn.fit_one_cycle(1)``, cell B ``learn.fit_one_cycle(2)``; the kernel is SIGKILLed inside cell B
 (after a checkpoint of B has committed). A fresh kernel runs the setup cell and ``%resume_training``
 only (cell A is not run again): cell B must be recognised as the run's second fit and continue it, so

@@ -1,4 +1,4 @@
-"""FSDP2 / DTensor state (issue 16) through torch.distributed.checkpoint, under ``torchrun
+"""FSDP2 / DTensor state through torch.distributed.checkpoint, under ``torchrun
 --nproc_per_node=2`` (gloo, CPU). The training is tests/scripts/fsdp_train.py (``fully_shard``,
 AdamW, dropout, a shuffled DistributedSampler).
 

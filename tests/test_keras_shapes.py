@@ -1,4 +1,4 @@
-"""Keras 3 as people use it (issue 14, items 1-5): models without known input shapes, the running
+"""Keras 3 as people use it: models without known input shapes, the running
 metrics of a resumed epoch, tf.data / generator inputs, a second fit (transfer learning) and
 steps_per_execution / CSVLogger. The SIGKILL tests run tests/scripts/keras_shapes_train.py and compare
 every model and optimizer variable, each fit's History and the counters with an uninterrupted run."""

@@ -700,7 +700,7 @@ def _eval_every_3_steps_then_save(path, stop_after=None):
                 with torch.no_grad():
                     for xv, _ in ckpt.batches(val_loader):
                         model(xv)
-                ckpt.save()  # inside the training batch: done at its end (issue 13, item 3)
+                ckpt.save()  # inside the training batch: done at its end
             if done == stop_after:
                 ckpt.close()
                 return None

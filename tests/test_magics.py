@@ -404,7 +404,7 @@ def test_checkpoints_waiting_in_the_spool_count(shell, ka_dir, tmp_path, monkeyp
     assert ckpt.finished and ckpt.core.resumed_from is not None and ckpt.core.resumed_from.step == 5
 
 
-# ------------------------------------------------------- runs elsewhere: the index of runs (issue 14)
+# ------------------------------------------------------- runs elsewhere: the index of runs
 def _crashing_path_run(shell, path, crash_at=3):
     """A run at an explicit path (as every README example writes one), its training crashed."""
     assert run(shell, SETUP).success

@@ -261,7 +261,7 @@ def test_resume_training_replay_reruns_the_setup_cells(tmp_path, reference):
     assert_same_weights(reference, out)
 
 
-# ---------------------------------------------------- a run at an explicit path (issue 14, item 8)
+# ---------------------------------------------------- a run at an explicit path
 def test_a_run_at_an_explicit_drive_path_is_named_and_resumed_after_a_kill(tmp_path, reference):
     """As every README example: ``DriveCheckpoint("/content/drive/MyDrive/runs/...")``, a folder
     OUTSIDE the default checkpoint dir. The kernel is SIGKILLed; a new kernel's ``%load_ext``

@@ -1,4 +1,4 @@
-"""Two processes started from a notebook cell (issue 16, "Notebook launch"): a real IPython kernel
+"""Two processes started from a notebook cell: a real IPython kernel
 (jupyter_client) runs a DDP training (gloo, CPU, dropout, a shuffled DistributedSampler) in two
 processes forked from the kernel, the way Kaggle's "GPU T4 x2" notebooks do it:
 

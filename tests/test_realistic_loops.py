@@ -1,4 +1,4 @@
-"""The PyTorch loops people actually write (issue 13), killed at the moment that hits their risk.
+"""The PyTorch loops people actually write, killed at the moment that hits their risk.
 
 Each test trains a tiny real model (dropout, shuffled data with random noise) in a child process
 (tests/scripts/loop_train.py), SIGKILLs it where the loop shape could go wrong (gradients pending, a
@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Optional
 import pytest
 import torch
 
-from crashkit import run_to_completion
+from crashkit import assert_differs, assert_same, run_to_completion
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "loop_train.py")
 EPOCHS, SAMPLES, BATCH, ACC = 3, 80, 8, 3
@@ -104,28 +104,6 @@ class Training:
         kill = next(i for i, e in enumerate(events) if e.kind == "KILL")
         last = [e for e in events[:kill] if e.kind == "COMMIT"][-1]
         return tuple(int(v) for v in last.fields[:3])
-
-
-def assert_same(a: Any, b: Any, where: str = "state") -> None:
-    """Bit-identical: tensors by torch.equal (dtype and shape too), everything else by ==."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
-        assert torch.equal(a, b), f"{where} differs: max |diff| {(a.double() - b.double()).abs().max()}"
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and set(a) == set(b), f"{where}: keys {sorted(a)} != {sorted(b)}"
-        for k in a:
-            assert_same(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
-
-
-def assert_differs(a: Any, b: Any) -> None:
-    with pytest.raises(AssertionError):
-        assert_same(a, b)
 
 
 def kill_and_resume(root, name: str, scenario: str, *options: str, kill: List[str],
@@ -216,8 +194,9 @@ def test_accumulation_signal_between_two_steps(root, accum_ref, signame, returnc
 
 
 def test_accumulation_control_without_the_pending_guard_differs(root, accum_ref):
-    """Negative control: keepalive as before issue 13 (every batch counts as a step, nothing waits for
-    the optimizer step) saves between two steps; the same kill then drops the pending gradients."""
+    """Negative control: keepalive as it was before it followed the optimizer (every batch counts as a
+    step, nothing waits for the optimizer step) saves between two steps; the same kill then drops the
+    pending gradients."""
     t = kill_and_resume(root, "accum-guard-off", "accum", "--every", "2", "--control", "guard-off",
                         kill=["--kill-at", "1:8"])
     assert t.last_commit_before_kill()[:2] == (1, 8)  # a checkpoint with gradients pending
@@ -263,7 +242,7 @@ def test_accumulation_rest_carried_into_next_epoch_killed_after_epoch_end_save(r
     next epoch). every="epoch" (the default). Killed early in epoch 1, after the epoch-0 save.
 
     An epoch's end is where every="epoch" saves, gradients pending or not: there the checkpoint
-    holds the pending gradients (issue 13 allows either), and only there: inside an epoch no
+    holds the pending gradients (either is allowed), and only there: inside an epoch no
     checkpoint is ever taken while gradients are pending."""
     options = ["--every", "epoch", "--no-epoch-flush"]
     ref = _reference(root, "accum-noflush-ref", "accum", *options)
@@ -314,7 +293,7 @@ def test_batch_size_changed_between_sessions(root, before, after, kill_at):
 
 
 def test_batch_size_control_without_the_sample_position_skips(root):
-    """Negative control: positioned by batch index x the new batch size (before issue 13), the
+    """Negative control: positioned by batch index x the new batch size (as keepalive once did), the
     interrupted epoch repeats samples: the exactly-once check fails."""
     t = kill_and_resume(root, "bs-control", "batchsize", "--every", "3",
                         kill=["--batch-size", "8", "--kill-at", "1:6"],
@@ -356,7 +335,7 @@ def test_hand_save_inside_the_batch_loop(root, handsave_ref):
 
 def test_hand_save_inside_the_batch_loop_control(root, handsave_ref):
     """Negative control: the hand save written at once, with the counters of the running batch
-    (before issue 13): that batch is trained twice after the resume."""
+    (as keepalive once did): that batch is trained twice after the resume."""
     t = kill_and_resume(root, "hand-inside-ctl", "handsave", "--hand-save", "inside",
                         "--control", "direct-save", kill=["--kill-after-hand-save", "3"])
     assert t.first_epoch_line(1) == (1, 3, 13)

@@ -1,4 +1,4 @@
-"""The index of runs (issue 14, item 8): ``RUNS.json`` plus one record per run in the default
+"""The index of runs: ``RUNS.json`` plus one record per run in the default
 checkpoint dir, so that runs opened with an explicit path are found after a VM reset.
 
 Written without rename (Drive, object stores), torn files ignored, concurrent writers merged, local

@@ -34,6 +34,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import pytest
 import torch
 
+from crashkit import assert_differs, assert_same
 from keepalive import CheckpointStore
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "step_loops.py")
@@ -134,28 +135,6 @@ class Training:
             if e.session == sessions - 1 or n <= keep[e.session]:
                 out.append((e.fields[0], *e.fields[2:]))  # the step number and its data, not ckpt.step
         return out
-
-
-def assert_same(a: Any, b: Any, where: str = "state") -> None:
-    """Bit-identical: tensors by torch.equal (dtype and shape too), everything else by ==."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
-        assert torch.equal(a, b), f"{where} differs: max |diff| {(a.double() - b.double()).abs().max()}"
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and set(a) == set(b), f"{where}: keys {sorted(a)} != {sorted(b)}"
-        for k in a:
-            assert_same(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
-
-
-def assert_differs(a: Any, b: Any) -> None:
-    with pytest.raises(AssertionError):
-        assert_same(a, b)
 
 
 def killed_run(root, name: str, scenario: str, *options: str, kill_after: int) -> Tuple[Training, List[Saved]]:
