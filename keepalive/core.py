@@ -360,9 +360,13 @@ class Checkpointer:
         return self._carry_out(self._feed(bd.StageEnd(reason=reason, finished=finished, due=due)), capture)
 
     # ----------------------------------------------------------------------------- boundaries
-    def _before_boundary(self, capture: Capture) -> None:
+    def active(self) -> None:
+        """A batch ran that is no boundary (a validation pass): the run is alive, not idle."""
         self.store.lease.progress = self.state.counters.as_dict()
-        _session.note_activity()  # a running training is not idle
+        _session.note_activity()
+
+    def _before_boundary(self, capture: Capture) -> None:
+        self.active()
         if not self._reserved:  # the first boundary prepares the first save's host buffer
             self._reserved = True
             try:

@@ -330,9 +330,8 @@ class DriveCheckpoint(CheckpointAdapter):
                 if p.trains:
                     if self._boundary(p, stepped).stop:
                         return
-                elif core.advance(self.capture, steps=None if stepped else 0, batch=core.counters["batch"],
-                                  pending=True).stop:
-                    return
+                else:  # not a boundary: what comes due waits for the training loop's next one
+                    core.active()
             completed = True
         finally:
             p.out = False

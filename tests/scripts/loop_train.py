@@ -1,6 +1,6 @@
 """The PyTorch loops people actually write, for the crash tests of tests/test_realistic_loops.py.
 
-One script, one ``--scenario`` per loop shape (issue 13): gradient accumulation, a batch size changed
+One script, one ``--scenario`` per loop shape: gradient accumulation, a batch size changed
 between sessions, saving by hand, ``batch_sampler=BatchSampler(SubsetRandomSampler(...))``, random
 draws between ``for epoch`` and ``for batch``, ``ckpt.enumerate`` with ``CosineAnnealingWarmRestarts``,
 private random generators, K-fold without a path. Each trains a tiny MLP with dropout on synthetic
@@ -33,13 +33,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from childio import emit
-from torch.utils.data import BatchSampler, DataLoader, Dataset, Subset, SubsetRandomSampler
+from torch.utils.data import BatchSampler, DataLoader, Subset, SubsetRandomSampler
+from toydata import NoisyIndexed
 
 from keepalive.callbacks.torch import DriveCheckpoint
 
 CONTROLS = {
     "guard-off": "accumulation: every batch counts as a step and none waits for pending gradients "
-                 "(keepalive before issue 13)",
+                 "(as keepalive once did)",
     "drop-position": "batch size: forget the saved sample position (resume at batch x new size)",
     "direct-save": "hand save: written at once with the counters of the running batch / epoch",
     "no-rng-restore": "the global RNG states are not restored on resume",
@@ -130,19 +131,11 @@ def maybe_kill(ckpt, epoch: int, fold: int = 0) -> None:
         die(where, ckpt)
 
 
-class Indexed(Dataset):
+class Indexed(NoisyIndexed):
     """Fixed inputs and labels; an item is (input + fresh noise, label, its index)."""
 
     def __init__(self, n: int):
-        g = torch.Generator().manual_seed(7)
-        self.x = torch.randn(n, DIM, generator=g)
-        self.y = torch.randint(0, CLASSES, (n,), generator=g)
-
-    def __len__(self):
-        return len(self.x)
-
-    def __getitem__(self, i):
-        return self.x[i] + 0.05 * torch.randn(DIM), self.y[i], i
+        super().__init__(n, DIM, CLASSES, seed=7)
 
 
 def make_model() -> torch.nn.Module:
@@ -263,7 +256,7 @@ def batchsize() -> None:
 
 
 def save_by_hand(ckpt) -> None:
-    if args.control == "direct-save":  # what a hand save did before issue 13
+    if args.control == "direct-save":  # what a hand save once did
         ckpt.core.save(ckpt.capture, reason="by hand")
     else:
         ckpt.save()

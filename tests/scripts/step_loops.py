@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from childio import emit
 from torch.utils.data import DataLoader, Dataset
+from toydata import NoisyIndexed
 
 from keepalive.callbacks.torch import DriveCheckpoint
 
@@ -167,19 +168,11 @@ def mlp(dim: int, classes: int) -> torch.nn.Module:
 DIM, CLASSES = 12, 3
 
 
-class Labeled(Dataset):
+class Labeled(NoisyIndexed):
     """Fixed inputs and labels; an item is (input + fresh noise, label, its index)."""
 
     def __init__(self, n: int):
-        g = torch.Generator().manual_seed(11)
-        self.x = torch.randn(n, DIM, generator=g)
-        self.y = torch.randint(0, CLASSES, (n,), generator=g)
-
-    def __len__(self):
-        return len(self.x)
-
-    def __getitem__(self, i):
-        return self.x[i] + 0.05 * torch.randn(DIM), self.y[i], i
+        super().__init__(n, DIM, CLASSES, seed=11)
 
 
 class Unlabeled(Dataset):
