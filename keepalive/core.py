@@ -1,21 +1,17 @@
 """The framework-neutral checkpointer every adapter is built on.
 
-An adapter (torch loop, Keras callback, fastai callback, ...) does three things only: it says where
-the boundaries are (:meth:`Checkpointer.advance` after a batch, :meth:`Checkpointer.end_epoch`,
-:meth:`Checkpointer.end_stage`; optimizer steps through :meth:`Checkpointer.optimizer_stepped`), it gives a
-``capture()`` function returning its objects' state as a tree, and it restores such a tree into its
-objects (:mod:`keepalive.adapter` has the base class). Everything else lives here and below:
+An adapter says where the boundaries are (:meth:`Checkpointer.advance` after a batch,
+:meth:`Checkpointer.end_epoch`, :meth:`Checkpointer.end_stage`; optimizer steps through
+:meth:`Checkpointer.optimizer_stepped`), captures its objects' state as a tree and restores one
+(:mod:`keepalive.adapter`: the contract). Everything else lives here and below: what a boundary does
+(save, stop, re-raise a signal) is decided by the pure state machine of :mod:`keepalive.boundary`, fed
+the schedule's answer (:mod:`keepalive.trigger`), and only carried out here; a checkpoint leaves the
+process by the save path of :mod:`keepalive.savepath` (one writer, gathered to rank 0, or in pieces
+through DCP), chosen once when the run is first used; resume with fallback (:mod:`keepalive.runs`),
+RNG capture (:mod:`keepalive.rng`), deferred interrupts (:mod:`keepalive.interrupts`) and the
+one-line messages users see.
 
-* what a boundary does — save, stop, re-raise a signal — is decided by the pure state machine of
-  :mod:`keepalive.boundary`, fed the schedule's answer (:mod:`keepalive.trigger`); this module only
-  carries its decisions out;
-* how a checkpoint leaves the process (one writer, gathered to rank 0, in pieces through DCP) is the
-  save path of :mod:`keepalive.savepath`, chosen once when the run is first used;
-* resuming from the newest valid checkpoint with fallback (:mod:`keepalive.runs`), RNG capture
-  (:mod:`keepalive.rng`), deferred interrupts (Ctrl-C / "Interrupt kernel" and SIGTERM save at the
-  next consistent boundary, then take effect), and the one-line messages users see.
-
-The tree a checkpoint holds::
+The tree a checkpoint holds (:mod:`keepalive.statetree` names its keys)::
 
     {"keepalive": {"format": 1, "framework": "torch"},
      "counters":  {"epoch": 3, "step": 1200, "batch": 0, "samples": 153600},
