@@ -38,15 +38,14 @@ The rules it encodes:
 """
 from __future__ import annotations
 
-import dataclasses
 import signal as _signal
-from dataclasses import dataclass, replace
-from typing import Callable, Dict, Iterator, Mapping, MutableMapping, Optional, Tuple, Union
+from dataclasses import dataclass
+from typing import Callable, Dict, Iterator, Mapping, MutableMapping, Optional, Tuple, TypeVar, Union
 
 __all__ = [
     "COUNTER_NAMES", "BatchEnd", "BoundaryState", "CounterView", "Counters", "Deadline", "Decision", "Due",
     "EpochCounted", "EpochEnd", "Event", "Finish", "NewFit", "OptimizerStep", "Pending", "Restored", "Saved",
-    "SetCounter", "Signal", "StageEnd", "agreed", "count", "signal_name", "transition",
+    "SetCounter", "Signal", "StageEnd", "agreed", "count", "evolve", "signal_name", "transition",
 ]
 
 #: the counters every adapter shares: epochs completed, optimizer steps, batches done in the running
@@ -62,7 +61,7 @@ class Counters:
     samples: int = 0
 
     def as_dict(self) -> Dict[str, int]:
-        return dataclasses.asdict(self)
+        return {"epoch": self.epoch, "step": self.step, "batch": self.batch, "samples": self.samples}
 
     @classmethod
     def of(cls, values: Mapping[str, object]) -> "Counters":
@@ -135,6 +134,18 @@ class BoundaryState:
     @property
     def unsaved(self) -> bool:
         return self.saved_at != self.counters
+
+
+T = TypeVar("T")
+
+
+def evolve(obj: T, **changes: object) -> T:
+    """A copy of the frozen record ``obj`` with ``changes``: ``dataclasses.replace`` without its cost
+    (it re-runs ``__init__``; this runs at every batch). The records here have no ``__post_init__``."""
+    new = object.__new__(type(obj))
+    new.__dict__.update(obj.__dict__)
+    new.__dict__.update(changes)
+    return new
 
 
 class CounterView(MutableMapping[str, int]):
@@ -278,38 +289,38 @@ def transition(state: BoundaryState, event: Event) -> Tuple[BoundaryState, Decis
     if isinstance(event, OptimizerStep):
         seen = list(state.steps_seen) + [0] * max(0, event.index + 1 - len(state.steps_seen))
         seen[event.index] += 1
-        return replace(state, steps_seen=tuple(seen)), NOTHING
+        return evolve(state, steps_seen=tuple(seen)), NOTHING
     if isinstance(event, BatchEnd):
         return _batch_end(state, event)
     if isinstance(event, EpochEnd):
         return _epoch_end(state, event)
     if isinstance(event, EpochCounted):
         c = state.counters
-        return replace(state, counters=replace(c, epoch=c.epoch + 1, batch=0)), NOTHING
+        return evolve(state, counters=evolve(c, epoch=c.epoch + 1, batch=0)), NOTHING
     if isinstance(event, StageEnd):
         return _stage_end(state, event)
     if isinstance(event, Signal):
         if state.pending.signal is not None:  # asked twice: the user insists, act now
-            return (replace(state, pending=replace(state.pending, signal=None)),
+            return (evolve(state, pending=evolve(state.pending, signal=None)),
                     Decision(signal=event.signum, signal_note="insisted"))
-        return (replace(state, pending=replace(state.pending, signal=event.signum)),
+        return (evolve(state, pending=evolve(state.pending, signal=event.signum)),
                 Decision(signal_note="received"))
     if isinstance(event, Deadline):
         p = state.pending
-        return replace(state, pending=replace(p, stop=p.stop or event.reason)), NOTHING
+        return evolve(state, pending=evolve(p, stop=p.stop or event.reason)), NOTHING
     if isinstance(event, Saved):
-        return replace(state, saved_at=state.counters), NOTHING
+        return evolve(state, saved_at=state.counters), NOTHING
     if isinstance(event, Restored):
-        return replace(state, counters=event.counters, saved_at=event.counters, steps_seen=()), NOTHING
+        return evolve(state, counters=event.counters, saved_at=event.counters, steps_seen=()), NOTHING
     if isinstance(event, NewFit):
-        c = replace(state.counters, batch=0) if event.keep_counters else Counters()
-        return replace(state, counters=c, finished=False, stopped=False, stop_reason=None), NOTHING
+        c = evolve(state.counters, batch=0) if event.keep_counters else Counters()
+        return evolve(state, counters=c, finished=False, stopped=False, stop_reason=None), NOTHING
     if isinstance(event, Finish):
-        return replace(state, finished=event.value), NOTHING
+        return evolve(state, finished=event.value), NOTHING
     if isinstance(event, SetCounter):
         if event.name not in COUNTER_NAMES:
             raise KeyError(event.name)
-        return replace(state, counters=replace(state.counters, **{event.name: int(event.value)})), NOTHING
+        return evolve(state, counters=evolve(state.counters, **{event.name: int(event.value)})), NOTHING
     raise TypeError(f"not a boundary event: {event!r}")
 
 
@@ -317,16 +328,28 @@ def count(state: BoundaryState, event: Union[BatchEnd, EpochEnd]) -> Tuple[Bound
     """The counting half of a batch or epoch end, alone: the state with its counters moved, and the
     event that acts at that boundary without counting again. (The schedule is asked between the two,
     so that what it reads, e.g. a deadline that depends on the step, sees the new counters.)"""
+    counted = evolve(state, counters=_counted(state, event), steps_seen=())
     if isinstance(event, BatchEnd):
-        counted, _ = _batch_end(state, replace(event, positionable=False, grads_pending=True, requested=False,
-                                               due=Due()))
-        return (replace(counted, pending=state.pending),
-                replace(event, steps=0, batch=counted.counters.batch, samples=0))
-    counted, _ = _epoch_end(state, replace(event, last=False, requested=False, due=Due()))
-    return replace(state, counters=counted.counters, steps_seen=()), replace(event, count=False, epoch=None)
+        return counted, evolve(event, steps=0, batch=counted.counters.batch, samples=0)
+    return counted, evolve(event, count=False, epoch=None)
+
+
+def _counted(state: BoundaryState, ev: Union[BatchEnd, EpochEnd]) -> Counters:
+    """The counters after a batch or epoch end: the steps counted since the previous boundary (or
+    the batch's own), its batch and samples; an epoch end's epoch."""
+    c = state.counters
+    if isinstance(ev, BatchEnd):
+        steps = state.counted_steps if ev.steps is None else int(ev.steps)
+        return Counters(c.epoch, c.step + steps, c.batch + steps if ev.batch is None else int(ev.batch),
+                        c.samples + int(ev.samples))
+    if not ev.count:
+        return Counters(c.epoch, c.step + state.counted_steps, c.batch, c.samples)
+    return Counters(c.epoch + 1 if ev.epoch is None else int(ev.epoch), c.step + state.counted_steps, 0, c.samples)
 
 
 def _owe(pending: Pending, due: Due, requested: bool) -> Pending:
+    if not requested and due.save is None and due.stop is None:
+        return pending
     save = pending.save
     if requested:
         save = "by hand"
@@ -336,33 +359,25 @@ def _owe(pending: Pending, due: Due, requested: bool) -> Pending:
 
 
 def _batch_end(state: BoundaryState, ev: BatchEnd) -> Tuple[BoundaryState, Decision]:
-    steps = state.counted_steps if ev.steps is None else int(ev.steps)
-    c = state.counters
-    counters = replace(c, step=c.step + steps, samples=c.samples + int(ev.samples),
-                       batch=c.batch + steps if ev.batch is None else int(ev.batch))
     pending = _owe(state.pending, ev.due, ev.requested)
-    state = replace(state, counters=counters, pending=pending, steps_seen=())
+    state = evolve(state, counters=_counted(state, ev), pending=pending, steps_seen=())
     if ev.positionable and not ev.grads_pending:
         return _act(state)
     if not ev.positionable and pending.signal is not None:
         # the loop cannot be saved inside an epoch: the signal acts now, without a save
-        return (replace(state, pending=replace(pending, signal=None)),
+        return (evolve(state, pending=evolve(pending, signal=None)),
                 Decision(signal=pending.signal, signal_note="unsaveable"))
     return state, NOTHING
 
 
 def _epoch_end(state: BoundaryState, ev: EpochEnd) -> Tuple[BoundaryState, Decision]:
-    c = state.counters
-    counters = replace(c, step=c.step + state.counted_steps)
-    if ev.count:
-        counters = replace(counters, batch=0, epoch=c.epoch + 1 if ev.epoch is None else int(ev.epoch))
     pending = _owe(state.pending, ev.due, ev.requested)
-    state = replace(state, counters=counters, pending=pending, steps_seen=())
+    state = evolve(state, counters=_counted(state, ev), pending=pending, steps_seen=())
     if not ev.last:
         return _act(state)
     # the training's end: always saved, durably; a signal that came during its last epoch's
     # validation takes effect after that save
-    return (replace(state, pending=Pending(), finished=True),
+    return (evolve(state, pending=Pending(), finished=True),
             Decision(save=True, sync=True, finished=True, reason="end of training", signal=pending.signal,
                      signal_note="finished" if pending.signal is not None else ""))
 
@@ -371,7 +386,7 @@ def _stage_end(state: BoundaryState, ev: StageEnd) -> Tuple[BoundaryState, Decis
     p = state.pending
     stop = ev.due.stop or p.stop
     c = state.counters
-    state = replace(state, pending=Pending(), steps_seen=(), counters=replace(c, step=c.step + state.counted_steps),
+    state = evolve(state, pending=Pending(), steps_seen=(), counters=evolve(c, step=c.step + state.counted_steps),
                     finished=state.finished or ev.finished,
                     stopped=state.stopped or stop is not None,
                     stop_reason=stop if stop is not None else state.stop_reason)
@@ -386,12 +401,12 @@ def _act(state: BoundaryState) -> Tuple[BoundaryState, Decision]:
     if not p:
         return state, NOTHING
     new = state.unsaved
-    cleared = replace(state, pending=Pending())
+    cleared = evolve(state, pending=Pending())
     if p.signal is not None:
         return cleared, Decision(save=new, sync=True, flush=not new, reason=f"{signal_name(p.signal)} received",
                                  signal=p.signal, signal_note="saved")
     if p.stop is not None:
-        return (replace(cleared, stopped=True, stop_reason=p.stop),
+        return (evolve(cleared, stopped=True, stop_reason=p.stop),
                 Decision(save=new, sync=True, flush=not new, stop=True, reason=p.stop))
     return cleared, Decision(save=new, reason=p.save or "a save came due")
 
@@ -407,11 +422,11 @@ def agreed(state: BoundaryState, decision: Decision, *, save: bool, stop: bool,
                                reason=f"{signal_name(signal)} received", signal=signal, signal_note="saved")
     if stop and not decision.stop:
         why = "another rank stops before the session ends"
-        return (replace(state, stopped=True, stop_reason=why),
+        return (evolve(state, stopped=True, stop_reason=why),
                 Decision(save=new or decision.save, sync=True, flush=not new, stop=True, reason=why,
                          finished=decision.finished, signal=decision.signal, signal_note=decision.signal_note))
     if save and not decision.save and new:
-        return state, replace(decision, save=True, reason=decision.reason or "a save came due on another rank")
+        return state, evolve(decision, save=True, reason=decision.reason or "a save came due on another rank")
     return state, decision
 
 

@@ -26,7 +26,6 @@ import atexit
 import logging
 import os
 import weakref
-from dataclasses import replace
 from typing import Any, Callable, Dict, List, Mapping, MutableMapping, Optional, Union, cast
 
 from . import boundary as bd
@@ -300,7 +299,7 @@ class Checkpointer:
             steps=n, batch=batch, samples=int(samples), positionable=can_save, grads_pending=pending,
             requested=requested))
         due = self.trigger.after_step(n, consistent=consistent)  # sees the counters moved
-        decision = self._feed(replace(event, due=due))
+        decision = self._feed(bd.evolve(event, due=due))
         if consistent:
             decision = self._agree(decision)
         return self._carry_out(decision, capture)
@@ -317,7 +316,7 @@ class Checkpointer:
                                                              count=count))
         due = self.trigger.after_step(steps) if steps else bd.Due()  # see the counters moved
         due = due | self.trigger.after_epoch()
-        decision = self._feed(replace(event, due=due))
+        decision = self._feed(bd.evolve(event, due=due))
         if not last:
             decision = self._agree(decision)
         if self.training_progress is not None:
@@ -419,7 +418,7 @@ class Checkpointer:
         self._in_loop = False
 
     def _forget_signal(self) -> None:
-        self.state = replace(self.state, pending=replace(self.state.pending, signal=None))
+        self.state = bd.evolve(self.state, pending=bd.evolve(self.state.pending, signal=None))
 
     # ---------------------------------------------------------------------------------- close
     def close(self) -> None:

@@ -123,6 +123,7 @@ class DriveCheckpoint(CheckpointAdapter):
         self._train_key: Optional[str] = None  # which dataset is the training data (saved)
         self._unclaimed: Optional[Tuple[ResumableLoader, str, int, int]] = None
         self._passes: List[_Pass] = []   # the running epoch's open passes (ckpt.batches() loops)
+        self._samples_out = 0           # training samples handed out since the last boundary
         self._resumed = False
         self._in_epochs = False
         self._batches_done = False      # the running epoch's training pass has completed
@@ -242,6 +243,7 @@ class DriveCheckpoint(CheckpointAdapter):
                 core.start_epoch()
                 self._batches_done = False
                 self._unclaimed = None
+                self._samples_out = 0  # a batch handed out but never used by the last epoch: not counted
                 self._datasets.new_epoch()
                 epoch_rng = self._saved_data.pop("epoch_rng", None) if core.counters["batch"] else None
                 if epoch_rng is not None:
@@ -318,7 +320,7 @@ class DriveCheckpoint(CheckpointAdapter):
                 p.done, p.position, p.out = done, p.position + n, True
                 p.handed_at = core.optimizer_steps
                 if p.trains:
-                    core.counters["samples"] += n
+                    self._samples_out += n  # counted at the next training boundary
                     if p.key == self._train_key:
                         self._position = p.position
                 yield done - 1, batch
@@ -326,7 +328,7 @@ class DriveCheckpoint(CheckpointAdapter):
                 stepped = core.optimizer_steps > p.handed_at
                 if stepped and promote and not p.trains:
                     self._promote(p)
-                    core.counters["samples"] += p.position  # its samples so far were training data
+                    self._samples_out += p.position  # its samples so far were training data
                 if p.trains:
                     if self._boundary(p, stepped).stop:
                         return
@@ -363,8 +365,9 @@ class DriveCheckpoint(CheckpointAdapter):
         outstanding = any(q is not p and q.trains and q.out and q.handed_at == self.core.optimizer_steps
                           for q in self._passes)
         requested, self._save_requested = self._save_requested, False
+        samples, self._samples_out = self._samples_out, 0
         mid_epoch = all(q.rl.mid_epoch for q in self._passes if q.trains)
-        return self.core.advance(self.capture, steps=steps, batch=p.done, can_save=mid_epoch,
+        return self.core.advance(self.capture, steps=steps, batch=p.done, samples=samples, can_save=mid_epoch,
                                  pending=pending or outstanding, requested=requested)
 
     def _claim_unstepped_epoch(self) -> None:
