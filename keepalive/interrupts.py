@@ -22,15 +22,9 @@ import threading
 from typing import Any, Callable, Deque, Dict, Optional
 
 from . import report
+from .boundary import signal_name
 
 __all__ = ["DeferredSignals", "raise_for", "signal_name"]
-
-
-def signal_name(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
 
 
 def raise_for(signum: int) -> None:
