@@ -18,10 +18,12 @@ from transformers.trainer_callback import CallbackHandler
 
 from ._compat import Framework, Internal, Package, code_names, field, given, has, local, param, uses
 
-__all__ = ["COMPAT", "RUN_EPOCH", "STATE_FIELDS"]
+__all__ = ["COMPAT", "RUN_EPOCH", "GET_BATCH_SAMPLES", "STATE_FIELDS"]
 
 #: the Trainer method that runs one epoch: replaced on the instance for one ``train()`` call
 RUN_EPOCH = "_run_epoch"
+#: the Trainer method that fetches one optimizer step's micro-batches: replaced likewise
+GET_BATCH_SAMPLES = "get_batch_samples"
 #: TrainerState fields that are training progress (the others are settings the Trainer recomputes)
 STATE_FIELDS = ("epoch", "global_step", "num_input_tokens_seen", "total_flos", "log_history", "best_metric",
                 "best_global_step", "best_model_checkpoint", "trial_name", "trial_params")
@@ -37,6 +39,23 @@ def _calls_run_epoch_with_keywords() -> bool:
     except (OSError, TypeError):  # no source shipped: the name at least
         return RUN_EPOCH in code_names(loop)
     return re.search(r"self\." + RUN_EPOCH + r"\(\s*(?:\w+=[^,]*,\s*)*epoch=", source) is not None
+
+
+def _calls_get_batch_samples() -> bool:
+    """``_run_epoch`` fetches with ``self.get_batch_samples(epoch_iterator, ...)`` (the fetcher's first argument)."""
+    import inspect
+
+    run = getattr(Trainer, RUN_EPOCH)
+    try:
+        source = inspect.getsource(run)
+    except (OSError, TypeError):
+        return GET_BATCH_SAMPLES in code_names(run)
+    return re.search(r"self\." + GET_BATCH_SAMPLES + r"\(\s*epoch_iterator\b", source) is not None
+
+
+def _skip_keeps_wrappers() -> bool:
+    kwargs = getattr(importlib.import_module("accelerate.data_loader"), "_PYTORCH_DATALOADER_KWARGS", {})
+    return "collate_fn" in kwargs and "worker_init_fn" in kwargs
 
 
 def _accelerate(module: str, name: str) -> Callable[[], Any]:
@@ -71,6 +90,17 @@ def _internals() -> List[Internal]:
                  "accelerate's skip_first_batches (the positioned sampler yields placeholders for them)",
                  f"{T}: _EpochRunner.__call__", uses(lambda: getattr(Trainer, RUN_EPOCH), "skip_first_batches"),
                  token="SkipBatchSampler"),
+        Internal(f"Trainer.{GET_BATCH_SAMPLES}", "replaced on the instance for one train() call: the step "
+                 "that ended is saved before the next step's batches are made; a resumed pass's random "
+                 "states are planned before its iterator is created", f"{T}: _BatchFetcher",
+                 has(lambda: Trainer, GET_BATCH_SAMPLES), token="GET_BATCH_SAMPLES"),
+        Internal(f"Trainer.{RUN_EPOCH} calls {GET_BATCH_SAMPLES}(epoch_iterator, ...)", "the fetcher reads the "
+                 "epoch iterator as the first argument", f"{T}: _BatchFetcher.__call__",
+                 _calls_get_batch_samples, token="epoch_iterator"),
+        Internal("accelerate.data_loader.skip_first_batches keeps collate_fn / worker_init_fn", "a resumed "
+                 "pass's loader is rebuilt by accelerate from the loader's attributes: keepalive's wrappers "
+                 "of the two must be among them", "_hf_data.py: Replay",
+                 _skip_keeps_wrappers, token="worker_init_fn", package="accelerate"),
         Internal("Trainer._tr_loss", "the running loss sum since the last log (saved, restored)",
                  f"{T}: DriveCheckpoint.capture, _restore", uses(lambda: Trainer, "_tr_loss")),
         Internal("Trainer._total_loss_scalar", "the loss sum of the whole training (saved, restored)",

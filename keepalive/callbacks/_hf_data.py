@@ -1,33 +1,89 @@
-"""Sampler positioning for the Hugging Face ``Trainer``'s training ``DataLoader``.
+"""Data positioning and random-state replay for the Hugging Face ``Trainer``'s training ``DataLoader``.
 
-The Trainer builds its training loader in ``train()`` (``get_train_dataloader``: a ``DataLoader`` with
-a ``BatchSampler`` over a ``RandomSampler`` / ``SequentialSampler``, wrapped by accelerate, which
-swaps the ``RandomSampler`` for a ``SeedableRandomSampler`` whose order is a function of
-``(seed, epoch)``). :func:`install` puts a :class:`PositionedBatchSampler` in the place of that
+Map-style datasets. The Trainer builds its training loader in ``train()`` (``get_train_dataloader``: a
+``DataLoader`` with a ``BatchSampler`` over a ``RandomSampler`` / ``SequentialSampler``, wrapped by
+accelerate, which swaps the ``RandomSampler`` for a ``SeedableRandomSampler`` whose order is a function
+of ``(seed, epoch)``). :func:`install` puts a :class:`PositionedBatchSampler` in the place of that
 ``BatchSampler``: the same batches in the same order (a run with the callback sees the data a run
 without it sees), and an epoch can start at any batch without computing, fetching or collating the
-batches before it.
+batches before it. The Trainer's own loop still decides the step counter of a resumed epoch: it is
+handed ``steps_trained_in_current_epoch`` and wraps the loader in accelerate's ``SkipBatchSampler``,
+which drops that many batches from the front; for that one iteration the positioned sampler yields as
+many empty placeholders first (nothing is loaded for them) and then the epoch's batches.
 
-The Trainer's own loop still decides the step counter of a resumed epoch: it is handed
-``steps_trained_in_current_epoch`` and wraps the loader in accelerate's ``SkipBatchSampler``, which
-drops that many batches from the front. For that one iteration the positioned sampler yields as many
-empty placeholders first (nothing is loaded for them) and then the epoch's batches from the saved
-position.
+Random draws while batches are made (a random collator such as ``DataCollatorForLanguageModeling``'s
+masking, augmentation in ``__getitem__``) replay exactly after a mid-epoch resume. The Trainer fetches
+an optimizer step's micro-batches before the step begins, and accelerate's loader fetches one batch
+ahead, so a batch is made while earlier steps still train. :class:`Replay` keeps what is needed:
+
+* no workers: the sampler notes the main process's CPU generators just before each batch is fetched
+  (python, numpy, torch; a few microseconds); a checkpoint keeps those of the batches fetched ahead of
+  the trained ones, and the resumed epoch puts each back just before the same batch is fetched again,
+  then the saved step's own state before the first batch that was not fetched yet;
+* worker processes: each worker's generators continue from one batch to the next, so every batch a
+  worker makes carries the worker's state after it (a small stamp the main process takes off before
+  the Trainer sees the batch). A checkpoint keeps, per worker, the state after the last batch it made
+  that was trained, and the torch generator's state before the epoch's iterator was created (it draws
+  the workers' base seed). The resumed epoch recreates the iterator from that state, sends as many
+  empty batches first as put the saved batch on the worker that made it before (they reach the
+  workers, which return a marker without loading anything), and each new worker starts from its saved
+  state (``worker_init_fn``, after the Trainer's ``seed_worker``).
+
+Both need batches that are mappings (the Trainer's collators make dicts); the wrappers draw nothing,
+so a run with the callback is bit-identical to one without it.
+
+Iterable datasets (a stream with no length, typically with ``max_steps``): :func:`stream_kind` says how a
+resumed pass is positioned. One with ``state_dict()`` / ``load_state_dict()`` (a Hugging Face
+``datasets.IterableDataset``; no workers) is saved through that protocol: its state is noted after each
+batch is made (:class:`Replay`), the one before the first untrained batch goes into the checkpoint, and a
+resume loads it and reads on from there. Any other stream is positioned by the Trainer's own skip: it reads
+the pass again from its start and drops the batches already trained (exact when the stream yields the
+same items in the same order on every pass; the adapter says so at the first save).
 """
 from __future__ import annotations
 
-from typing import Any, Iterator, List, Optional, Tuple
+import collections
+import random
+from typing import Any, Callable, Deque, Dict, Iterator, List, Mapping, Optional, Tuple
 
+import numpy as np
 import torch
 from torch.utils.data import BatchSampler, IterableDataset, RandomSampler, SequentialSampler
 
+from .. import rng
 from ..dataorder import mix
 
-__all__ = ["PositionedBatchSampler", "install", "base_loader"]
+__all__ = ["PositionedBatchSampler", "Replay", "install", "base_loader", "stream_kind"]
+
+#: the key of a batch made in a worker that carries the worker's random state (taken off before use)
+STAMP = "_keepalive_worker_rng"
 
 
 class _Placeholder(list):
     """A batch the Trainer's ``SkipBatchSampler`` drops unseen (never fetched)."""
+
+
+class _Empty(list):
+    """An empty batch sent to a worker only to put the next real batch on the worker that made it
+    before a resume; the worker returns :class:`Skipped` for it without loading anything."""
+
+
+class Skipped:
+    """What a worker returns for an :class:`_Empty` batch (dropped before the Trainer sees it)."""
+
+
+class _Stamp:
+    """A worker's random state after it made one batch (no ``to``: device moves and pinning pass it by)."""
+
+    __slots__ = ("worker", "state")
+
+    def __init__(self, worker: int, state: Dict[str, Any]):
+        self.worker, self.state = worker, state
+
+
+def cpu_rng() -> Dict[str, Any]:
+    """The generators a batch is made with, on the CPU: python's, numpy's legacy one, torch's."""
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch_cpu": torch.get_rng_state()}
 
 
 class PositionedBatchSampler(BatchSampler):
@@ -40,6 +96,10 @@ class PositionedBatchSampler(BatchSampler):
         self.epoch = 0
         self.start = 0          # batches of the running epoch already trained (resume)
         self.placeholders = 0   # empty batches first: what the Trainer's SkipBatchSampler drops
+        self.empties = 0        # then empty batches that reach the workers (see the module)
+        self.plan: Dict[int, Dict[str, Any]] = {}   # batch -> random state to put back before its fetch
+        self.watch = False      # note the random state before each fetch (no workers: made here)
+        self.noted: Deque[Tuple[int, Dict[str, Any]]] = collections.deque(maxlen=4)
         self.sampler = self  # type: ignore[assignment]  # accelerate: batch_sampler.sampler.set_epoch
 
     def set_epoch(self, epoch: int) -> None:
@@ -55,17 +115,197 @@ class PositionedBatchSampler(BatchSampler):
         return torch.randperm(self.n, generator=g)
 
     def __iter__(self) -> Iterator[List[int]]:
-        start, placeholders = self.start, self.placeholders
-        self.start = self.placeholders = 0  # once: the next epoch starts at its beginning
+        start, placeholders, empties, plan = self.start, self.placeholders, self.empties, self.plan
+        self.start = self.placeholders = self.empties = 0  # once: the next epoch starts at its beginning
+        self.noted.clear()
         for _ in range(placeholders):
             yield _Placeholder()
+        for _ in range(empties):
+            yield _Empty()
         idx = self.order(self.epoch)
-        total = len(self)
-        for b in range(start, total):
+        for b in range(start, len(self)):
+            state = plan.pop(b, None)
+            if state is not None:
+                rng.restore(state)
+            if self.watch:
+                self.noted.append((b, cpu_rng()))
             yield idx[b * self.batch_size:(b + 1) * self.batch_size].tolist()
 
     def __len__(self) -> int:
         return self.n // self.batch_size if self.drop_last else -(-self.n // self.batch_size)
+
+
+class _Collate:
+    """Stands in for the loader's ``collate_fn`` (the wrapped one does the work): stamps batches made in
+    workers, answers empty batches with :class:`Skipped`, and for a stream made in the main process
+    counts batches, puts planned random states back and notes the stream's state (see :class:`Replay`)."""
+
+    def __init__(self, inner: Callable[[Any], Any]):
+        self.inner = inner
+        self.stamp = False
+        self.made = 0                               # batches made in this pass (main process)
+        self.plan: Dict[int, Dict[str, Any]] = {}   # batch -> random state to put back before collating it
+        self.watch = False                          # note the random state before each batch (a stream)
+        self.stream: Any = None                     # a stream with state_dict(): noted after each batch
+        self.noted: Deque[Tuple[int, Dict[str, Any]]] = collections.deque(maxlen=4)
+        self.stream_noted: Deque[Tuple[int, Any]] = collections.deque(maxlen=4)
+
+    def __call__(self, items: Any) -> Any:
+        info = torch.utils.data.get_worker_info()
+        if info is not None:
+            if isinstance(items, list) and not items:
+                return Skipped()
+            batch = self.inner(items)
+            if self.stamp and isinstance(batch, Mapping):
+                made = cpu_rng()
+                made["torch_cpu"] = made["torch_cpu"].numpy().tobytes()  # bytes: no shared-memory tensor
+                batch[STAMP] = _Stamp(info.id, made)  # type: ignore[index]
+            return batch
+        b = self.made
+        self.made += 1
+        state = self.plan.pop(b, None)
+        if state is not None:
+            rng.restore(state)
+        if self.watch:
+            self.noted.append((b, cpu_rng()))
+        batch = self.inner(items)
+        if self.stream is not None:
+            self.stream_noted.append((b + 1, self.stream.state_dict()))  # the stream before batch b + 1
+        return batch
+
+    def new_pass(self) -> None:
+        self.made = 0
+        self.noted.clear()
+        self.stream_noted.clear()
+
+
+class _WorkerInit:
+    """Stands in for the loader's ``worker_init_fn``: runs it, then puts a worker's saved state back."""
+
+    def __init__(self, inner: Optional[Callable[[int], Any]]):
+        self.inner = inner
+        self.states: Dict[int, Dict[str, Any]] = {}
+
+    def __call__(self, worker_id: int) -> None:
+        if self.inner is not None:
+            self.inner(worker_id)
+        state = self.states.get(worker_id)
+        if state is not None:
+            rng.restore(state)
+
+
+class Replay:
+    """The random states (and a stream's position) one training loader needs to resume mid-epoch."""
+
+    def __init__(self, base: Any, sampler: Optional[PositionedBatchSampler], stateful_stream: bool):
+        self.base, self.sampler = base, sampler
+        self.workers = int(getattr(base, "num_workers", 0) or 0)
+        self.persistent = bool(getattr(base, "persistent_workers", False))
+        self.collate = _Collate(base.collate_fn)
+        self.init = _WorkerInit(base.worker_init_fn)
+        base.collate_fn = self.collate
+        if self.workers:
+            base.worker_init_fn = self.init
+            self.collate.stamp = sampler is not None  # a stream's workers replay their skipped batches
+        elif sampler is not None:
+            sampler.watch = True
+        else:
+            self.collate.watch = True
+            self.collate.stream = base.dataset if stateful_stream else None
+        self.iter_rng: Optional[torch.Tensor] = None        # torch's state before the epoch's iterator
+        self.worker_states: Dict[int, Dict[str, Any]] = {}  # worker -> state after its last trained batch
+        self.feed: Optional[Iterator[Any]] = None
+        self.source: Any = None
+        self.unstamped = False  # a batch made in a worker could not carry its state (not a mapping)
+
+    # ----------------------------------------------------------------------- while training
+    def epoch_iterator(self, it: Any) -> Iterator[Any]:
+        """The Trainer's epoch iterator, seen through a filter that takes worker stamps and empty batches
+        off (one filter per iterator; a new iterator is a new pass)."""
+        if it is not self.source:
+            self.source = it
+            if self.workers and not (self.persistent and self.iter_rng is not None):
+                self.iter_rng = torch.get_rng_state()  # the next fetch creates the iterator from it
+            if not self.persistent:
+                self.worker_states = {}
+            self.collate.new_pass()
+            self.feed = self._filter(it)
+        assert self.feed is not None
+        return self.feed
+
+    def _filter(self, it: Iterator[Any]) -> Iterator[Any]:
+        for batch in it:
+            if isinstance(batch, Skipped):
+                continue
+            if isinstance(batch, Mapping) and STAMP in batch:
+                stamp = batch.pop(STAMP)  # type: ignore[attr-defined]
+                self.worker_states[stamp.worker] = stamp.state  # its torch state as bytes (see capture)
+            elif self.collate.stamp:
+                self.unstamped = True
+            yield batch
+
+    def capture(self, trained: int) -> Dict[str, Any]:
+        """What a resume at batch ``trained`` of this pass needs, beyond the step's own random state."""
+        out: Dict[str, Any] = {}
+        if self.sampler is not None and self.sampler.watch:
+            out["ahead"] = [[b, s] for b, s in self.sampler.noted if b >= trained]
+        elif self.collate.watch:
+            out["ahead"] = [[b, s] for b, s in self.collate.noted if b >= trained]
+        if self.workers:
+            out["iter_rng"] = self.iter_rng
+        if self.workers and self.collate.stamp:
+            out["workers"] = {str(w): _tensor_state(s) for w, s in sorted(self.worker_states.items())}
+        if self.collate.stream is not None:
+            before = [s for b, s in self.collate.stream_noted if b == trained]
+            out["stream"] = before[-1] if before else None
+        return out
+
+    # ----------------------------------------------------------------------- resuming
+    def prepare(self, saved: Mapping[str, Any], trained: int, step_rng: Optional[Mapping[str, Any]]) -> bool:
+        """Before the resumed pass's iterator is created (batch ``trained``): plan the random states and
+        position the stream. True when the step's own state ``step_rng`` is put back by the plan."""
+        plan: Dict[int, Dict[str, Any]] = {int(b): dict(s) for b, s in saved.get("ahead") or []}
+        in_plan = False
+        if step_rng is not None and not self.workers:
+            plan[trained + len(plan)] = dict(step_rng)  # the first batch not fetched before the save
+            in_plan = True
+        if self.sampler is not None and self.sampler.watch:
+            self.sampler.plan = plan
+        elif self.collate.watch:
+            self.collate.plan = plan
+        else:
+            in_plan = False
+        if self.workers and saved.get("iter_rng") is not None:
+            self.iter_rng = saved["iter_rng"]
+            torch.set_rng_state(saved["iter_rng"].clone())  # the workers' base seed is drawn again from it
+        if self.workers and self.sampler is not None and self.collate.stamp:
+            self.init.states = {int(w): dict(s) for w, s in (saved.get("workers") or {}).items()}
+            self.worker_states = dict(self.init.states)  # until each worker makes a batch again
+            self.sampler.empties = trained % self.workers  # batch `trained` goes to the worker that made it
+        if self.collate.stream is not None and saved.get("stream") is not None:
+            self.collate.stream.load_state_dict(saved["stream"])
+            self.collate.made = trained  # the pass continues at that batch (no batch is read again)
+        return in_plan
+
+    def plan_pending(self) -> bool:
+        """Part of a resume plan has not run (the pass ended before that batch)."""
+        holder = self.sampler if self.sampler is not None and self.sampler.watch else self.collate
+        return bool(holder.plan)
+
+    def settled(self) -> None:
+        """The resumed pass's first fetch is done: forget what is left of its plan; new workers start as
+        seeded."""
+        if self.sampler is not None:
+            self.sampler.plan = {}
+        self.collate.plan = {}
+        self.init.states = {}
+
+
+def _tensor_state(state: Dict[str, Any]) -> Dict[str, Any]:
+    out = dict(state)
+    if isinstance(out.get("torch_cpu"), bytes):
+        out["torch_cpu"] = torch.frombuffer(bytearray(out["torch_cpu"]), dtype=torch.uint8)
+    return out
 
 
 def base_loader(loader: Any) -> Any:
@@ -73,12 +313,23 @@ def base_loader(loader: Any) -> Any:
     return getattr(loader, "base_dataloader", loader)
 
 
+def stream_kind(loader: Any) -> str:
+    """For a loader over an ``IterableDataset``: ``"stateful"`` (positioned through the dataset's
+    ``state_dict()``), ``"reread"`` (the Trainer's skip reads the pass again); ``""`` for map-style data."""
+    ds = base_loader(loader).dataset
+    if not isinstance(ds, IterableDataset):
+        return ""
+    if callable(getattr(ds, "state_dict", None)) and callable(getattr(ds, "load_state_dict", None)) and \
+            not int(getattr(base_loader(loader), "num_workers", 0) or 0):
+        return "stateful"
+    return "reread"
+
+
 def install(loader: Any, fallback_seed: int) -> Tuple[Optional[PositionedBatchSampler], str]:
     """Replace the Trainer's training batch sampler by a positioned one; (sampler, "") or (None, why not)."""
     base = base_loader(loader)
     if isinstance(base.dataset, IterableDataset):
-        return None, ("the training data is an IterableDataset, which cannot be positioned without "
-                      "reading it: checkpoints at epoch ends only")
+        return None, "iterable"
     bs = base.batch_sampler
     if isinstance(bs, PositionedBatchSampler):
         return bs, ""

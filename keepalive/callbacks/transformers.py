@@ -83,6 +83,10 @@ class DriveCheckpoint(CheckpointAdapter, TrainerCallback):
         self.core = Checkpointer(config=cfg, framework="transformers")
         self._trainer: Optional[Trainer] = None
         self._sampler: Optional[_hf_data.PositionedBatchSampler] = None
+        self._stream = ""               # an IterableDataset: "stateful" / "reread" (see _hf_data.stream_kind)
+        self._replay: Optional[_hf_data.Replay] = None  # the random states a mid-epoch resume replays
+        self._replay_resume: Optional[Dict[str, Any]] = None  # the resumed pass's, until its first fetch
+        self._epoch_fix: Optional[Any] = None  # (epoch, steps_in_epoch): state.epoch of a stream read on
         self._active = False
         self._epoch = 0                 # the running epoch
         self._epochs_begun = 0          # on_epoch_begin calls in this train() call
@@ -114,13 +118,19 @@ class DriveCheckpoint(CheckpointAdapter, TrainerCallback):
         loader = kwargs.get("train_dataloader")
         self._steps_in_epoch = _length(loader)
         self._batch_size = int(trainer._train_batch_size)
+        self._stream, self._replay, self._replay_resume, self._epoch_fix = "", None, None, None
         if args.world_size > 1:
             self._sampler, why = None, ("training on several processes: keepalive positions one process's "
                                         "data only; checkpoints at epoch ends only")
         else:
             self._sampler, why = _hf_data.install(loader, int(args.data_seed if args.data_seed is not None
                                                               else args.seed))
-        core.trigger.mid_epoch, core.mid_epoch_obstacle = self._sampler is not None, why or None
+            if why == "iterable":  # a stream: positioned by its state_dict() or read again (see _hf_data)
+                self._stream, why = _hf_data.stream_kind(loader), ""
+            if not why:
+                self._replay = _hf_data.Replay(_hf_data.base_loader(loader), self._sampler,
+                                               stateful_stream=self._stream == "stateful")
+        core.trigger.mid_epoch, core.mid_epoch_obstacle = self._positionable, why or None
         if why:
             core.warn(why, key="hf-positionable")
         tree = core.load(describe=self._describe, check=self._check_fits)  # may refuse: nothing changed
@@ -131,11 +141,16 @@ class DriveCheckpoint(CheckpointAdapter, TrainerCallback):
         core.total_epochs = int(state.num_train_epochs or 0) or None
         # The instance attribute comes before the class's method: this train() call only (see module)
         setattr(trainer, hfc.RUN_EPOCH, _EpochRunner(self, trainer))
+        setattr(trainer, hfc.GET_BATCH_SAMPLES, _BatchFetcher(self, trainer))
         if self._complete:
             control.should_training_stop = True
             return
         core.check_storable(self.capture)  # a value that cannot be stored fails now
         core.install_signal_handlers()
+
+    @property
+    def _positionable(self) -> bool:
+        return self._sampler is not None or bool(self._stream)
 
     def _find_trainer(self) -> Trainer:
         """The Trainer whose callback handler is calling us (callbacks are given no reference to it)."""
@@ -160,6 +175,7 @@ class DriveCheckpoint(CheckpointAdapter, TrainerCallback):
         if self.core.stopped:
             return
         self._epoch, self._batches = epoch, 0
+        self._epoch_fix = None
         self.core.start_epoch()
         resume = self._resume
         if resume is not None and epoch == resume["epoch"]:
@@ -173,6 +189,8 @@ class DriveCheckpoint(CheckpointAdapter, TrainerCallback):
                       **kwargs: Any) -> None:
         if not self._active:
             return
+        # both ran before this step's batches were fetched (_BatchFetcher); left for a Trainer that
+        # fetched without it
         self._put_back_rng()
         self._step_boundary(control)
 
@@ -186,6 +204,11 @@ class DriveCheckpoint(CheckpointAdapter, TrainerCallback):
         if self._active:
             self._batches += 1
             self._pending_step = True  # acted on after the Trainer's logging / evaluation / saving
+            fix = self._epoch_fix
+            if fix is not None and fix[0] == self._epoch:
+                # a stream read on from its saved state: the Trainer counts this pass's batches from
+                # the resume; the epoch fraction is the one the uninterrupted pass computes
+                state.epoch = fix[0] + self._batches / fix[1]
 
     def on_epoch_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
@@ -228,7 +251,7 @@ class DriveCheckpoint(CheckpointAdapter, TrainerCallback):
         try:
             decision = self.core.advance(self.capture, steps=1, batch=self._batches,
                                          samples=self._batch_size * self._batches_since_step(),
-                                         can_save=self._sampler is not None)
+                                         can_save=self._positionable)
         except BaseException:  # an interrupt saved and now takes effect (or a failure): train() ends
             self._active = False
             raise
@@ -291,11 +314,36 @@ class DriveCheckpoint(CheckpointAdapter, TrainerCallback):
             "classes": {"model": type(trainer.model).__name__},
             "finished": self._finishing,
         }
-        data = {"epoch": self._epoch, "batch": self._batches, "steps_in_epoch": self._steps_in_epoch,
+        data: Dict[str, Any] = {"epoch": self._epoch, "batch": self._batches, "steps_in_epoch": self._steps_in_epoch,
                 "batch_size": self._batch_size,
                 "gradient_accumulation_steps": int(trainer.args.gradient_accumulation_steps),
-                "order": None if self._sampler is None else [self._sampler.kind, self._sampler.seed]}
+                "order": None if self._sampler is None else [self._sampler.kind, self._sampler.seed],
+                "stream": self._stream}
+        if self._replay is not None and self._batches and not self._finishing:
+            data["replay"] = self._replay.capture(self._batches)
+            self._tell_inexact(trainer)
         return {"objects": objects, "hf": hf, "data": data}
+
+    def _tell_inexact(self, trainer: Trainer) -> None:
+        """At the first mid-epoch save: what a resume from it cannot replay exactly (once each)."""
+        core, replay = self.core, self._replay
+        if self._stream == "reread":
+            name = type(_hf_data.base_loader(trainer.callback_handler.train_dataloader).dataset).__name__
+            core.warn(f"the training data is an IterableDataset ({name}) without state_dict(): a resume reads "
+                      "its pass again from the start and drops the batches already trained (the Trainer's own "
+                      "skip), which is exact only if the stream yields the same items in the same order on "
+                      "every pass. Give it state_dict()/load_state_dict() (e.g. a datasets.IterableDataset) "
+                      "to continue where it stopped", key="hf-stream")
+        collator: Any = getattr(trainer.data_collator, "data_collator", trainer.data_collator)  # columns remover
+        if getattr(collator, "seed", None) is not None:  # DataCollatorForLanguageModeling(seed=...)
+            core.warn(f"the data collator {type(collator).__name__} draws from its own generator (seed="
+                      f"{collator.seed}), which keepalive does not save: after a mid-epoch resume its draws "
+                      "differ from the uninterrupted run's. Leave seed= unset (the Trainer's seed then "
+                      "decides, and keepalive replays it)", key="hf-collator")
+        if replay is not None and replay.unstamped:
+            core.warn("the training batches are not mappings, so the random state of the loader's worker "
+                      "processes cannot travel with them: after a mid-epoch resume, random draws in workers "
+                      "(augmentation, masking) differ from the uninterrupted run's", key="hf-workers")
 
     # --------------------------------------------------------------------------------- restore
     def _describe(self, tree: StateTree) -> str:
@@ -326,7 +374,7 @@ class DriveCheckpoint(CheckpointAdapter, TrainerCallback):
                     f"the checkpoint {where} is inside epoch {data['epoch']} of a training with batch size, "
                     f"gradient accumulation and batches per epoch {then}; this one has {now}. Nothing was "
                     "loaded. Keep the settings to continue the run, or start a new run (path or run=).")
-            if self._sampler is None:
+            if not self._positionable:
                 raise StateMismatchError(
                     f"the checkpoint {where} is inside epoch {data['epoch']}, but this training's data cannot "
                     f"be positioned ({self.core.mid_epoch_obstacle}). Nothing was loaded.")
@@ -370,8 +418,47 @@ class DriveCheckpoint(CheckpointAdapter, TrainerCallback):
                                                "nothing is trained. To train again, use another run "
                                                "(path or run=).")
             return
-        self._resume = {"epoch": int(data.get("epoch", 0)), "batch": int(data.get("batch", 0))}
+        self._resume = {"epoch": int(data.get("epoch", 0)), "batch": int(data.get("batch", 0)),
+                        "replay": data.get("replay") or {}}
         self._rng_tree = {"rng": tree.get("rng")}  # only the RNGs: the tensors are loaded already
+
+
+class _BatchFetcher:
+    """Stands in for ``trainer.get_batch_samples`` (``hfc.GET_BATCH_SAMPLES``) during one ``train()`` call:
+    the Trainer fetches an optimizer step's micro-batches with it before the step begins. The step that
+    ended last is counted (and saved) here, after the Trainer's logging / evaluation / saving of it and
+    before any random draw for the next one; a resumed pass's random states are planned here, before its
+    iterator is created (:class:`_hf_data.Replay`)."""
+
+    def __init__(self, cb: DriveCheckpoint, trainer: Trainer):
+        self.cb, self.trainer = cb, trainer
+
+    def __call__(self, epoch_iterator: Any, *args: Any, **kwargs: Any) -> Any:
+        cb, trainer = self.cb, self.trainer
+        fetch = getattr(type(trainer), hfc.GET_BATCH_SAMPLES).__get__(trainer)
+        if not cb._active or getattr(trainer, hfc.GET_BATCH_SAMPLES) is not self:
+            return fetch(epoch_iterator, *args, **kwargs)
+        cb._step_boundary(trainer.control)
+        if cb.core.stopped or trainer.control.should_training_stop:
+            return [], None  # saved (deadline): no batch of the next step is made
+        replay = cb._replay
+        if replay is None:
+            return fetch(epoch_iterator, *args, **kwargs)
+        feed = replay.epoch_iterator(epoch_iterator)
+        resume, cb._replay_resume = cb._replay_resume, None
+        if resume is None:
+            return fetch(feed, *args, **kwargs)
+        tree = cb._rng_tree or {}
+        in_plan = replay.prepare(resume["saved"], int(resume["batch"]), tree.get("rng"))
+        try:
+            return fetch(feed, *args, **kwargs)
+        finally:
+            pending = replay.plan_pending()
+            replay.settled()
+            if in_plan and not pending:
+                cb._rng_tree = None  # put back before the first batch that was not fetched before the save
+            else:
+                cb._put_back_rng()   # workers make the batches: the main process continues from the step
 
 
 class _EpochRunner:
@@ -398,12 +485,17 @@ class _EpochRunner:
             done = int(resume["batch"])
             if sampler is not None:
                 sampler.start = sampler.placeholders = done
+            cb._replay_resume = {"batch": done, "saved": resume.get("replay") or {}}
             # the Trainer's own resume arguments: its step counter, epoch fraction and accumulation
-            # boundaries continue at batch `done`; its SkipBatchSampler drops our placeholders
+            # boundaries continue at batch `done`; its SkipBatchSampler drops our placeholders (a stream
+            # without a state: its skip reads the batches again)
             kwargs.update(resume_from_checkpoint=_NO_CHECKPOINT, epochs_trained=epoch,
                           steps_trained_in_current_epoch=done)
             ignore = trainer.args.ignore_data_skip
-            trainer.args.ignore_data_skip = False
+            # a stream loaded from its saved state continues by itself: the Trainer must not skip
+            trainer.args.ignore_data_skip = cb._stream == "stateful"
+            if cb._stream == "stateful":
+                cb._epoch_fix = (epoch, int(kwargs["steps_in_epoch"]))
             try:
                 return run(**kwargs)
             finally:
