@@ -15,7 +15,7 @@ import keras
 
 from ._compat import Framework, Internal, Package, given, has, local, module_has, param, uses
 
-__all__ = ["COMPAT", "FIT_LOCALS", "FINITE_GENERATOR", "CALLBACK_STATE"]
+__all__ = ["ARRAY_PASS", "COMPAT", "FIT_LOCALS", "FINITE_GENERATOR", "CALLBACK_STATE"]
 
 #: the local variables of the running ``fit`` the callback reads (its key -> Keras' name): found by
 #: walking up from a callback hook to the frame whose ``self`` is the model
@@ -23,6 +23,9 @@ FIT_LOCALS = {"iterator": "epoch_iterator", "callbacks": "callbacks", "epochs": 
               "initial_epoch": "initial_epoch"}
 #: the method of Keras' PyDataset adapter that yields one pass: replaced on the instance for ResumableData
 FINITE_GENERATOR = "_finite_generator"
+#: the method of Keras' array adapter that yields one pass on the JAX / NumPy path (its order drawn from
+#: NumPy's global generator at the first batch): replaced on the instance for one resumed pass
+ARRAY_PASS = "_get_iterator"
 #: the attributes that make up the state of Keras' stateful callbacks (subclasses included)
 CALLBACK_STATE: Dict[Any, Tuple[str, ...]] = {
     keras.callbacks.EarlyStopping: ("wait", "stopped_epoch", "best", "best_epoch", "best_weights"),
@@ -109,6 +112,14 @@ def _internals() -> List[Internal]:
                  "yields its epoch from the planned batch (without it: epoch-end saves, said once)",
                  f"{D}: bind_passes", has(_adapter("PyDatasetAdapter"), FINITE_GENERATOR), token="FINITE_GENERATOR",
                  required=False),
+        Internal("EpochIterator._current_iterator / _steps_seen / _get_iterator", "the pass fit(steps_per_epoch=...) "
+                 "keeps across epochs and how far it went (saved; a resume continues it)",
+                 f"{D}: PassPosition", uses(_epoch_iterator, "_current_iterator", "_steps_seen"),
+                 token="_steps_seen"),
+        Internal(f"ArrayDataAdapter.{ARRAY_PASS}", "one pass over arrays on JAX (its permutation drawn at the "
+                 "first batch): a resumed pass skips batches by index (without it: the batches are drawn)",
+                 f"{D}: PassPosition._skip_by_index", has(_adapter("ArrayDataAdapter"), ARRAY_PASS),
+                 token="kc.ARRAY_PASS", required=False),
         Internal("PyDatasetAdapter._standardize_batch", "what Keras does to each batch of a pass (without it: "
                  "epoch-end saves, said once)", f"{D}: bind_passes",
                  has(_adapter("PyDatasetAdapter"), "_standardize_batch"), required=False),

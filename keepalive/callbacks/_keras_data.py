@@ -49,16 +49,21 @@ Data order under ``DriveCheckpoint``: which inputs resume exactly.
 from __future__ import annotations
 
 import hashlib
-from typing import Any, List, Mapping, Optional, Tuple
+import inspect
+import random
+import sys
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import keras
 import numpy as np
 
+from .. import rng
 from ..dataorder import EpochOrder, mix
 from . import _compat_keras as kc
+from ._keras_state import tf_global_seed
 
-__all__ = ["ResumableData", "bind_passes", "batch_samples", "default_data_seed", "inexact_input",
-           "pass_length", "resume_at", "sample_batch", "set_epoch_length", "unbind_passes"]
+__all__ = ["PassPosition", "ResumableData", "bind_passes", "batch_samples", "default_data_seed", "inexact_input",
+           "pass_length", "resume_at", "sample_batch", "set_epoch_length", "tf_dataset_kind", "unbind_passes"]
 
 
 def default_data_seed() -> int:
@@ -319,18 +324,34 @@ def sample_batch(iterator: Any, data: Optional[ResumableData]) -> Any:
 
 
 def inexact_input(iterator: Any, data: Optional[ResumableData]) -> Optional[str]:
-    """Why this fit's input cannot resume exactly (said once, at the start of ``fit``), or None."""
+    """Why this fit's input cannot resume exactly, even at epoch ends (said once, at the first save),
+    or None."""
     if data is not None:
         return None
     adapter = getattr(iterator, "data_adapter", None)
-    name = type(adapter).__name__
-    what = {"TFDatasetAdapter": "a tf.data.Dataset (its shuffle buffer, random map()s and iterator "
-                                "position live inside TensorFlow and cannot be saved)",
-            "GeneratorDataAdapter": "a Python generator (its position cannot be saved or restored)"}.get(name)
-    if what is None and name == "PyDatasetAdapter" and (getattr(adapter, "shuffle", False)
-                                                         or getattr(adapter, "enqueuer", None) is not None):
+    name, backend = type(adapter).__name__, keras.backend.backend()
+    what = None
+    if name == "TFDatasetAdapter":
+        kind = tf_dataset_kind(adapter._dataset)
+        one_iterator = bool(getattr(iterator, "steps_per_epoch", None)) and adapter.num_batches is None
+        if kind == "random" or (kind == "stream" and not one_iterator):
+            what = ("a tf.data.Dataset whose order is drawn inside TensorFlow (an unseeded shuffle, a "
+                    "shuffle reshuffled per epoch from a seed that advances with every pass, or random "
+                    "map()s: their state cannot be saved)")
+    elif name == "GeneratorDataAdapter":
+        what = "a Python generator (its position cannot be saved or restored)"
+    elif name == "PyDatasetAdapter" and (getattr(adapter, "enqueuer", None) is not None or (
+            getattr(adapter, "shuffle", False) and backend != "jax")):
         what = ("a keras.utils.PyDataset with shuffle=True or workers (its order is drawn when a pass "
                 "starts, ahead of the checkpoint)")
+    elif name == "ArrayDataAdapter" and backend == "tensorflow" and getattr(adapter, "_shuffle", False) \
+            and tf_global_seed() is None:
+        return ("fit(shuffle=True) over NumPy arrays on the TensorFlow backend without a global seed: "
+                "TensorFlow's kernel draws each epoch's order from a seed no library can read, so a "
+                "resumed run's epochs are shuffled anew, not as the interrupted run would have (which no "
+                "run without a seed reproduces either). For a bit-exact resume call "
+                "keras.utils.set_random_seed(...) before fit, or wrap the arrays in "
+                "keepalive.callbacks.keras.ResumableData(x, y, batch_size=...).")
     if what is None:
         return None
     return (f"this fit reads {what}: a resumed run restarts at the last epoch end and its data order "
@@ -343,3 +364,200 @@ def pass_length(iterator: Any) -> Optional[int]:
     """The number of batches of the running pass over the data, when Keras knows it."""
     n = getattr(iterator, "steps_per_epoch", None) or getattr(iterator, "_num_batches", None)
     return int(n) if n else None
+
+
+# ------------------------------------------------------- a pass kept across epochs (steps_per_epoch)
+def _host_rngs() -> Dict[str, Any]:
+    """The host RNGs a pass's order is drawn from (arrays: NumPy; a PyDataset: Python's ``random``;
+    the torch backend's DataLoader: torch's generator)."""
+    state: Dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state()}
+    torch = sys.modules.get("torch")
+    if torch is not None and keras.backend.backend() == "torch":
+        state["torch_cpu"] = torch.get_rng_state()
+    return state
+
+
+def tf_dataset_kind(dataset: Any) -> str:
+    """What a fresh iterator over a ``tf.data.Dataset`` yields, read from its serialized graph:
+
+    * ``"fixed"``: the same elements every time (no shuffle, or shuffles with a seed and
+      ``reshuffle_each_iteration=False``; no random op, no Python function);
+    * ``"stream"``: seeded shuffles that reshuffle per iteration: a new dataset's first iterator yields
+      the same stream, later iterators of it other ones (their seeds advance inside TensorFlow);
+    * ``"random"``: an unseeded shuffle (its kernel draws seeds nobody can read), a stateful random
+      op in a ``map`` (``tf.image.random_*``), a Python generator / ``py_function``, or a graph that
+      cannot be read."""
+    import tensorflow as tf
+
+    try:  # external_state_policy FAIL: a random op or a Python function inside refuses to serialize
+        blob = tf.raw_ops.DatasetToGraphV2(input_dataset=dataset._variant_tensor, external_state_policy=2,
+                                           strip_device_assignment=True)
+        graph = tf.compat.v1.GraphDef()
+        graph.ParseFromString(blob.numpy())
+    except Exception:  # noqa: BLE001 - unreadable = not known to repeat
+        return "random"
+    nodes = {n.name: n for n in graph.node}
+    kind = "fixed"
+    for node in graph.node:
+        if "Shuffle" not in node.op:
+            continue
+        seeds = []
+        for name in node.input[2:4]:
+            src = nodes.get(name.split(":")[0])
+            if src is None or src.op != "Const":
+                return "random"
+            seeds.append(int(tf.make_ndarray(src.attr["value"].tensor)))
+        if not any(seeds):
+            return "random"
+        if "reshuffle_each_iteration" not in node.attr or node.attr["reshuffle_each_iteration"].b:
+            kind = "stream"
+    return kind
+
+
+class PassPosition:
+    """Where fit stands in its pass over the data when that pass outlives an epoch.
+
+    ``fit(steps_per_epoch=k)`` over data of n > k batches (arrays, a PyDataset, a finite or repeated
+    ``tf.data.Dataset``) keeps ONE iterator across epochs: epoch 2 continues where epoch 1 stopped and a
+    new pass starts only when the data runs out. A resumed run must continue that pass at the same
+    batch, not start a new one. This follows the pass: how many of its batches fit consumed
+    (``EpochIterator._steps_seen``), and the host RNG states when the pass drew its order (recorded
+    lazily at its first batch on the JAX / torch backends, where arrays are shuffled with NumPy's
+    global generator and a PyDataset's batch order with Python's ``random``). A resume recreates the
+    pass from those states and skips the consumed batches: by index, without loading them, for arrays
+    on JAX and for PyDatasets; by drawing them for the tf.data pipelines of the TensorFlow backend
+    (an in-memory gather for arrays; the dataset's own work for a ``tf.data.Dataset``).
+
+    ``problem`` (None when exact) says why a resume cannot continue the pass: an unseeded TensorFlow
+    shuffle, a ``tf.data`` pipeline with random ops, a generator, PyDataset workers.
+    """
+
+    def __init__(self, iterator: Any, data: Optional[ResumableData]) -> None:
+        self.it = iterator
+        self.adapter: Any = getattr(iterator, "data_adapter", None)
+        steps = getattr(iterator, "steps_per_epoch", None)
+        n = getattr(self.adapter, "num_batches", None)
+        #: the iterator outlives an epoch: fit(steps_per_epoch=...) over data of more batches (or endless)
+        self.active = bool(steps) and data is None and (n is None or int(n) > int(steps))
+        self.pass_rng: Optional[Dict[str, Any]] = None
+        self._orig: Any = None
+        self.problem = self._why_not() if self.active else None
+        if self.active and self.problem is None and keras.backend.backend() != "tensorflow":
+            # the JAX / torch backends draw a pass's order on the host: note the RNGs when it does
+            self._orig = iterator._get_iterator
+            iterator._get_iterator = self._recording
+
+    def _why_not(self) -> Optional[str]:
+        name, backend = type(self.adapter).__name__, keras.backend.backend()
+        what = None
+        if name == "ArrayDataAdapter":
+            if backend == "tensorflow" and getattr(self.adapter, "_shuffle", False) and \
+                    tf_global_seed() is None:
+                what = "NumPy arrays shuffled by TensorFlow without a global seed"
+        elif name == "PyDatasetAdapter":
+            if getattr(self.adapter, "enqueuer", None) is not None:
+                what = "a PyDataset with workers"
+            elif getattr(self.adapter, "shuffle", False) and backend == "tensorflow":
+                what = "a PyDataset with shuffle=True on the TensorFlow backend"
+        elif name == "TFDatasetAdapter":
+            kind = tf_dataset_kind(self.adapter._dataset)
+            if kind == "random" or (kind == "stream" and self.adapter.num_batches is not None):
+                what = "a tf.data.Dataset with an unseeded shuffle or random map()s"
+        else:
+            what = "a Python generator"
+        if what is None:
+            return None
+        return (f"fit(steps_per_epoch=...) over {what} keeps one pass over the data across epochs; "
+                "keepalive cannot recreate that pass, so after a resume it starts a new pass at its "
+                "first batch and the resumed epochs see other batches than an uninterrupted run. For an "
+                "exact resume leave steps_per_epoch out, or seed the order (keras.utils.set_random_seed, "
+                "shuffle(seed=...)), or pass arrays / a PyDataset in "
+                "keepalive.callbacks.keras.ResumableData(x, y, batch_size=...).")
+
+    # ------------------------------------------------------------------------ recording (capture)
+    def _recording(self, record: bool = True) -> Any:
+        src = self._orig()
+        if not record:
+            return src
+        if inspect.isgenerator(src):  # JAX: the order is drawn at the pass's first batch
+            def first_batch_notes() -> Any:
+                self.pass_rng = _host_rngs()
+                yield from src
+            return first_batch_notes()
+        self.pass_rng = _host_rngs()  # a torch DataLoader draws when it is iterated: now
+        return src
+
+    def state(self) -> Optional[Dict[str, Any]]:
+        """For the checkpoint (taken at an epoch end): batches consumed of the running pass, and the
+        RNG states its order came from."""
+        if not self.active or self.problem is not None:
+            return None
+        return {"position": int(getattr(self.it, "_steps_seen", 0) or 0), "rng": self.pass_rng}
+
+    # ---------------------------------------------------------------------------------- resume
+    def restore(self, saved: Optional[Mapping[str, Any]]) -> Optional[str]:
+        """Continue the saved pass at its batch (at the start of the resumed fit, before its first
+        epoch); the problem in words where that cannot be done, else None."""
+        p = int((saved or {}).get("position") or 0)
+        if not self.active or self.problem is not None or not p:
+            return None
+        n = self.adapter.num_batches
+        if n is not None and p >= int(n):
+            return (f"the checkpoint is {p} batches into a pass over the data, which now has {n} "
+                    "batches: the resumed fit starts a new pass")
+        live = _host_rngs()
+        pass_rng = (saved or {}).get("rng")
+        try:
+            if pass_rng:
+                rng.restore(pass_rng)
+            skipped = self._skip_by_index(p)
+            src = self._recording(record=False) if self._orig is not None else self.it._get_iterator()
+            it = iter(src)
+            for _ in range(p - skipped):
+                next(it)
+        finally:
+            rng.restore(live)
+        self.pass_rng = pass_rng
+        self.it._current_iterator = it
+        self.it._steps_seen = p
+        return None
+
+    def _skip_by_index(self, p: int) -> int:
+        """Make the next pass the adapter creates start at batch ``p`` without loading the batches
+        before it, where the adapter allows (arrays on JAX, a PyDataset without workers); how many
+        batches that skips (0: the caller draws them)."""
+        name, adapter = type(self.adapter).__name__, self.adapter
+        if name == "PyDatasetAdapter" and hasattr(adapter, kc.FINITE_GENERATOR):
+            order = list(range(adapter.py_dataset.num_batches))
+            if adapter.shuffle:
+                random.shuffle(order)  # what Keras' own pass draws, from the restored state
+
+            def rest_of_pass() -> Any:
+                adapter.__dict__.pop(kc.FINITE_GENERATOR, None)  # one pass only
+                for i in order[p:]:
+                    yield adapter._standardize_batch(adapter.py_dataset[i])
+
+            setattr(adapter, kc.FINITE_GENERATOR, rest_of_pass)
+            return p
+        if name == "ArrayDataAdapter" and keras.backend.backend() == "jax" and hasattr(adapter, kc.ARRAY_PASS):
+            make = getattr(type(adapter), kc.ARRAY_PASS)
+
+            def skipping(slice_fn: Any, inputs: Any) -> Any:
+                adapter.__dict__.pop(kc.ARRAY_PASS, None)  # one pass only
+                loading = [False]
+                gen = make(adapter, lambda sliceable, indices=None: slice_fn(sliceable, indices)
+                           if loading[0] else None, inputs)
+                for _ in range(p):  # the permutation is drawn at the first; nothing is sliced
+                    next(gen)
+                loading[0] = True
+                return gen
+
+            setattr(adapter, kc.ARRAY_PASS, skipping)
+            return p
+        return 0
+
+    def unbind(self) -> None:
+        if self._orig is not None:
+            self.it.__dict__.pop("_get_iterator", None)
+            self._orig = None
+

@@ -54,6 +54,7 @@ from ..statetree import Captured, StateTree
 from . import _compat_keras as kc
 from . import _keras_state as kstate
 from ._keras_data import (
+    PassPosition,
     ResumableData,
     batch_samples,
     bind_passes,
@@ -136,6 +137,8 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
         self._tail: Optional[_EpochEnd] = None
         self._pending: Dict[str, Any] = {}  # restored at the latest moment before the first batch
         self._adapter: Any = None  # the Keras data adapter bound to ResumableData
+        self._pass: Optional[PassPosition] = None  # fit(steps_per_epoch=...): the pass kept across epochs
+        self._notes: List[Any] = []  # (key, problem): what will not resume exactly, said at the first save
         self._short_epoch: Optional[int] = None
         self._pass_done = 0  # batches done in this pass over the data
         self._offset = 0  # the batch a resumed epoch starts at
@@ -180,10 +183,9 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
         self._bind_data()
         model._initial_epoch = None
         it = self._fit.get("iterator")
-        for key, problem in (("inexact-data", inexact_input(it, self.data)),
-                             ("build", kstate.ensure_built(model, sample_batch(it, self.data)))):
-            if problem:
-                core.warn(problem, key=key)
+        problem = kstate.ensure_built(model, sample_batch(it, self.data))
+        if problem:
+            core.warn(problem, key="build")
         if self._loaded:
             core.new_fit(keep_counters=True)  # a further stage: the counters go on
         else:
@@ -256,10 +258,17 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
 
     def _bind_data(self) -> None:
         """Find the fit's input; with ResumableData, bind each pass to its epoch (mid-epoch saves)."""
-        self.data, self._adapter, problem = bind_passes(self._fit.get("iterator"))
+        it = self._fit.get("iterator")
+        self.data, self._adapter, problem = bind_passes(it)
         self.core.trigger.mid_epoch = self.data is not None
         if problem:
             self.core.warn(problem, key="resumable-data")
+        self._pass = PassPosition(it, self.data) if it is not None else None
+        inexact = inexact_input(it, self.data)
+        if inexact:
+            self._notes.append(("inexact-data", inexact))
+        elif self._pass is not None and self._pass.problem:
+            self._notes.append(("data-pass", self._pass.problem))
 
     # -------------------------------------------------------------------------------- restore
     def restore(self, tree: StateTree, epochs: Optional[int] = None) -> None:
@@ -272,7 +281,8 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
         saved = tree.get("keras", {}) or {}
         epoch = core.counters["epoch"] - self._base["epoch"]  # the epoch of this fit
         batch, problems = resume_at(self.data, tree.get("data") or {}, epoch, int(tree["counters"].get("batch", 0)))
-        for line in problems:
+        problem = self._pass.restore((tree.get("data") or {}).get("pass")) if self._pass is not None else None
+        for line in problems + ([problem] if problem else []):
             core.warn(line)
         it = self._fit.get("iterator")
         if batch and self.data is not None:
@@ -396,6 +406,9 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
             if self._adapter is not None:
                 unbind_passes(self._adapter)
                 self._adapter = None
+            if self._pass is not None:
+                self._pass.unbind()
+                self._pass = None
             lst = getattr(self._fit.get("callbacks"), "callbacks", None)
             if self._tail is not None and isinstance(lst, list) and self._tail in lst:
                 lst.remove(self._tail)
@@ -406,6 +419,9 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
     # ------------------------------------------------------------------------------- capture
     def capture(self) -> Captured:
         core, epochs = self.core, self._epochs()
+        for key, problem in self._notes:  # said at the first save (once per run: the keys)
+            core.warn(problem, key=key)
+        self._notes = []
         stage = {"index": self._stage, "epoch_base": self._base["epoch"], "step_base": self._base["step"]}
         tree = cast(Captured, kstate.capture_tree(
             self.model, self._callbacks, epochs=epochs, finished=core.finished,
@@ -413,5 +429,8 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
         data: Dict[str, Any] = {"kind": "resumable" if self.data is not None else "keras"}
         if self.data is not None:
             data.update(seed=self.data.seed, batches_per_epoch=self.data.batches_per_epoch)
+        position = self._pass.state() if self._pass is not None else None
+        if position is not None:
+            data["pass"] = position
         tree["data"] = data
         return tree

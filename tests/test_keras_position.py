@@ -1,0 +1,174 @@
+"""Issue 21, Keras: a ``fit(steps_per_epoch=...)`` shorter than a pass over its data keeps ONE iterator
+across epochs; a resumed run continues that pass at the saved batch (SIGKILL, re-run, final variables
+bit-identical to an uninterrupted run) on the TensorFlow and the JAX backend, for arrays, a PyDataset,
+a repeated tf.data pipeline and the ``fashion_mnist_cnn`` workload (the Colab TPU tutorial's CNN). The
+negative control kills the same run at the same step with the pass positioning switched off: the
+resumed epochs then see other batches and the variables differ.
+
+Transparency: with DriveCheckpoint and no kill, the final variables equal the same script without
+keepalive, bit for bit (shuffle, dropout); the control, another seed, differs. In-process: which inputs
+are told (once, at the first save) that they cannot resume exactly, and which are not."""
+import os
+import random
+import sys
+
+import numpy as np
+import pytest
+
+keras = pytest.importorskip("keras")
+pytest.importorskip("tensorflow")
+
+from crashkit import run_to_completion  # noqa: E402
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "keras_position_train.py")
+ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", TF_ENABLE_ONEDNN_OPTS="0", KEEPALIVE_PROGRESS="0",
+           XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
+#: data -> total optimizer steps of 5 epochs of steps_per_epoch=3 (a pass: 10 batches; fashion: 8).
+#: Keras ends an epoch early where a finite pass runs out: 3+3+3+1+3 (fashion 3+3+2+3+3); tf.data repeats.
+TOTAL = {"arrays": 13, "pydataset": 13, "tfdata": 15, "fashion": 14}
+#: the commit after which the kill comes: the end of epoch 1, six batches into the pass
+COMMIT = 6
+
+
+def _env(backend):
+    return dict(ENV, KERAS_BACKEND=backend)
+
+
+def _cmd(run, out, *extra):
+    return [sys.executable, SCRIPT, str(run), "--out", str(out), *extra]
+
+
+def _load(path):
+    with np.load(path) as f:
+        return {k: f[k] for k in f.files}
+
+
+def _differ(a, b):
+    wa, wb = _load(a), _load(b)
+    assert wa.keys() == wb.keys()
+    return [k for k in wa if wa[k].shape != wb[k].shape or not np.array_equal(wa[k], wb[k])]
+
+
+def _run(tmp, name, backend, *extra, total=10**6):
+    rep = run_to_completion(_cmd(tmp / name, tmp / f"{name}.npz", *extra), total_steps=total, kills=0,
+                            rng=random.Random(0), env=_env(backend), timeout=240)
+    assert "DONE" in rep.final_output, rep.final_output[-3000:]
+    return tmp / f"{name}.npz"
+
+
+def _kill_seed(total):
+    """A crashkit seed whose kill (randint(1, total)) lands after COMMIT but before the next epoch end."""
+    return next(s for s in range(1000) if COMMIT < random.Random(s).randint(1, total) <= COMMIT + 2)
+
+
+def _crash(tmp, name, backend, total, *extra):
+    rep = run_to_completion(_cmd(tmp / name, tmp / f"{name}.npz", *extra), total_steps=total, kills=1,
+                            rng=random.Random(_kill_seed(total)), run_dir=str(tmp / name), env=_env(backend),
+                            timeout=240, kill_after_commit=COMMIT)
+    assert rep.kills == 1 and "DONE" in rep.final_output, rep.final_output[-3000:]
+    assert rep.trials[1].resumed_step == COMMIT, rep.trials  # resumed six batches into the pass
+    return tmp / f"{name}.npz"
+
+
+@pytest.mark.parametrize("backend,data,control", [
+    ("tensorflow", "arrays", True), ("jax", "arrays", True), ("jax", "fashion", False),
+    ("jax", "pydataset", False), ("tensorflow", "tfdata", False)])
+def test_steps_per_epoch_pass_resumes_exactly(tmp_path, backend, data, control):
+    """SIGKILL after the checkpoint of epoch 1 (six batches into the pass), re-run: the resumed epoch 2
+    continues the pass at batch 6 (not a new pass), and the final weights are bit-identical. With
+    ``control``: the same kill with the positioning off differs (the test can fail), and the run
+    without keepalive equals the uninterrupted one (transparency)."""
+    total = TOTAL[data]
+    extra = ["--data", data]
+    ref = _run(tmp_path, "ref", backend, *extra)
+    got = _crash(tmp_path, "crash", backend, total, *extra)
+    differ = _differ(ref, got)
+    assert not differ, f"{len(differ)} variables differ after the resume (e.g. {differ[:3]})"
+    if control:
+        bad = _crash(tmp_path, "nopos", backend, total, *extra, "--no-position")
+        assert _differ(ref, bad), "restarting the pass changed nothing: the crash test cannot fail"
+        plain = _run(tmp_path, "plain", backend, *extra, "--callback", "none")
+        assert not _differ(ref, plain), "DriveCheckpoint changed an uninterrupted training"
+    print(f"\n{backend} {data} steps_per_epoch=3: killed after step {COMMIT}+, resumed 6 batches into the "
+          f"pass, bit-identical" + ("; without positioning it differs; no keepalive = keepalive" if control else ""))
+
+
+@pytest.mark.parametrize("backend,data,spe", [("tensorflow", "arrays", 0), ("jax", "arrays", 0),
+                                              ("tensorflow", "fixed", 0)])
+def test_keepalive_is_transparent(tmp_path, backend, data, spe):
+    """No kill: the training with DriveCheckpoint is the training without it, bit for bit (shuffle=True
+    and dropout; a deterministic tf.data pipeline); another seed (the control) differs."""
+    extra = ["--data", data, "--spe", str(spe)]
+    ours = _run(tmp_path, "ours", backend, *extra)
+    plain = _run(tmp_path, "plain", backend, *extra, "--callback", "none")
+    differ = _differ(ours, plain)
+    assert not differ, f"{len(differ)} variables differ with keepalive added (e.g. {differ[:3]})"
+    if data == "arrays":
+        other = _run(tmp_path, "other", backend, *extra, "--callback", "none", "--seed", "99")
+        assert _differ(ours, other), "another seed ends bit-identical: the comparison cannot fail"
+
+
+# ------------------------------------------------------------------------------ in-process: told or not
+@pytest.fixture()
+def tf_keras():
+    if keras.backend.backend() != "tensorflow":  # pragma: no cover - this part runs TF in-process
+        pytest.skip("the in-process tests need KERAS_BACKEND=tensorflow")
+    import tensorflow as tf
+
+    return tf
+
+
+def _model(seed=5):
+    if seed is not None:
+        keras.utils.set_random_seed(seed)
+    m = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(3)])
+    m.compile(keras.optimizers.Adam(1e-2), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return m
+
+
+def _xy():
+    rs = np.random.RandomState(3)
+    return rs.normal(size=(60, 6)).astype("float32"), rs.randint(0, 3, size=(60,)).astype("int32")
+
+
+def test_what_is_told_at_the_first_save(tmp_path, capsys, tf_keras):
+    """A deterministic tf.data pipeline gets no "not bit-exact" warning (it resumes exactly); a tf.data
+    pipeline with a random map() and steps_per_epoch is told once; unseeded shuffle=True over arrays on
+    TensorFlow (most notebooks) is told once, at the first save."""
+    from keepalive.callbacks.keras import DriveCheckpoint
+    from keepalive.callbacks._keras_data import tf_dataset_kind
+
+    tf = tf_keras
+    x, y = _xy()
+    base = tf.data.Dataset.from_tensor_slices((x, y))
+    assert tf_dataset_kind(base.map(lambda a, b: (a * 2, b)).batch(10).prefetch(2)) == "fixed"
+    assert tf_dataset_kind(base.shuffle(60, seed=1, reshuffle_each_iteration=False).batch(10)) == "fixed"
+    assert tf_dataset_kind(base.shuffle(60, seed=1).batch(10).repeat()) == "stream"
+    assert tf_dataset_kind(base.map(lambda a, b: (a + tf.random.uniform(()), b)).batch(10)) == "random"
+    from tensorflow.python.framework import config as tf_config
+
+    was = tf_config.is_op_determinism_enabled()
+    tf_config.disable_op_determinism()  # unseeded random ops refuse to run otherwise
+    try:
+        tf.random.set_seed(None)  # no global seed: TensorFlow's kernels draw theirs
+        assert tf_dataset_kind(base.shuffle(60).batch(10)) == "random"
+
+        _model(None).fit(base.batch(10).prefetch(2), epochs=2, verbose=0,
+                         callbacks=[DriveCheckpoint(tmp_path / "fixed", quiet=True)])
+        assert "not bit-exact" not in capsys.readouterr().err
+
+        rand = base.map(lambda a, b: (a + tf.random.uniform(()), b)).batch(10).repeat()
+        ckpt = DriveCheckpoint(tmp_path / "rand", quiet=True)
+        _model(None).fit(rand, steps_per_epoch=4, epochs=2, verbose=0, callbacks=[ckpt])
+        err = capsys.readouterr().err
+        assert err.count("this fit reads a tf.data.Dataset whose order is drawn inside TensorFlow") == 1, err
+
+        ckpt = DriveCheckpoint(tmp_path / "unseeded", quiet=True)
+        m = _model(None)
+        tf.random.set_seed(None)
+        m.fit(x, y, batch_size=10, epochs=3, shuffle=True, verbose=0, callbacks=[ckpt])
+        err = capsys.readouterr().err
+        assert err.count("without a global seed") == 1 and "keras.utils.set_random_seed" in err, err
+    finally:
+        if was:
+            tf.config.experimental.enable_op_determinism()
