@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import re
 import secrets
 import shutil
@@ -227,12 +228,18 @@ class Lab:
         sessions = [s for s in self.api("sessions") if s.get("path") == notebook]
         return str(sessions[0]["kernel"].get("execution_state", "")) if len(sessions) == 1 else ""
 
-    def kernel_pid(self, notebook: str) -> int:
-        """The PID of the kernel of ``notebook``: its id from /api/sessions, then the process whose
-        command line names that kernel's connection file."""
+    def connection_file(self, notebook: str) -> Path:
+        """The connection file of the kernel of ``notebook`` (its id from /api/sessions). It keeps its
+        name and ports across the server's automatic restarts: the ports are held by jupyter_client's
+        port cache, so "restarting kernel (1/5), new random ports" changes neither."""
         sessions = [s for s in self.api("sessions") if s.get("path") == notebook]
         assert len(sessions) == 1, f"sessions for {notebook}: {sessions}"
-        connection_file = f"kernel-{sessions[0]['kernel']['id']}.json"
+        return self.runtime / f"kernel-{sessions[0]['kernel']['id']}.json"
+
+    def kernel_pid(self, notebook: str) -> int:
+        """The PID of the kernel of ``notebook``: the process below the server whose command line
+        names that kernel's connection file."""
+        connection_file = self.connection_file(notebook).name
         assert self.proc is not None
         for pid in descendants(self.proc.pid):
             try:
@@ -241,9 +248,50 @@ class Lab:
             except OSError:
                 continue
             if any(a.decode(errors="replace").endswith(connection_file) for a in argv):
-                self.kernel_pids.append(pid)
+                if pid not in self.kernel_pids:
+                    self.kernel_pids.append(pid)
                 return pid
         raise AssertionError(f"no process runs the kernel with {connection_file}")
+
+    def kernel_answers(self, notebook: str, timeout: float = 10.0) -> bool:
+        """Whether the kernel of ``notebook`` answers a ``kernel_info_request`` on its shell channel,
+        asked by a client of our own through its connection file (its shell socket only, in a zmq
+        context of its own: both closed before returning, no thread or process left behind).
+
+        This, not the ``execution_state`` of /api/sessions, says that a restarted kernel is up.
+        jupyter_server sets that state only from the IOPub status messages its own subscriber sees:
+        those answering a "tracked" request (execute, comm, ...: not kernel_info), or the first one
+        after ``starting``. After the restarter's automatic restart nothing resets the dead kernel's
+        last state (``busy``, it was training), and the new kernel's single ``starting`` message is
+        published while the server's subscriber is re-subscribing to the same port: when it is lost
+        (a race, lost more often on a loaded machine) the state stays ``busy`` until someone runs a
+        cell, and so forever for a test that waits for ``idle`` before running one."""
+        import zmq
+        from jupyter_client import BlockingKernelClient
+
+        context = zmq.Context()
+        try:
+            client = BlockingKernelClient(connection_file=str(self.connection_file(notebook)), context=context)
+            try:
+                client.load_connection_file()
+            except ValueError:  # read while being written
+                return False
+            client.start_channels(shell=True, iopub=False, stdin=False, hb=False, control=False)
+            try:
+                msg_id = client.kernel_info()
+                deadline = time.monotonic() + timeout
+                while time.monotonic() < deadline:
+                    try:
+                        reply = client.get_shell_msg(timeout=max(0.1, deadline - time.monotonic()))
+                    except queue.Empty:
+                        return False
+                    if reply.get("parent_header", {}).get("msg_id") == msg_id:
+                        return reply["content"].get("status") == "ok"
+                return False
+            finally:
+                client.shell_channel.stop()
+        finally:
+            context.destroy(linger=0)
 
     def stop(self) -> None:
         if self.proc is None:
@@ -468,17 +516,29 @@ def _story(lab: Lab, browser, tmp_path: Path) -> None:
     dialog = wait_for("JupyterLab's 'kernel restarting' dialog",
                       lambda: browser.find_elements(By.CSS_SELECTOR, ".jp-Dialog"), timeout=30)
     assert "restart" in dialog[0].text.lower() or "died" in dialog[0].text.lower(), dialog[0].text
-    dialog[0].find_element(By.CSS_SELECTOR, ".jp-Dialog-button.jp-mod-accept").click()
-    # the server's view of the kernel (the page's indicator can lag behind on a loaded machine)
-    def restarted() -> bool:
-        if lab.kernel_state(name) != "idle":
-            return False
-        try:
-            return lab.kernel_pid(name) != killed_pid
-        except AssertionError:  # between the old process and the new one
-            return False
+    dialog[0].find_element(By.CSS_SELECTOR, ".jp-Dialog-button.jp-mod-accept").click()  # its only button: "Ok"
+    # A new kernel process, and it answers. Neither the server's execution_state (it can keep the dead
+    # kernel's "busy": see Lab.kernel_answers) nor the page's indicator (it can stay "unknown" until an
+    # IOPub status reaches it) is waited for: the page holds the cells run below until its reconnected
+    # kernel connection has the new kernel's kernel_info reply.
+    seen: Dict[str, object] = {}
 
-    wait_for("the restarted kernel", restarted, timeout=120)
+    def restarted() -> bool:
+        try:
+            seen["pid"] = pid = lab.kernel_pid(name)
+        except AssertionError as exc:  # between the old process and the new one
+            seen["pid"] = str(exc)
+            return False
+        if pid == killed_pid:
+            return False
+        seen["answers"] = lab.kernel_answers(name)
+        return bool(seen["answers"])
+
+    try:
+        wait_for("the restarted kernel", restarted, timeout=120)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; killed PID {killed_pid}, last seen {seen}, server state "
+                             f"{lab.kernel_state(name)!r}, page state {page.kernel_status()!r}") from None
     mark("kernel restarted")
 
     # 4. after the "reset": the setup cells, then %resume_training typed into a new last cell
