@@ -2,7 +2,9 @@
 ReduceLROnPlateau, EarlyStopping) at random moments, re-run the same script until it finishes, and
 compare every model and optimizer variable bit for bit with a run that was never interrupted.
 
-Then the same kill schedule with Keras' own ``BackupAndRestore``, to show what it loses."""
+The scenarios run on the TensorFlow and on the JAX backend (KERAS_BACKEND per child; Colab's TPU
+runtimes are JAX-first). Then the same kill schedule with Keras' own ``BackupAndRestore``, to show what it
+loses."""
 import os
 import random
 import shutil
@@ -58,16 +60,20 @@ def _assert_same(a, b):
 _REFS = {}
 
 
-def _reference(tmp_path_factory, data):
-    """An uninterrupted run (one per data mode, shared by the tests of this module)."""
-    if data not in _REFS:
-        d = tmp_path_factory.mktemp(f"ref-{data}")
+def _env(backend):
+    return dict(ENV, KERAS_BACKEND=backend)
+
+
+def _reference(tmp_path_factory, data, backend="tensorflow"):
+    """An uninterrupted run (one per data mode and backend, shared by the tests of this module)."""
+    if (data, backend) not in _REFS:
+        d = tmp_path_factory.mktemp(f"ref-{data}-{backend}")
         every = "epoch" if data == "arrays" else "7"
         rep = run_to_completion(_cmd(d / "run", d / "ref.npz", "--data", data, "--every", every),
-                                total_steps=STEPS, kills=0, rng=random.Random(0), env=ENV)
+                                total_steps=STEPS, kills=0, rng=random.Random(0), env=_env(backend))
         assert "DONE" in rep.final_output, rep.final_output[-2000:]
-        _REFS[data] = d / "ref.npz"
-    return _REFS[data]
+        _REFS[data, backend] = d / "ref.npz"
+    return _REFS[data, backend]
 
 
 def _redone(report):
@@ -75,13 +81,16 @@ def _redone(report):
             for p, c in zip(report.trials, report.trials[1:]) if p.killed_after_step]
 
 
-@pytest.mark.parametrize("data,every,kills", [("arrays", "epoch", 3), ("resumable", "7", 4)])
-def test_sigkill_resume_is_bit_exact(tmp_path, tmp_path_factory, data, every, kills):
-    ref = _reference(tmp_path_factory, data)
+@pytest.mark.parametrize("backend,data,every,kills", [
+    ("tensorflow", "arrays", "epoch", 3), ("tensorflow", "resumable", "7", 4),
+    ("jax", "arrays", "epoch", 2), ("jax", "resumable", "7", 2)])
+def test_sigkill_resume_is_bit_exact(tmp_path, tmp_path_factory, backend, data, every, kills):
+    pytest.importorskip(backend)
+    ref = _reference(tmp_path_factory, data, backend)
     report = run_to_completion(_cmd(tmp_path / "crash", tmp_path / "crash.npz", "--data", data,
                                     "--every", every),
                                total_steps=STEPS, kills=kills, rng=random.Random(2024 + len(data)),
-                               run_dir=str(tmp_path / "crash"), env=ENV, timeout=180)
+                               run_dir=str(tmp_path / "crash"), env=_env(backend), timeout=180)
     assert report.kills == kills
     assert "DONE" in report.final_output
     _assert_same(ref, tmp_path / "crash.npz")
@@ -94,20 +103,35 @@ def test_sigkill_resume_is_bit_exact(tmp_path, tmp_path_factory, data, every, ki
             assert prev.killed_after_step - cur.resumed_step <= 2 * interval, (prev, cur)
     # the History of the finished run lists every epoch although they ran in several processes
     assert f"HISTORY {list(range(EPOCHS))}" in report.final_output
-    print(f"\nkeras {data} every={every}: {report.kills} kills survived at steps "
+    print(f"\nkeras {backend} {data} every={every}: {report.kills} kills survived at steps "
           f"{[t.killed_after_step for t in report.trials if t.killed_after_step]}, resumed at "
           f"{[t.resumed_step for t in report.trials[1:]]}, steps redone per kill {_redone(report)}, "
           f"final variables bit-identical to the uninterrupted run")
 
 
-def test_detects_divergence(tmp_path, tmp_path_factory):
+@pytest.mark.parametrize("backend", ["tensorflow", "jax"])
+def test_detects_divergence(tmp_path, tmp_path_factory, backend):
     """The comparison can fail: the same training with another seed ends elsewhere."""
-    ref = _reference(tmp_path_factory, "arrays")
+    pytest.importorskip(backend)
+    ref = _reference(tmp_path_factory, "arrays", backend)
     rep = run_to_completion(_cmd(tmp_path / "other", tmp_path / "other.npz", "--seed", "99"),
-                            total_steps=STEPS, kills=0, rng=random.Random(0), env=ENV)
+                            total_steps=STEPS, kills=0, rng=random.Random(0), env=_env(backend))
     assert "DONE" in rep.final_output
     with pytest.raises(AssertionError):
         _assert_same(ref, tmp_path / "other.npz")
+
+
+@pytest.mark.parametrize("backend", ["tensorflow", "jax"])
+def test_keepalive_is_transparent(tmp_path, tmp_path_factory, backend):
+    """Issue 21: with no kill, the training with DriveCheckpoint (every epoch) is the same script without
+    keepalive, bit for bit: plain arrays with shuffle=True, Dropout, BatchNormalization, Adam,
+    ReduceLROnPlateau. The control that this comparison catches another seed: test_detects_divergence."""
+    pytest.importorskip(backend)
+    ref = _reference(tmp_path_factory, "arrays", backend)
+    rep = run_to_completion(_cmd(tmp_path / "plain", tmp_path / "plain.npz", "--callback", "none"),
+                            total_steps=STEPS, kills=0, rng=random.Random(0), env=_env(backend))
+    assert "DONE" in rep.final_output
+    _assert_same(ref, tmp_path / "plain.npz")
 
 
 def test_backup_and_restore_loses_state(tmp_path, tmp_path_factory):

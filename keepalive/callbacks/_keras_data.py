@@ -21,30 +21,47 @@ Under ``DriveCheckpoint`` every pass of ``fit`` over the data is bound to its ep
 starts; on its own (no DriveCheckpoint) every pass uses the order of ``data.epoch`` (set it yourself
 to change the order between ``fit`` calls).
 
-Data order under ``DriveCheckpoint``: which inputs resume exactly.
+Data order under ``DriveCheckpoint``: which inputs resume exactly. "Exact" means the resumed run's
+final variables are bit-identical to an uninterrupted run's (tests/test_keras_crash.py,
+tests/test_keras_position.py, on the TensorFlow and the JAX backend); with no kill, adding
+DriveCheckpoint changes nothing (tests/test_keras_position.py::test_keepalive_is_transparent).
 
 * :class:`ResumableData` around NumPy arrays or a ``keras.utils.PyDataset``: every epoch's order is a
   function of (seed, epoch), so any ``every=`` works and a resume starts in the middle of an epoch at
   the saved batch (no skipped batch is loaded). Use it for ``every=<steps>`` or ``every="10min"`` and
   for exact deadline stops.
-* Plain NumPy arrays with ``shuffle=True`` on the TensorFlow backend: Keras draws the order inside a
-  ``tf.data`` graph from TensorFlow's global seed (``keras.utils.set_random_seed``), fixed when
-  ``fit`` builds its pipeline; that order does not depend on anything a restart changes, so resuming
-  at an epoch boundary is exact provided the re-run sets the same seed before ``fit`` (a differing
-  seed is reported). Checkpoints are then written at epoch ends only (a step / time schedule that
-  comes due saves at the epoch end). Note that with a global seed Keras 3 draws *the same order in
-  every epoch* this way (the pipeline is rebuilt per epoch from the same seeds, cf.
-  tensorflow/tensorflow#29558); ``ResumableData`` reshuffles per epoch. Without a global seed the
-  order is random in every run anyway.
-* Plain arrays on the torch backend: Keras shuffles with a torch ``RandomSampler`` drawing from
-  torch's global generator, which is restored: exact at epoch boundaries.
-* ``tf.data.Dataset`` (its shuffle buffer and iterator state live inside TensorFlow), generators and
-  other PyDatasets (with ``shuffle=True`` Keras shuffles their batch order with Python's ``random``
-  when a pass starts, which the TensorFlow backend does ahead of time, before the previous epoch's
-  end is saved): epoch-end checkpoints, and the order after a resume is whatever the pipeline
-  produces then: not guaranteed to be the uninterrupted run's. Wrap arrays / PyDatasets in
-  :class:`ResumableData` for exactness anywhere. ``fit(steps_per_epoch=...)`` and PyDatasets with
-  ``workers > 1`` also mean epoch-end checkpoints.
+* Plain NumPy arrays: checkpoints at epoch ends, exact.
+
+  - TensorFlow backend: Keras draws the order inside a ``tf.data`` graph from TensorFlow's global seed
+    (``keras.utils.set_random_seed``), fixed when ``fit`` builds its pipeline; exact when the re-run
+    sets the same seed before ``fit`` (a differing seed is reported). Note that with a global seed
+    Keras 3 draws *the same order in every epoch* this way (cf. tensorflow/tensorflow#29558);
+    ``ResumableData`` reshuffles per epoch. Without a global seed TensorFlow's kernel draws each
+    pass's order from a seed no library can read: a resumed run's epochs are shuffled anew (as no
+    unseeded run reproduces either); told once, at the first save.
+  - JAX backend: Keras shuffles with NumPy's global generator at a pass's first batch: restored.
+  - torch backend: a torch ``RandomSampler`` drawing from torch's global generator: restored.
+* ``fit(steps_per_epoch=k)`` over data of more than k batches (the Colab TPU tutorial's shape) keeps
+  one iterator across epochs: a checkpoint stores how many batches of the running pass were consumed
+  and the RNG states the pass drew its order from, and a resume continues that pass at that batch
+  (:class:`PassPosition`). Batches are skipped by index without loading them for arrays on JAX and
+  for PyDatasets; drawn from a fresh iterator for the TensorFlow backend's ``tf.data`` pipelines (an
+  in-memory gather for arrays; the pipeline's work for a ``tf.data.Dataset``). Exact for arrays
+  (TensorFlow: with a global seed), PyDatasets without workers (with ``shuffle=True`` on JAX only),
+  and the ``tf.data`` pipelines below that repeat; otherwise told once, at the first save.
+* ``tf.data.Dataset`` (classified from its serialized graph, :func:`tf_dataset_kind`): without
+  shuffle and random ops, or with seeded shuffles that do not reshuffle, every pass is the same:
+  exact, no warning. Seeded shuffles that reshuffle per iteration: exact when the fit keeps one
+  iterator (``.repeat()`` with ``steps_per_epoch``), else told (the seed advances inside TensorFlow
+  with every new pass). Unseeded shuffles, random ``map()``s (``tf.image.random_*``), ``from_generator``:
+  told. (``tf.train.Checkpoint(iterator=...)`` could save such an iterator, shuffle buffer included;
+  not used: its save costs at every checkpoint what a resume saves once, benchmarks/keras_data_position.py.)
+* Python generators, PyDatasets with ``workers``, PyDatasets with ``shuffle=True`` (fit's default) on
+  the TensorFlow / torch backend (the order is drawn when a pass starts, on the TensorFlow backend
+  ahead of time in its own thread): epoch-end checkpoints, and the order after a resume is whatever
+  the pipeline produces then; told once, at the first save. Wrap arrays / PyDatasets in
+  :class:`ResumableData` for exactness anywhere. ``fit(steps_per_epoch=...)`` with ResumableData and
+  PyDatasets with ``workers > 1`` also mean epoch-end checkpoints.
 """
 from __future__ import annotations
 
@@ -328,7 +345,7 @@ def inexact_input(iterator: Any, data: Optional[ResumableData]) -> Optional[str]
     or None."""
     if data is not None:
         return None
-    adapter = getattr(iterator, "data_adapter", None)
+    adapter: Any = getattr(iterator, "data_adapter", None)
     name, backend = type(adapter).__name__, keras.backend.backend()
     what = None
     if name == "TFDatasetAdapter":
@@ -435,8 +452,8 @@ class PassPosition:
     def __init__(self, iterator: Any, data: Optional[ResumableData]) -> None:
         self.it = iterator
         self.adapter: Any = getattr(iterator, "data_adapter", None)
-        steps = getattr(iterator, "steps_per_epoch", None)
-        n = getattr(self.adapter, "num_batches", None)
+        steps: Any = getattr(iterator, "steps_per_epoch", None)
+        n: Any = getattr(self.adapter, "num_batches", None)
         #: the iterator outlives an epoch: fit(steps_per_epoch=...) over data of more batches (or endless)
         self.active = bool(steps) and data is None and (n is None or int(n) > int(steps))
         self.pass_rng: Optional[Dict[str, Any]] = None

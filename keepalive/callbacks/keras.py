@@ -20,8 +20,10 @@ valid checkpoint and continues; one line says what was resumed. Restored:
 
 Data order: :class:`ResumableData` (around arrays or a ``PyDataset``) resumes exactly anywhere, also
 inside an epoch. Plain arrays resume exactly at epoch ends (TensorFlow: with the same
-``keras.utils.set_random_seed``); ``tf.data`` and generators inexactly, which the start of ``fit``
-says. Details: ``keepalive.callbacks._keras_data``.
+``keras.utils.set_random_seed``; without one, said once), ``fit(steps_per_epoch=...)`` continues the
+pass it keeps across epochs at the saved batch, deterministic ``tf.data`` pipelines resume exactly;
+inputs that cannot (random ``tf.data``, generators) are told once, at the first save. With no kill,
+adding the callback changes nothing in the training. Details: ``keepalive.callbacks._keras_data``.
 
 Models without input shapes (no ``keras.Input``, subclassed) and compiled metrics are built at the
 start of ``fit`` from a peeked batch, so a checkpoint (with a resumed epoch's running metrics) loads

@@ -9,9 +9,12 @@ optimizer step and `COMMITTED n` after each commit; writes every model and optim
     --data fixed      tf.data without shuffle or random ops, no steps_per_epoch (TensorFlow only)
     --data fashion    the fashion_mnist_cnn workload's model and (tiny, synthetic) data as arrays
     --callback ours | none        --no-position: keepalive does not continue the pass (negative control)
+    --die-at N                    after step N: wait for the commits, then SIGKILL itself (a kill at a
+                                  known place in the pass, whatever the machine's load)
 """
 import argparse
 import os
+import signal
 import sys
 import threading
 
@@ -28,6 +31,7 @@ p.add_argument("--shuffle", type=int, default=1)
 p.add_argument("--callback", choices=["ours", "none"], default="ours")
 p.add_argument("--seed", type=int, default=1234)
 p.add_argument("--no-position", action="store_true")
+p.add_argument("--die-at", type=int, default=0, help="SIGKILL itself after this step, its checkpoints committed")
 args = p.parse_args()
 
 _out = threading.Lock()
@@ -105,6 +109,9 @@ class Steps(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         emit(f"STEP {self.ckpt.step if self.ckpt is not None else self.epoch * (args.spe or 10) + batch + 1}")
+        if args.die_at and self.ckpt is not None and self.ckpt.step >= args.die_at:
+            self.ckpt.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 ckpt = None
