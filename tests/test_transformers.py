@@ -240,7 +240,10 @@ def test_mismatched_model_is_refused_before_anything_loads(tmp_path):
         _trainer(tmp_path / "b", DriveCheckpoint(tmp_path / "run", quiet=True), epochs=1, model="lora").train()
 
 
-def test_an_iterable_dataset_is_checkpointed_at_epoch_ends(tmp_path, capsys):
+def test_an_iterable_dataset_without_state_is_checkpointed_at_steps_and_told(tmp_path, capsys):
+    """A stream that ends (16 rows, 2 steps a pass) with max_steps: saves land at steps, passes end, and the
+    first mid-epoch save says once that a resume reads the pass again (tests/test_transformers_data.py:
+    endless streams, a datasets.IterableDataset, exactness)."""
     from torch.utils.data import IterableDataset
 
     from keepalive.callbacks.transformers import DriveCheckpoint
@@ -253,9 +256,13 @@ def test_an_iterable_dataset_is_checkpointed_at_epoch_ends(tmp_path, capsys):
                 yield {"input_ids": x, "labels": x}
 
     cb = DriveCheckpoint(tmp_path / "run", every=1)
+    steps = []
+    cb.core.on_commit.append(lambda r: steps.append(r.info.step))
     t = _trainer(tmp_path, cb, max_steps=6)
     t.train_dataset = Stream()
     t.train()
-    assert "IterableDataset" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.count("IterableDataset (Stream) without state_dict()") == 1
     assert cb.finished and cb.step == 6
     assert cb.epoch >= 2  # passes over the stream that ended before max_steps stopped the training
+    assert 1 in steps and 6 in steps

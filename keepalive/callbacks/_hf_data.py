@@ -29,6 +29,10 @@ ahead, so a batch is made while earlier steps still train. :class:`Replay` keeps
   workers, which return a marker without loading anything), and each new worker starts from its saved
   state (``worker_init_fn``, after the Trainer's ``seed_worker``).
 
+With ``persistent_workers=True`` the workers of a resumed pass end with it (accelerate rebuilt its loader
+to skip batches), so the next pass's new workers take over their states, and the main generator's state
+is put back after their creation, which the uninterrupted run does not have.
+
 Both need batches that are mappings (the Trainer's collators make dicts); the wrappers draw nothing,
 so a run with the callback is bit-identical to one without it.
 
@@ -206,7 +210,7 @@ class Replay:
         base.collate_fn = self.collate
         if self.workers:
             base.worker_init_fn = self.init
-            self.collate.stamp = sampler is not None  # a stream's workers replay their skipped batches
+            self.collate.stamp = True
         elif sampler is not None:
             sampler.watch = True
         else:
@@ -217,6 +221,10 @@ class Replay:
         self.feed: Optional[Iterator[Any]] = None
         self.source: Any = None
         self.unstamped = False  # a batch made in a worker could not carry its state (not a mapping)
+        # persistent workers: a resumed pass runs on the loader accelerate rebuilt to skip batches, and its
+        # workers end with it; the next pass starts new ones, which take over the workers' states
+        self.carry = False
+        self.keep_rng: Optional[torch.Tensor] = None  # ... and the main state their creation must not draw from
 
     # ----------------------------------------------------------------------- while training
     def epoch_iterator(self, it: Any) -> Iterator[Any]:
@@ -228,6 +236,10 @@ class Replay:
                 self.iter_rng = torch.get_rng_state()  # the next fetch creates the iterator from it
             if not self.persistent:
                 self.worker_states = {}
+            elif self.carry:
+                self.carry = False
+                self.init.states = {w: _tensor_state(s) for w, s in self.worker_states.items()}
+                self.keep_rng = torch.get_rng_state()  # the uninterrupted run creates no iterator here
             self.collate.new_pass()
             self.feed = self._filter(it)
         assert self.feed is not None
@@ -282,10 +294,19 @@ class Replay:
             self.init.states = {int(w): dict(s) for w, s in (saved.get("workers") or {}).items()}
             self.worker_states = dict(self.init.states)  # until each worker makes a batch again
             self.sampler.empties = trained % self.workers  # batch `trained` goes to the worker that made it
+        if self.workers and self.persistent:
+            self.carry = True
         if self.collate.stream is not None and saved.get("stream") is not None:
             self.collate.stream.load_state_dict(saved["stream"])
             self.collate.made = trained  # the pass continues at that batch (no batch is read again)
         return in_plan
+
+    def fetched(self) -> None:
+        """A pass's first fetch is done: new workers that took over states start as seeded from now on."""
+        if self.keep_rng is not None:
+            torch.set_rng_state(self.keep_rng)
+            self.keep_rng = None
+            self.init.states = {}
 
     def plan_pending(self) -> bool:
         """Part of a resume plan has not run (the pass ended before that batch)."""

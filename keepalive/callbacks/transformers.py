@@ -19,14 +19,26 @@ position: the epoch and the batch within it.
 When: ``every=`` counts optimizer steps (with gradient accumulation a save never lands between two
 micro-batches), or ``"epoch"`` / a duration; the session's deadline saves and stops the training cleanly
 (``control.should_training_stop``). A due save is written after the Trainer's own logging, evaluation
-and checkpointing of that step, so the checkpoint holds their results too.
+and checkpointing of that step and before the next step's micro-batches are fetched (the Trainer fetches
+them before ``on_step_begin``), so the checkpoint holds their results and no random draw of the next step.
 
-Data position: the training loader's batch sampler is replaced, at the start of ``train()``, by one that
-yields the same batches in the same order and can start an epoch at any batch
-(:mod:`keepalive.callbacks._hf_data`): a resume computes the epoch's order and continues at the saved
-batch without fetching the ones before it. Epochs completed before the restart are not run at all.
-Supported: map-style datasets with the Trainer's default sampling (random or sequential), one process.
-Other samplers and ``IterableDataset`` s: checkpoints at epoch ends only (a warning says so).
+Data position (:mod:`keepalive.callbacks._hf_data`):
+
+* map-style datasets with the Trainer's default sampling (random or sequential), one process: the
+  training loader's batch sampler is replaced, at the start of ``train()``, by one that yields the same
+  batches in the same order and can start an epoch at any batch: a resume computes the epoch's order and
+  continues at the saved batch without fetching the ones before it. Epochs completed before the restart
+  are not run at all. Exact.
+* random draws while batches are made (``DataCollatorForLanguageModeling``'s masking, augmentation),
+  in the main process or in ``dataloader_num_workers`` workers: replayed, so the first resumed step masks
+  what the uninterrupted run masked. Exact. Told: a collator with its own ``seed=`` generator, batches
+  that are not mappings (with workers).
+* ``IterableDataset`` (a stream, typically with ``max_steps``; it may never end an epoch): checkpoints at
+  steps too. One with ``state_dict()`` / ``load_state_dict()`` (a ``datasets.IterableDataset``, no workers)
+  is saved and restored through them: exact. Any other is positioned by the Trainer's own skip, which
+  reads its pass again from the start: exact when the stream yields the same items on every pass, which
+  the first mid-epoch save says once.
+* other samplers, several processes: checkpoints at epoch ends only (said once).
 
 The Trainer's own checkpoints (``save_strategy`` / ``save_steps``, written to ``output_dir``) are
 independent of this callback: they may stay on (e.g. for ``load_best_model_at_end`` or to push to the
@@ -34,10 +46,11 @@ Hub) or be turned off (``save_strategy="no"``), which also removes their stall. 
 checkpoint present, its state (validated, usually newer) replaces what ``resume_from_checkpoint=``
 loaded; without one, the Trainer's own resume runs as usual and keepalive checkpoints from there.
 
-How: the callback finds its ``Trainer`` when training begins and, for that ``train()`` call only, puts a
-wrapper in front of the instance's ``_run_epoch`` that skips completed epochs and hands the resumed
-epoch its step counter (the same arguments the Trainer's own resume passes). Nothing is patched
-globally and no subclass is needed. Every Trainer internal this relies on is listed in
+How: the callback finds its ``Trainer`` when training begins and, for that ``train()`` call only, puts two
+stand-ins on the instance: one in front of ``_run_epoch`` that skips completed epochs and hands the resumed
+epoch its step counter (the same arguments the Trainer's own resume passes), and one in front of
+``get_batch_samples`` where a step's boundary is acted on and a resumed pass's random states are planned.
+Nothing is patched globally and no subclass is needed. Every Trainer internal this relies on is listed in
 :mod:`keepalive.callbacks._compat_transformers` and checked when the callback is created: a
 transformers version without one is refused then, in one line, never in the middle of a training.
 """
@@ -447,7 +460,10 @@ class _BatchFetcher:
         feed = replay.epoch_iterator(epoch_iterator)
         resume, cb._replay_resume = cb._replay_resume, None
         if resume is None:
-            return fetch(feed, *args, **kwargs)
+            try:
+                return fetch(feed, *args, **kwargs)
+            finally:
+                replay.fetched()
         tree = cb._rng_tree or {}
         in_plan = replay.prepare(resume["saved"], int(resume["batch"]), tree.get("rng"))
         try:
