@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import os
 import sys
-import zlib
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union, cast
 
 import torch
@@ -51,9 +50,9 @@ from .. import rng
 from ..adapter import CheckpointAdapter
 from ..config import CheckpointConfig
 from ..core import Checkpointer
-from ..dataorder import mix
 from ..statetree import Captured, StateTree
-from ._torch_data import DatasetKeys, ResumableLoader
+from ._torch_data import DatasetKeys
+from ._torch_replay import LoaderReplay
 from .torchstate import (
     RandomState,
     changed_hyperparameters,
@@ -82,13 +81,15 @@ def _holds_dtensors(obj: Any) -> bool:
 class _Pass:
     """One iteration over a loader in the running epoch (one ``ckpt.batches()`` loop)."""
 
-    def __init__(self, rl: ResumableLoader, key: str, start: int = 0):
+    def __init__(self, rl: LoaderReplay, key: str, start: Optional[Dict[str, Any]] = None):
         self.rl, self.key = rl, key
-        self.position = start   # samples handed out in the epoch's order (a resumed pass: from start)
-        self.done = 0           # batches handed out (the true index in the epoch)
+        self.start = start      # a resumed pass: where it continues (LoaderReplay.position)
+        self.position = int(start["samples"]) if start else 0  # samples handed out in the epoch
+        self.done = int(start["batches"]) if start else 0      # batches handed out (the true index)
         self.trains = False     # a registered optimizer stepped during its batches
         self.out = False        # a batch is handed out and its end not reached yet
         self.handed_at = -1     # the optimizer steps counted when the last batch was handed out
+        self.last_n = 0         # samples in the last batch handed out
 
 
 class DriveCheckpoint(CheckpointAdapter):
@@ -116,12 +117,11 @@ class DriveCheckpoint(CheckpointAdapter):
                           ("scaler", scaler), *objects.items()):
             if obj is not None:
                 self.register(name, obj)
-        self.data_seed: Optional[int] = None
-        self._loaders: Dict[str, ResumableLoader] = {}
-        self._main: Optional[ResumableLoader] = None  # the training data's (first) loader
+        self._loaders: Dict[str, LoaderReplay] = {}
+        self._main: Optional[LoaderReplay] = None  # the training data's (first) loader
         self._datasets = DatasetKeys()
         self._train_key: Optional[str] = None  # which dataset is the training data (saved)
-        self._unclaimed: Optional[Tuple[ResumableLoader, str, int, int]] = None
+        self._unclaimed: Optional[Tuple[LoaderReplay, str, int, int]] = None
         self._passes: List[_Pass] = []   # the running epoch's open passes (ckpt.batches() loops)
         self._samples_out = 0           # training samples handed out since the last boundary
         self._resumed = False
@@ -130,8 +130,11 @@ class DriveCheckpoint(CheckpointAdapter):
         self._save_requested = False    # ckpt.save() in the loop body: done at the next boundary
         self._position = 0              # samples of the running epoch's order done (main loader)
         self._epoch_rng: Any = None     # the RNGs when the running epoch began (its prologue's)
-        self._resume_rng: Any = None    # the saved RNGs, put back right before the first batch
+        self._resume_rng: Any = None    # the saved step's RNGs, put back once a pass is positioned
         self._saved_data: Dict[str, Any] = {}
+        #: training passes left inside an epoch in this process (Ctrl-C, an exception): where the same
+        #: loop, run again, continues
+        self._left: Dict[str, Any] = {}
 
     @property
     def _in_batch(self) -> bool:
@@ -190,7 +193,6 @@ class DriveCheckpoint(CheckpointAdapter):
         tree = self.core.load(check=self._check_fits)
         self._resumed = True
         if tree is None:
-            self.data_seed = torch.initial_seed() & ((1 << 63) - 1)
             return False
         self.restore(tree)
         return True
@@ -209,7 +211,6 @@ class DriveCheckpoint(CheckpointAdapter):
                 self.core.steps_paused = False
         restore_gradients(self.objects, (tree.get("data") or {}).get("pending_grads"))
         self._saved_data = dict(tree.get("data") or {})
-        self.data_seed = int(self._saved_data.get("seed", torch.initial_seed()))
         self._seen_step = bool(self._saved_data.get("seen_step", False))
         self._train_key = self._saved_data.get("train_loader")
         for name, text in changed_hyperparameters(self._hparams, (tree.get("torch") or {}).get("hparams")):
@@ -250,9 +251,11 @@ class DriveCheckpoint(CheckpointAdapter):
                     rng.restore(epoch_rng)  # the prologue of a resumed epoch draws what it drew then
                 self._epoch_rng = rng.capture()
                 yield core.counters["epoch"]
+                self._resume_rng = None  # the resumed epoch's passes are positioned
                 if core.stopped:
                     return
                 self._claim_unstepped_epoch()
+                self._left.clear()
                 requested, self._save_requested = self._save_requested, False
                 decision = core.end_epoch(self.capture, last=core.counters["epoch"] + 1 >= n,
                                           requested=requested)
@@ -260,6 +263,8 @@ class DriveCheckpoint(CheckpointAdapter):
                     return
         finally:
             self._in_epochs = False
+            for rl in self._loaders.values():
+                rl.close()
             core.uninstall_signal_handlers()
             core.flush()
 
@@ -284,15 +289,11 @@ class DriveCheckpoint(CheckpointAdapter):
         # before its first optimizer step. It becomes a training pass at that step.
         return (yield from self._run(_Pass(rl, key), promote=True))
 
-    def _training(self, rl: ResumableLoader, key: str) -> Iterator[Tuple[int, Any]]:
+    def _training(self, rl: LoaderReplay, key: str) -> Iterator[Tuple[int, Any]]:
         """A pass over training data: counted, positioned, saved inside where it can be."""
         if not self._in_epochs:
             self._outside_epochs()
-        start = self._start_sample(rl, key)
-        if self._resume_rng is not None:
-            rng.restore(self._resume_rng)  # the state at the saved step, after the prologue
-            self._resume_rng = None
-        p = _Pass(rl, key, start=start)
+        p = _Pass(rl, key, start=self._start(rl, key))
         self._promote(p)
         return (yield from self._run(p, promote=False))
 
@@ -316,14 +317,16 @@ class DriveCheckpoint(CheckpointAdapter):
         self._passes.append(p)
         completed = False
         try:
-            for done, batch, n in p.rl.iterate(core.counters["epoch"], p.position):
-                p.done, p.position, p.out = done, p.position + n, True
+            for batch, n in p.rl.iterate(p.start, self._positioned if p.start else None):
+                p.done, p.position, p.out, p.last_n = p.done + 1, p.position + n, True, n
+                if not p.rl.mid_epoch:  # found out while iterating (a subclass's own batches)
+                    core.warn(p.rl.why_not, key=f"loader:{p.rl.why_not}")
                 p.handed_at = core.optimizer_steps
                 if p.trains:
                     self._samples_out += n  # counted at the next training boundary
                     if p.key == self._train_key:
                         self._position = p.position
-                yield done - 1, batch
+                yield p.done - 1, batch
                 p.out = False
                 stepped = core.optimizer_steps > p.handed_at
                 if stepped and promote and not p.trains:
@@ -336,6 +339,9 @@ class DriveCheckpoint(CheckpointAdapter):
                     core.active()
             completed = True
         finally:
+            if not completed and p.trains and p.rl.mid_epoch:  # where its last batch end was
+                used = 1 if p.out else 0
+                self._left[p.key] = p.rl.position(p.position - used * p.last_n, p.done - used)
             p.out = False
             if p in self._passes:
                 self._passes.remove(p)
@@ -346,6 +352,7 @@ class DriveCheckpoint(CheckpointAdapter):
             if not self._in_epochs:  # `for epoch in range(n)`: the pass is the epoch
                 requested, self._save_requested = self._save_requested, False
                 self._datasets.new_epoch()
+                self._left.clear()
                 try:
                     core.end_epoch(self.capture, requested=requested)
                 finally:
@@ -367,6 +374,7 @@ class DriveCheckpoint(CheckpointAdapter):
         requested, self._save_requested = self._save_requested, False
         samples, self._samples_out = self._samples_out, 0
         mid_epoch = all(q.rl.mid_epoch for q in self._passes if q.trains)
+        self.core.trigger.mid_epoch = mid_epoch
         return self.core.advance(self.capture, steps=steps, batch=p.done, samples=samples, can_save=mid_epoch,
                                  pending=pending or outstanding, requested=requested)
 
@@ -397,42 +405,58 @@ class DriveCheckpoint(CheckpointAdapter):
                 "so the run trains more epochs than asked. Write `for epoch in ckpt.epochs(n):` to skip "
                 "the finished ones.", key="outside-epochs")
 
-    def _start_sample(self, rl: ResumableLoader, key: str) -> int:
-        """Where the running epoch continues, as a sample offset in the epoch's order."""
-        batch = self.core.counters["batch"]
-        if not batch or not rl.mid_epoch:
-            return 0
+    def _positioned(self) -> None:
+        """A resumed pass has skipped to its saved position: the random state of the saved step."""
+        if self._resume_rng is not None:  # once: a second resumed pass continues from the first's draws
+            rng.restore(self._resume_rng)
+            self._resume_rng = None
+
+    def _start(self, rl: LoaderReplay, key: str) -> Optional[Dict[str, Any]]:
+        """Where a training pass of the running epoch continues (its saved position), or None."""
+        if not self.core.counters["batch"] or not rl.mid_epoch:
+            return None
         saved = self._saved_data
         streams = saved.get("streams") or {}
-        if key != self._train_key and key in streams:  # a further training loader of the epoch
-            return int(streams.pop(key))
-        size, position = saved.get("batch_size"), saved.get("position")
-        if saved.pop("resharded", None) and position is not None:
+        start = streams.pop(key, None) or self._left.pop(key, None)  # once: the next epoch starts at 0
+        if start is None:
+            if saved.pop("position", None) is not None:  # a checkpoint of an older keepalive
+                self.core.warn(
+                    f"this checkpoint was written by an older keepalive, whose data order differs: "
+                    f"epoch {self.core.counters['epoch']} restarts from its first batch (its first "
+                    f"{self.core.counters['batch']} batches are trained again).", key="old-position")
+            return None
+        start = dict(start)
+        resharded = saved.pop("resharded", None)
+        if resharded and saved.get("position") is not None and key == self._train_key:
             # DDP: another world size; the position was carried over by global sample
-            # (keepalive.distributed.localize, which warned); once: the next epoch starts at 0
-            self._saved_data.pop("position", None)
-            self.core.counters["batch"] = int(position) // int(rl.batch_size or 1)
-            return int(position)
-        if position is None:  # a checkpoint written before positions were saved
-            return batch * int(rl.batch_size or 1)
-        self._saved_data.pop("position", None)  # once: the next epoch starts at 0
-        if size is None or size == rl.batch_size:
-            return int(position)  # also after an earlier resume with another size: not batch * size
-        self.core.warn(
-            f"the batch size is {rl.batch_size} now, {size} in the checkpoint: epoch "
-            f"{self.core.counters['epoch']} continues at sample {position} of its order with the same "
-            "samples, but its batches (and from here the model) differ from an uninterrupted run: the "
-            "result is not bit-identical to one.", key="batch-size")
-        return int(position)
+            # (keepalive.distributed.localize, which warned)
+            start["samples"] = int(saved["position"])
+            start["batches"] = start["samples"] // int(rl.batch_size or 1)
+            self.core.counters["batch"] = start["batches"]
+        saved.pop("position", None)
+        size = saved.get("batch_size")
+        if key == self._train_key and size is not None and size != rl.batch_size:
+            how = (f"continues at sample {start['samples']} of its order with the same samples"
+                   if rl.by_samples else f"continues after batch {start['batches']} of its batch sampler")
+            self.core.warn(
+                f"the batch size is {rl.batch_size} now, {size} in the checkpoint: epoch "
+                f"{self.core.counters['epoch']} {how}, but its batches (and from here the model) differ "
+                "from an uninterrupted run: the result is not bit-identical to one.", key="batch-size")
+        return start
 
-    def _resumable(self, loader: Any) -> Tuple[ResumableLoader, str]:
-        """The positionable twin of ``loader`` and its dataset's key (:class:`DatasetKeys`)."""
+    def _resumable(self, loader: Any) -> Tuple[LoaderReplay, str]:
+        """How ``loader`` is positioned (:class:`LoaderReplay`) and its dataset's key (:class:`DatasetKeys`)."""
         if not isinstance(loader, torch.utils.data.DataLoader):
             raise TypeError("ckpt.batches() takes a torch.utils.data.DataLoader")
         key = self._datasets.key(loader.dataset)
         rl = self._loaders.get(key)
-        if rl is None or rl.original is not loader:
-            rl = self._loaders[key] = ResumableLoader(loader, mix(self.data_seed or 0, zlib.crc32(key.encode())))
+        if rl is None or rl.loader is not loader:
+            if rl is not None:
+                rl.close()
+            rl = self._loaders[key] = LoaderReplay(loader)
+            generators = (self._saved_data.get("generators") or {}).pop(key, None)
+            if generators and not self.core.counters["batch"]:
+                rl.load_generators(generators)  # an epoch-end checkpoint: where the next epoch starts
             if self._main is None:
                 self.core.check_storable(self._storable_preview)  # now, not at the first save
             if not rl.mid_epoch:  # visible, once per run and reason (README: "a one-time warning")
@@ -441,22 +465,36 @@ class DriveCheckpoint(CheckpointAdapter):
 
     # ------------------------------------------------------------------------------- save/state
     def capture(self) -> Captured:
-        data: Dict[str, Any] = {"seed": self.data_seed, "seen_step": self._seen_step,
-                                "train_loader": self._train_key}
-        if self.core.counters["batch"]:  # inside an epoch: where, and the epoch's starting RNGs
+        data: Dict[str, Any] = {"seen_step": self._seen_step, "train_loader": self._train_key}
+        if self.core.counters["batch"]:  # inside an epoch: where each training pass is, the epoch's RNGs
+            streams = {p.key: p.rl.position(p.position, p.done) for p in self._passes if p.trains}
             data.update(position=self._position, epoch_rng=self._epoch_rng,
-                        batch_size=self._current_batch_size())
-            others = {p.key: p.position for p in self._passes if p.trains and p.key != self._train_key}
-            if others:  # further training loaders of the epoch (zip of two): each its own position
-                data["streams"] = others
-        elif self._pending_now:
-            # an epoch ended inside a gradient accumulation (its last batches roll into the next
-            # epoch's first step): the gradients are part of the state saved here
-            data["pending_grads"] = gradients(self.objects, self._optimizers)
+                        batch_size=self._current_batch_size(), streams=streams)
+            self._tell_workers(streams)
+        else:
+            # the loaders' private generators (generator=, a sampler's): where the next epoch starts
+            data["generators"] = {key: rl.generators_now() for key, rl in self._loaders.items()}
+            if self._pending_now:
+                # an epoch ended inside a gradient accumulation (its last batches roll into the next
+                # epoch's first step): the gradients are part of the state saved here
+                data["pending_grads"] = gradients(self.objects, self._optimizers)
         return {"objects": {name: obj.state_dict() for name, obj in self.objects.items()},
                 "data": data,
                 "torch": {"classes": {n: type(o).__name__ for n, o in self.objects.items()},
                           "hparams": self._hparams}}
+
+    def _tell_workers(self, streams: Dict[str, Any]) -> None:
+        """A mid-epoch save whose training loader's workers draw random numbers, and whose random
+        states keepalive could not take from them: say once that a resume from here differs."""
+        for p in self._passes:
+            if p.trains and p.rl.workers_draw() and (streams.get(p.key) or {}).get("workers") is None:
+                n = p.rl.loader.num_workers
+                self.core.warn(
+                    f"the training loader's {n} worker(s) draw random numbers (augmentation in the "
+                    "dataset), and keepalive could not take their random state for this checkpoint (a "
+                    "loader without automatic batching, or a worker that did not start the next batch "
+                    "in time): a resume from it replays the data order exactly, but not the workers' "
+                    "draws for the rest of that epoch.", key="worker-draws")
 
     def _current_batch_size(self) -> Optional[int]:
         return self._main.batch_size if self._main is not None else None

@@ -44,6 +44,7 @@ CONTROLS = {
     "drop-position": "batch size: forget the saved sample position (resume at batch x new size)",
     "direct-save": "hand save: written at once with the counters of the running batch / epoch",
     "no-rng-restore": "the global RNG states are not restored on resume",
+    "no-replay": "subset: the resumed epoch's loader starts from the saved step's random state, not its iter()'s",
     "no-prologue-replay": "the epoch's prologue runs with the mid-epoch RNG state",
     "plain-enumerate": "enumerate(ckpt.batches(loader)) instead of ckpt.enumerate(loader)",
     "no-register": "the private generators are not registered",
@@ -242,7 +243,8 @@ def batchsize() -> None:
     ckpt = checkpoint(model=model, optimizer=opt)
     if args.control == "drop-position":
         ckpt.resume()
-        ckpt._saved_data.pop("position", None)
+        for stream in (ckpt._saved_data.get("streams") or {}).values():
+            stream["samples"] = stream["batches"] * args.batch_size
     for epoch in ckpt.epochs(args.epochs):
         epoch_began(ckpt, epoch)
         model.train()
@@ -307,8 +309,11 @@ def subset() -> None:
     model = make_model()
     opt = make_optimizer(model)
     ckpt = checkpoint(model=model, optimizer=opt)
-    if args.control == "no-rng-restore":
-        ckpt.core.restore_rng = lambda tree: None
+    if args.control == "no-replay":
+        ckpt.resume()
+        ckpt._saved_data.pop("epoch_rng", None)
+        for stream in (ckpt._saved_data.get("streams") or {}).values():
+            stream["at_iter"] = None
     for epoch in ckpt.epochs(args.epochs):
         epoch_began(ckpt, epoch)
         model.train()

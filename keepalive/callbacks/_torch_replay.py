@@ -1,0 +1,557 @@
+"""Mid-epoch resume for a ``torch.utils.data.DataLoader`` by replaying the loader's own randomness.
+
+The user's loader is iterated as it is: same sampler, same batches, same worker seeds, so a training
+with keepalive sees exactly the data a training without it sees. What keepalive adds happens around
+``iter(loader)``:
+
+* it records the states the epoch's iteration draws from: the global random generators (a plain
+  ``shuffle=True`` draws the sampler's seed and the workers' base seed from torch's), the loader's
+  ``generator=``, private generators of its sampler and batch sampler (``RandomSampler(generator=g)``,
+  ``WeightedRandomSampler``, a custom sampler's ``self.rng``), and the ``state_dict()`` of a sampler
+  that has one;
+* to resume at sample (or batch) ``k`` of an epoch it puts those states back, creates the iterator
+  the normal way, and advances the *index* iterator over the first ``k`` indices: index generation
+  only, no ``__getitem__``, no worker fetch for the skipped part; then it puts back the random state
+  of the saved step, and the epoch continues as it did.
+
+Which loaders (:attr:`LoaderReplay.mode`):
+
+* ``"replay"``: map-style datasets with any sampler or batch sampler whose order is a function of the
+  states above (``shuffle=True/False``, ``batch_sampler=``, ``SubsetRandomSampler``,
+  ``WeightedRandomSampler``, ``DistributedSampler`` after ``set_epoch``, custom ones, DataLoader
+  subclasses that iterate through ``batch_sampler``). A sampler keepalive does not know is checked
+  once: two deep copies generate their first batches from the same states; different batches, or a
+  sampler that changes its own attributes when iterated, cannot be replayed (``why_not``).
+* ``"stateful"``: a loader with ``state_dict()`` / ``load_state_dict()`` (torchdata's
+  ``StatefulDataLoader``), or, with ``num_workers=0``, a dataset with them (a Hugging Face
+  ``datasets.IterableDataset``): saved and restored through that protocol.
+* ``"epoch"``: everything else (other ``IterableDataset`` s, ``in_order=False``): checkpoints at
+  epoch ends only, and :attr:`why_not` says why.
+
+Worker processes: the order and the workers' base seed replay exactly. Random draws *inside* workers
+(augmentation) do not after a mid-epoch resume: PyTorch seeds each worker once per epoch, and which
+worker fetched how many batches before the saved one is not replayed. keepalive notices draws in
+workers (:meth:`LoaderReplay.workers_draw`) so that the adapter can say so at the first mid-epoch
+save.
+"""
+from __future__ import annotations
+
+import collections
+import copy
+import itertools
+import os
+import pickle
+import random
+import shutil
+import tempfile
+import time
+from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Tuple
+
+import numpy as np
+import torch
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, get_worker_info
+
+from .. import rng
+from .torchstate import RandomState
+
+__all__ = ["LoaderReplay", "batch_len"]
+
+_GENERATOR_TYPES = (torch.Generator, np.random.Generator, np.random.RandomState, random.Random)
+_KNOWN_SAMPLERS = frozenset({
+    "torch.utils.data.sampler.SequentialSampler", "torch.utils.data.sampler.RandomSampler",
+    "torch.utils.data.sampler.SubsetRandomSampler", "torch.utils.data.sampler.WeightedRandomSampler",
+    "torch.utils.data.sampler.BatchSampler", "torch.utils.data.distributed.DistributedSampler",
+})
+_PROBE_BATCHES = 3
+#: worker random states kept per worker (the main process reads those of the next batches to fetch,
+#: which a worker with prefetched batches may have passed by prefetch_factor batches)
+_KEPT_PER_WORKER = 6
+#: how long a mid-epoch save waits for a worker to start a batch whose random state it needs
+_STATE_WAIT_S = 5.0
+
+
+def _qualname(obj: Any) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+class _Positioned:
+    """Stands in for the loader's index sampler while ``iter(loader)`` runs (and, for persistent
+    workers, as long as their iterator lives): yields the inner sampler's batches, after skipping
+    ``skip`` samples or batches on its first ``next()``, and counts what it generates."""
+
+    def __init__(self, inner: Any):
+        self.inner = inner
+        self.skip = 0
+        self.by_samples = False
+        self.on_positioned: Optional[Callable[[], None]] = None
+        self.generated: Deque[int] = collections.deque()  # samples per generated, not yet yielded batch
+        self.used = False
+        #: with workers: each batch of indices carries (serial, its number in the epoch) to them
+        self.tagging = False
+        self.serial = 0
+        self.first = 0  # the number of the first batch the next iteration yields
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getattr__(self, name: str) -> Any:  # batch_size, drop_last, sampler, ... of the inner one
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def __iter__(self) -> Iterator[Any]:
+        # The multi-process iterator calls iter() twice and uses the second: what to skip is taken
+        # at the first next() of the iterator in use.
+        self.used = True
+        eager = None if (self.skip and self.by_samples) else iter(self.inner)  # as the loader does it
+        return self._numbered(eager)
+
+    def _numbered(self, eager: Optional[Iterator[Any]]) -> Iterator[Any]:
+        skip, self.skip = self.skip, 0
+        hook, self.on_positioned = self.on_positioned, None
+        first, self.first = self.first, 0
+        self.generated.clear()
+        serial = self.serial
+        # a plain BatchSampler skips samples in its sampler (as lazily as it)
+        batches = self._batched(skip, hook) if eager is None else self._skipped(eager, skip, hook)
+        for number, b in enumerate(batches, start=first):
+            self.generated.append(batch_len(b))
+            if self.tagging and type(b) is list:
+                b = _Tagged(b)
+                b.tag = (serial, number)
+            yield b
+
+    @staticmethod
+    def _skipped(it: Iterator[Any], skip: int, hook: Optional[Callable[[], None]]) -> Iterator[Any]:
+        if skip:
+            collections.deque(itertools.islice(it, skip), maxlen=0)
+        if hook is not None:
+            hook()
+        yield from it
+
+    def _batched(self, skip: int, hook: Optional[Callable[[], None]]) -> Iterator[Any]:
+        bs: BatchSampler = self.inner
+        it = iter(bs.sampler)
+        collections.deque(itertools.islice(it, skip), maxlen=0)
+        if hook is not None:
+            hook()
+        while True:
+            batch = list(itertools.islice(it, bs.batch_size))
+            if not batch or (bs.drop_last and len(batch) < bs.batch_size):
+                return
+            yield batch
+
+
+def batch_len(indices: Any) -> int:
+    """Samples in a batch of indices (one index without automatic batching)."""
+    try:
+        return len(indices)
+    except TypeError:
+        return 1
+
+
+class _Tagged(list):
+    """A batch of indices that carries ``(iteration, batch number)`` to the worker fetching it."""
+
+    tag: Tuple[int, int] = (0, 0)
+
+
+def _full_state() -> Tuple[bytes, Any, Any]:
+    """This process's global random states (torch CPU, python, numpy), picklable."""
+    return (bytes(torch.random.get_rng_state().numpy().tobytes()), random.getstate(), np.random.get_state())
+
+
+def _set_full_state(state: Tuple[bytes, Any, Any]) -> None:
+    torch.random.set_rng_state(torch.frombuffer(bytearray(state[0]), dtype=torch.uint8))
+    random.setstate(state[1])
+    np.random.set_state(state[2])
+
+
+class _WorkerDraws:
+    """The dataset as the workers of one loader see it (a stand-in made around ``iter(loader)``).
+
+    It fetches exactly what the user's dataset fetches. Around each fetch it compares the worker's
+    global random states: once a fetch draws random numbers (augmentation in workers), it notes so
+    (a flag file) and from then on writes, before each fetch, the worker's random state for that
+    batch into a folder; a mid-epoch checkpoint saves the states of the next ``num_workers``
+    batches. A resumed iteration gives them back: worker ``w`` fetches batch ``b + w`` first (the
+    assignment is round-robin) and starts it from the state the uninterrupted run's worker had, so
+    the rest of the epoch draws what it drew then."""
+
+    def __init__(self, dataset: Any, folder: str, resume: Optional[Dict[int, Any]] = None):
+        object.__setattr__(self, "dataset", dataset)
+        object.__setattr__(self, "_folder", folder)
+        object.__setattr__(self, "_resume", dict(resume or {}))
+
+    def __getattr__(self, name: str) -> Any:  # worker_init_fn / collate code reading the dataset
+        if name in ("dataset", "_folder", "_resume"):
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:  # a worker_init_fn opening a file handle
+        setattr(self.dataset, name, value)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: Any) -> Any:
+        return self._watch(index, lambda: self.dataset[index])
+
+    def __getitems__(self, indices: List[Any]) -> Any:
+        plain = list(indices)
+        inner = getattr(self.dataset, "__getitems__", None)
+        if inner is not None:
+            return self._watch(indices, lambda: inner(plain))
+        return self._watch(indices, lambda: [self.dataset[i] for i in plain])
+
+    def _watch(self, indices: Any, fetch: Callable[[], Any]) -> Any:
+        tag = getattr(indices, "tag", None)
+        info = get_worker_info()
+        if tag is None or info is None:
+            return fetch()
+        serial, number = tag
+        saved = self._resume.pop(number, None)
+        if saved is not None:
+            _set_full_state(pickle.loads(saved))
+        drawing = os.path.exists(os.path.join(self._folder, "draws"))
+        before = _full_state()
+        path = os.path.join(self._folder, f"{serial}-{number}")
+        if drawing:
+            self._write(path, before, serial, number, info.num_workers)
+        out = fetch()
+        if not drawing and not _same_state(before, _full_state()):
+            self._write(path, before, serial, number, info.num_workers)
+            try:
+                open(os.path.join(self._folder, "draws"), "a").close()
+            except OSError:
+                pass
+        return out
+
+    def _write(self, path: str, state: Any, serial: int, number: int, workers: int) -> None:
+        try:
+            with open(path + ".tmp", "wb") as f:
+                pickle.dump(state, f, protocol=pickle.HIGHEST_PROTOCOL)
+            os.replace(path + ".tmp", path)
+            old = number - workers * _KEPT_PER_WORKER
+            if old >= 0:
+                os.unlink(os.path.join(self._folder, f"{serial}-{old}"))
+        except OSError:
+            pass
+
+
+def _same_state(a: Tuple[bytes, Any, Any], b: Tuple[bytes, Any, Any]) -> bool:
+    return a[0] == b[0] and a[1] == b[1] and int(a[2][2]) == int(b[2][2]) and bool((a[2][1] == b[2][1]).all())
+
+
+class LoaderReplay:
+    """How keepalive positions one user ``DataLoader`` (see the module docstring)."""
+
+    def __init__(self, loader: DataLoader):
+        self.loader = loader
+        self.why_not = ""
+        self.mode = self._mode()
+        self.start_state: Optional[Dict[str, Any]] = None  # recorded at the running iteration's iter()
+        self._positioned: Optional[_Positioned] = None
+        self._folder: Optional[str] = None  # the workers' random states (workers > 0)
+        if self.mode == "replay":
+            index_sampler = loader._index_sampler
+            self._positioned = _Positioned(index_sampler)
+            self._positioned.by_samples = type(index_sampler) is BatchSampler
+            self.why_not = self._probe()
+            if self.why_not:
+                self.mode, self._positioned = "epoch", None
+
+    @property
+    def mid_epoch(self) -> bool:
+        """A checkpoint can be resumed inside an epoch of this loader."""
+        return self.mode != "epoch"
+
+    @property
+    def batch_size(self) -> Optional[int]:
+        return self.loader.batch_size
+
+    @property
+    def by_samples(self) -> bool:
+        """Positions count samples (the batch size may change between sessions), not batches."""
+        return self._positioned is not None and self._positioned.by_samples
+
+    # ------------------------------------------------------------------------------ what it is
+    def _stateful(self) -> Optional[Any]:
+        if callable(getattr(self.loader, "state_dict", None)) and \
+                callable(getattr(self.loader, "load_state_dict", None)):
+            return self.loader
+        ds = self.loader.dataset
+        if isinstance(ds, IterableDataset) and callable(getattr(ds, "state_dict", None)) and \
+                callable(getattr(ds, "load_state_dict", None)) and self.loader.num_workers == 0:
+            return ds
+        return None
+
+    def _mode(self) -> str:
+        if self._stateful() is not None:
+            return "stateful"
+        loader = self.loader
+        name = type(loader).__name__
+        if isinstance(loader.dataset, IterableDataset):
+            if callable(getattr(loader.dataset, "state_dict", None)):
+                self.why_not = (f"{name} over a {type(loader.dataset).__name__} with {loader.num_workers} "
+                                "workers: its state_dict() cannot see the workers' position; use "
+                                "torchdata's StatefulDataLoader (or num_workers=0) to resume mid-epoch. "
+                                "Until then checkpoints are taken at epoch ends only")
+            else:
+                self.why_not = (f"{name} over an IterableDataset ({type(loader.dataset).__name__}) cannot be "
+                                "positioned without reading it; checkpoints are taken at epoch ends only. "
+                                "Give it state_dict()/load_state_dict() (or use torchdata's "
+                                "StatefulDataLoader) to resume mid-epoch")
+            return "epoch"
+        if getattr(loader, "in_order", True) is False:
+            self.why_not = ("DataLoader(in_order=False) yields batches in the order workers finish them: "
+                            "checkpoints at epoch ends only (in_order=True resumes anywhere)")
+            return "epoch"
+        return "replay"
+
+    def _samplers(self) -> List[Tuple[str, Any]]:
+        """The sampler objects an iteration uses, by path."""
+        loader = self.loader
+        found: List[Tuple[str, Any]] = []
+        seen = set()
+        for path, obj in (("batch_sampler", loader.batch_sampler), ("sampler", loader.sampler),
+                          ("batch_sampler.sampler", getattr(loader.batch_sampler, "sampler", None))):
+            if obj is not None and id(obj) not in seen:
+                seen.add(id(obj))
+                found.append((path, obj))
+        return found
+
+    def _generators(self) -> Dict[str, Any]:
+        """Every private generator the iteration may draw from, by path (each object once)."""
+        gens: Dict[str, Any] = {}
+        seen = set()
+        if self.loader.generator is not None:
+            gens["generator"] = self.loader.generator
+            seen.add(id(self.loader.generator))
+        for path, obj in self._samplers():
+            for attr, value in sorted(vars(obj).items()) if hasattr(obj, "__dict__") else ():
+                if isinstance(value, _GENERATOR_TYPES) and id(value) not in seen:
+                    seen.add(id(value))
+                    gens[f"{path}.{attr}"] = value
+        return gens
+
+    def _probe(self) -> str:
+        """'' when the order replays from the recorded states, else why not. Known samplers pass;
+        another one generates its first batches twice, on deep copies (the dataset shared, not
+        copied), from the same states."""
+        samplers = self._samplers()
+        if all(_qualname(s) in _KNOWN_SAMPLERS for _, s in samplers):
+            return ""
+        index_sampler = self.loader._index_sampler
+        name = type(next(s for _, s in samplers if _qualname(s) not in _KNOWN_SAMPLERS)).__name__
+        saved = rng.capture()
+        memo_base = {id(self.loader.dataset): self.loader.dataset}
+        firsts, mutated = [], False
+        try:
+            for _ in range(2):
+                rng.restore(saved)
+                twin = copy.deepcopy(index_sampler, dict(memo_base))
+                before = _plain_attrs(twin)
+                firsts.append([_as_list(b) for b in itertools.islice(iter(twin), _PROBE_BATCHES)])
+                mutated = mutated or _plain_attrs(twin) != before
+        except Exception as e:  # a sampler that cannot be copied: cannot be checked either
+            return (f"sampler {name} cannot be copied to check that its order replays ({type(e).__name__}: "
+                    f"{e}); checkpoints at epoch ends only")
+        finally:
+            rng.restore(saved)
+        if firsts[0] != firsts[1]:
+            return (f"sampler {name} gives another order from the same random state (it draws from a "
+                    "source keepalive cannot save: a time, os.urandom, an unregistered generator); a "
+                    "resumed epoch would see other batches: checkpoints at epoch ends only")
+        if mutated and not callable(getattr(index_sampler, "state_dict", None)):
+            return (f"sampler {name} changes its own attributes when iterated, which keepalive cannot "
+                    "restore: give it state_dict()/load_state_dict(); until then checkpoints at epoch "
+                    "ends only")
+        return ""
+
+    # ---------------------------------------------------------------------------- iteration
+    def iterate(self, start: Optional[Dict[str, Any]] = None,
+                on_positioned: Optional[Callable[[], None]] = None) -> Iterator[Tuple[Any, int]]:
+        """Yields ``(batch, samples in it)``. With ``start`` (a saved :meth:`position`), the
+        iteration continues from there; ``on_positioned`` runs once the loader is positioned, right
+        before the first batch is fetched (to put back the random state of the saved step)."""
+        if self.mode == "stateful":
+            yield from self._iterate_stateful(start, on_positioned)
+            return
+        if self.mode == "epoch" or self._positioned is None:
+            for batch in self.loader:
+                yield batch, _batch_size_of(batch, self.loader.batch_size)
+            return
+        pos = self._positioned
+        resume = None
+        if start:
+            # The positioning draws (the workers' base seed, the sampler's seed) come from the states
+            # of the epoch's iter(); then the random state of now is put back (and, for the first
+            # pass of a resumed epoch, the saved step's: on_positioned)
+            now = rng.capture()
+            self._load_start(start)
+            pos.skip = int(start["samples"] if pos.by_samples else start["batches"])
+            pos.first = int(start["batches"])
+            pos.on_positioned = lambda: _then(rng.restore, now, on_positioned)
+            resume = {int(k): v for k, v in (start.get("workers") or {}).items()}
+        self.start_state = self._record()
+        it = self._iter_with(pos, resume)
+        if not pos.used:
+            self.why_not = (f"{type(self.loader).__name__} does not iterate through its batch_sampler: "
+                            "checkpoints at epoch ends only")
+            self.mode = "epoch"
+        for batch in it:
+            if not pos.generated:  # a subclass yields more batches than its batch sampler gives
+                self.mode, self.why_not = "epoch", (
+                    f"{type(self.loader).__name__} overrides DataLoader.__iter__ and yields other batches "
+                    "than its batch sampler's, which keepalive cannot position: checkpoints at epoch ends only")
+                yield batch, _batch_size_of(batch, self.loader.batch_size)
+                continue
+            yield batch, pos.generated.popleft()
+
+    def _iter_with(self, pos: _Positioned, resume: Optional[Dict[int, Any]]) -> Iterator[Any]:
+        loader = self.loader
+        attr = "batch_sampler" if loader.batch_sampler is not None else "sampler"
+        original = getattr(loader, attr)
+        dataset = loader.dataset
+        workers = loader.num_workers > 0
+        pos.used = False
+        pos.serial += 1
+        pos.tagging = workers
+        object.__setattr__(loader, attr, pos)
+        try:
+            if workers:
+                if self._folder is None:
+                    shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+                    self._folder = tempfile.mkdtemp(prefix="keepalive-workers-", dir=shm)
+                object.__setattr__(loader, "dataset", _WorkerDraws(dataset, self._folder, resume))
+            return iter(loader)
+        finally:
+            object.__setattr__(loader, attr, original)
+            if workers:
+                object.__setattr__(loader, "dataset", dataset)
+
+    def _iterate_stateful(self, start: Optional[Dict[str, Any]],
+                          on_positioned: Optional[Callable[[], None]]) -> Iterator[Tuple[Any, int]]:
+        holder = self._stateful()
+        if start and start.get("state") is not None and holder is not None:
+            holder.load_state_dict(start["state"])
+        self.start_state = None
+        it = iter(self.loader)
+        if on_positioned is not None and start:
+            on_positioned()
+        for batch in it:
+            yield batch, _batch_size_of(batch, self.loader.batch_size)
+
+    # --------------------------------------------------------------------------------- states
+    def _record(self) -> Dict[str, Any]:
+        """The states this iteration starts from (saved with a mid-epoch checkpoint)."""
+        state: Dict[str, Any] = {"rng": rng.capture(),
+                                 "generators": {p: RandomState(g).state_dict()
+                                                for p, g in self._generators().items()}}
+        samplers = {p: s.state_dict() for p, s in self._samplers() if callable(getattr(s, "state_dict", None))
+                    and callable(getattr(s, "load_state_dict", None))}
+        if samplers:
+            state["samplers"] = samplers
+        return state
+
+    def _load_start(self, start: Dict[str, Any]) -> None:
+        at = start.get("at_iter") or {}
+        if at.get("rng") is not None:
+            rng.restore(at["rng"])
+        self.load_generators(at.get("generators") or {})
+        samplers = dict(self._samplers())
+        for path, sd in (at.get("samplers") or {}).items():
+            if path in samplers:
+                samplers[path].load_state_dict(sd)
+
+    def generators_now(self) -> Dict[str, Any]:
+        """The private generators' states now (an epoch-end checkpoint: where the next epoch starts)."""
+        return {p: RandomState(g).state_dict() for p, g in self._generators().items()}
+
+    def load_generators(self, states: Dict[str, Any]) -> None:
+        gens = self._generators()
+        for path, sd in states.items():
+            if path in gens:
+                RandomState(gens[path]).load_state_dict(sd)
+
+    def position(self, samples: int, batches: int) -> Dict[str, Any]:
+        """What a mid-epoch checkpoint saves of this loader after ``batches`` batches (``samples``)."""
+        if self.mode == "stateful":
+            holder = self._stateful()
+            return {"samples": samples, "batches": batches,
+                    "state": holder.state_dict() if holder is not None else None}
+        out: Dict[str, Any] = {"samples": samples, "batches": batches, "at_iter": self.start_state}
+        if self.workers_draw():
+            out["workers"] = self._worker_states(batches)
+        return out
+
+    def workers_draw(self) -> bool:
+        """A worker of this loader drew random numbers while fetching (augmentation in workers)."""
+        return self._folder is not None and os.path.exists(os.path.join(self._folder, "draws"))
+
+    def _worker_states(self, batches: int) -> Optional[Dict[str, bytes]]:
+        """The random states the workers start the next ``num_workers`` batches from (None: one is
+        missing, the resume will not replay the workers' draws)."""
+        assert self._folder is not None and self._positioned is not None
+        try:
+            total = len(self._positioned)
+        except TypeError:
+            total = batches + self.loader.num_workers
+        wanted = range(batches, min(batches + self.loader.num_workers, total))
+        serial = self._positioned.serial
+        out: Dict[str, bytes] = {}
+        deadline = time.monotonic() + _STATE_WAIT_S
+        for n in wanted:
+            path = os.path.join(self._folder, f"{serial}-{n}")
+            while True:  # a worker writes it when it starts that batch: it has it queued
+                try:
+                    with open(path, "rb") as f:
+                        out[str(n)] = f.read()
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        return None
+                    time.sleep(0.002)
+        return out
+
+    def close(self) -> None:
+        if self._folder is not None:
+            shutil.rmtree(self._folder, ignore_errors=True)
+            self._folder = None
+
+
+def _worker_state() -> Tuple[torch.Tensor, Any, bytes, int]:
+    """The global random states of this process, cheaply comparable (numpy: position and first words)."""
+    np_state: Any = np.random.get_state()
+    return (torch.random.get_rng_state(), random.getstate(), bytes(np_state[1][:4].tobytes()), int(np_state[2]))
+
+
+def _then(first: Callable[[Any], None], arg: Any, then: Optional[Callable[[], None]]) -> None:
+    first(arg)
+    if then is not None:
+        then()
+
+
+def _plain_attrs(obj: Any) -> Dict[str, Any]:
+    if not hasattr(obj, "__dict__"):
+        return {}
+    return {k: v for k, v in vars(obj).items() if isinstance(v, (int, float, str, bool, tuple, type(None)))}
+
+
+def _as_list(b: Any) -> Any:
+    if isinstance(b, torch.Tensor):
+        return b.tolist()
+    if isinstance(b, (list, tuple)):
+        return [_as_list(v) for v in b]
+    return b
+
+
+def _batch_size_of(batch: Any, default: Optional[int]) -> int:
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() else 1
+    if isinstance(batch, (list, tuple)) and batch:
+        return _batch_size_of(batch[0], default)
+    if isinstance(batch, dict) and batch:
+        return _batch_size_of(next(iter(batch.values())), default)
+    return int(default or 1)
