@@ -103,8 +103,12 @@ def _internals() -> List[Internal]:
                  f"{D}: positionable, install", uses(lambda: load.DataLoader, "fake_l")),
         Internal("fastai.data.load._FakeLoader", "subclassed: iterates an epoch from any batch",
                  f"{D}: _PositionedLoader", module_has("fastai.data.load", "_FakeLoader")),
-        Internal("_FakeLoader.generator", "the generator torch's iterator draws its base seed from (set at a "
-                 "resume)", f"{D}: resume_epoch", has(_fake_loader, "generator"), token="fl.generator"),
+        Internal("_FakeLoader._index_sampler", "what torch's iterator counts batches with (replaced: its first "
+                 "next(), once the iterator is made, puts back a resumed step's random state)",
+                 f"{D}: _Counter, install", has(_fake_loader, "_index_sampler"), token="fl._index_sampler"),
+        Internal("fastai.data.load._wif", "seeds each worker (set_seed) and sets its share of the batches: "
+                 "a resumed epoch's workers get the saved states over it", f"{D}: _WorkerStates",
+                 module_has("fastai.data.load", "_wif"), token="_wif"),
         Internal("ProgressCallback.mbar", "the epoch bar, shown from the resumed epoch (display only)",
                  f"{F}: DriveCheckpoint._begin", uses(lambda: ProgressCallback, "mbar"), required=False),
     ]

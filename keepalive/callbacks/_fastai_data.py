@@ -1,34 +1,77 @@
-"""Starting a fastai training epoch at any batch, exactly (for the fastai ``DriveCheckpoint``).
+"""Starting a fastai training epoch at any batch, exactly, by replaying the loader's own randomness.
 
-A fastai ``DataLoader`` computes an epoch's order in the main process (``get_idxs()``, from its own
-``random.Random``) and torch's ``DataLoader`` iterates its ``fake_l`` (a ``_FakeLoader``). For the
-duration of a fit, :func:`install` turns that ``fake_l`` into a :class:`_PositionedLoader`, which yields
-the same batches from a chosen batch on without loading the skipped items; :func:`uninstall` puts it
-back. With worker processes, each batch's worker RNGs are seeded from the iterator's seed and the batch
-index (instead of once per worker), so augmentation in workers does not depend on where the epoch began.
-The loaders' own RNGs (the order) and the global torch RNG as an epoch's data begins are saved with a
-mid-epoch checkpoint (:func:`epoch_start`) and set back when that epoch resumes (:func:`resume_epoch`).
+A fastai ``DataLoader`` computes an epoch's order in the main process (``randomize()`` and
+``get_idxs()``: its own ``random.Random``, and for ``TabWeightedDL`` / ``SortedDL`` the global NumPy
+generator), then iterates its ``fake_l`` (a ``_FakeLoader``) through a torch iterator, which draws its
+workers' base seed from the global torch generator; workers are seeded by fastai's ``_wif`` and take
+every ``num_workers``-th batch. keepalive changes none of that: with it and no interruption the training
+is the training without it.
+
+For the duration of a fit, :func:`install` turns ``fake_l`` into a :class:`_PositionedLoader`, which
+yields what fastai's yields (``sample()``'s indices, fastai's split among workers) and can start an
+epoch at a batch: the first ``k`` batches' indices are generated and passed over, no item is loaded.
+What it records:
+
+* :func:`epoch_start` (as an epoch's training begins): every global random state and each loader's
+  ``rng``; a resumed epoch (:func:`resume_epoch`) puts them back, so that fastai draws the same order
+  and the same base seed the normal way, and the random state of the saved step is put back once the
+  iterator is made, right before the first batch is fetched (``on_positioned``);
+* in worker processes, the random state each batch starts from, once a worker's fetches draw random
+  numbers (augmentation in workers); a mid-epoch checkpoint keeps those of the next ``num_workers``
+  batches (:func:`worker_states`), and a resumed epoch's worker ``w`` starts its first batch from the
+  state the uninterrupted run's worker had for it, so the rest of the epoch draws what it drew then.
+
+Which loaders: fastai's ``DataLoader`` / ``TfmdDL`` / ``TabDataLoader`` and the default loaders of
+tabular and text learners, ``TabWeightedDL`` and ``SortedDL`` (:data:`_KNOWN_ORDER`); a loader with
+another ``get_idxs`` / ``shuffle_fn`` / ``sample`` / ... cannot be positioned (:func:`positionable`
+says why; the adapter then checkpoints at epoch ends only).
 """
 from __future__ import annotations
 
+import itertools
+import os
+import pickle
 import random
-from typing import Any, Dict, Iterator, List, Optional
+import shutil
+import sys
+import tempfile
+import time
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
+import numpy as np
 import torch
 from fastai.data import load as _load
 from fastai.data.load import DataLoader as FastaiDataLoader
 
-from ..dataorder import mix
+from .. import rng
 from ..errors import StateMismatchError
 from . import _compat_fastai as fc
-from .torchstate import seed_worker_rngs
 
 # fastai's private iterable that torch's DataLoader iterates; a fastai without it imports this module
 # still, and DriveCheckpoint(...) then says what is missing (``_compat_fastai``) instead of an ImportError
 _FakeLoader: Any = getattr(_load, "_FakeLoader", object)
 
 __all__ = ["positionable", "check_resumable", "install", "rewind", "uninstall", "dl_rngs", "set_dl_rngs",
-           "epoch_start", "resume_epoch"]
+           "epoch_start", "resume_epoch", "worker_states"]
+
+#: fastai classes whose order methods replay from the recorded states (module, class, methods)
+_KNOWN_ORDER = (("fastai.tabular.core", "TabWeightedDL", ("get_idxs",)),
+                ("fastai.text.data", "SortedDL", ("get_idxs", "shuffle_fn")))
+#: worker random states kept per worker (a worker with prefetched batches may be ahead)
+_KEPT_PER_WORKER = 6
+#: how long a mid-epoch save waits for a worker to start a batch whose random state it needs
+STATE_WAIT_S = 5.0
+_DRAWS = "draws"
+
+
+def _known(name: str) -> List[Any]:
+    """fastai's own implementations of order method ``name`` (of the classes already imported)."""
+    out = [getattr(FastaiDataLoader, name)]
+    for module, cls_name, methods in _KNOWN_ORDER:
+        cls = getattr(sys.modules.get(module), cls_name, None)
+        if cls is not None and name in methods:
+            out.append(getattr(cls, name))
+    return out
 
 
 def positionable(dl: Any) -> Optional[str]:
@@ -40,7 +83,7 @@ def positionable(dl: Any) -> Optional[str]:
     for name in fc.ORDER_METHODS:
         if name in dl.__dict__:
             return f"the training loader has a custom {name}()"
-        if getattr(type(dl), name) is not getattr(FastaiDataLoader, name):
+        if not any(getattr(type(dl), name) is f for f in _known(name)):
             return f"{type(dl).__name__} overrides {name}()"
     if type(dl.fake_l) not in (_FakeLoader, _PositionedLoader):
         return f"the loader's iterator source is a {type(dl.fake_l).__name__}"
@@ -49,46 +92,142 @@ def positionable(dl: Any) -> Optional[str]:
     return None
 
 
-def _indices(dl: FastaiDataLoader, start: int, seed_batches: bool) -> Iterator[Any]:
-    """What ``dl.sample()`` yields, from batch ``start`` on (fastai's default ``sample`` for start 0).
+# ------------------------------------------------------------------------------ random states
+def _full_state() -> Tuple[bytes, Any, Any]:
+    """This process's global random states (torch CPU, python, numpy), picklable."""
+    return (bytes(torch.random.get_rng_state().numpy().tobytes()), random.getstate(), np.random.get_state())
 
-    The indices are those ``get_idxs()`` computed for this epoch in the main process (from the
-    loader's own RNG, restored on resume), so no skipped item is loaded. Batches go to workers
-    round-robin from ``start`` (fastai's split, shifted), which the main process collects in order.
-    In a worker process with ``seed_batches`` the RNGs are seeded per batch from the iterator's base
-    seed and the batch index, so a batch's augmentation does not depend on which worker made it.
+
+def _set_full_state(state: Tuple[bytes, Any, Any]) -> None:
+    torch.random.set_rng_state(torch.frombuffer(bytearray(state[0]), dtype=torch.uint8))
+    random.setstate(state[1])
+    np.random.set_state(state[2])
+
+
+def _same_state(a: Tuple[bytes, Any, Any], b: Tuple[bytes, Any, Any]) -> bool:
+    return a[0] == b[0] and a[1] == b[1] and int(a[2][2]) == int(b[2][2]) and bool((a[2][1] == b[2][1]).all())
+
+
+class _WorkerStates:
+    """In a worker process: notes the random state each of its batches starts from (once its fetches
+    draw random numbers), and gives a resumed batch the state the uninterrupted run had for it."""
+
+    def __init__(self, folder: str, serial: int, workers: int, resume: Optional[Dict[int, bytes]]):
+        self.folder, self.serial, self.workers = folder, serial, workers
+        self.resume = dict(resume or {})
+        self.drawing = False
+        self.prev: Optional[Tuple[int, Tuple[bytes, Any, Any]]] = None
+
+    def batch(self, k: int) -> None:
+        saved = self.resume.pop(k, None)
+        if saved is not None:
+            _set_full_state(pickle.loads(saved))
+            self._mark()
+        state = _full_state()
+        self._detect(state)
+        if self.drawing or os.path.exists(os.path.join(self.folder, _DRAWS)):
+            self._write(k, state)
+        self.prev = (k, state)
+
+    def end(self) -> None:
+        self._detect(_full_state())
+
+    def _detect(self, now: Tuple[bytes, Any, Any]) -> None:
+        if self.drawing or self.prev is None or _same_state(self.prev[1], now):
+            return
+        self._mark()
+        self._write(*self.prev)  # the batch that drew: its start was not written yet
+
+    def _mark(self) -> None:
+        if not self.drawing:
+            self.drawing = True
+            try:
+                open(os.path.join(self.folder, _DRAWS), "a").close()
+            except OSError:
+                pass
+
+    def _write(self, k: int, state: Tuple[bytes, Any, Any]) -> None:
+        path = os.path.join(self.folder, f"{self.serial}-{k}")
+        try:
+            with open(path + ".tmp", "wb") as f:
+                pickle.dump(state, f, protocol=pickle.HIGHEST_PROTOCOL)
+            os.replace(path + ".tmp", path)
+            old = k - self.workers * _KEPT_PER_WORKER
+            if old >= 0:
+                os.unlink(os.path.join(self.folder, f"{self.serial}-{old}"))
+        except OSError:
+            pass
+
+
+# -------------------------------------------------------------------------------- iteration
+def _indices(dl: FastaiDataLoader, start: int, states: Optional[_WorkerStates]) -> Iterator[Any]:
+    """What fastai's ``dl.sample()`` yields, from batch ``start`` on (the same for start 0).
+
+    The indices are those ``get_idxs()`` computed for this epoch in the main process (a list or an
+    iterator: ``SortedDL``); the first ``start`` batches' indices are passed over without loading
+    anything. Batches go to workers round-robin from ``start`` (fastai's split, shifted), which is
+    the order torch's iterator collects them in.
     """
     idxs = dl._DataLoader__idxs
     bs = dl.bs
     nw, offs = dl.num_workers, dl.offs  # 1, 0 in the main process; fastai's _wif sets them in workers
-    base = None
-    if seed_batches:
-        info = torch.utils.data.get_worker_info()
-        if info is not None:
-            base = info.seed - info.id  # the iterator's base seed
-    for i in range(start * bs, len(idxs)):
+    it = iter(idxs)
+    skip = start * bs
+    if skip:
+        for _ in itertools.islice(it, skip):
+            pass
+    for i, s in enumerate(it, start=skip):
         k = i // bs
         if (k - start) % nw != offs:
             continue
-        if base is not None and i % bs == 0:
-            seed_worker_rngs(mix(base, k))
-        yield idxs[i]
+        if states is not None and i % bs == 0:
+            states.batch(k)
+        yield s
+    if states is not None:
+        states.end()
+
+
+class _Counter:
+    """Stands in for ``_FakeLoader._index_sampler`` (``Inf.count``: the "indices" torch's iterator hands
+    to workers, which fastai ignores). Its first ``next()`` in the main process comes once the
+    iterator is made (order and base seed drawn, workers started), right before the first batch is
+    fetched: there ``hook`` runs, once."""
+
+    def __init__(self) -> None:
+        self.hook: Optional[Callable[[], None]] = None
+
+    def __iter__(self) -> Iterator[int]:
+        return self._count()
+
+    def _count(self) -> Iterator[int]:
+        hook, self.hook = self.hook, None
+        if hook is not None:
+            hook()
+        yield from itertools.count()
+
+    def __getstate__(self) -> Dict[str, Any]:  # pickled to spawned workers: without the hook
+        return {"hook": None}
 
 
 class _PositionedLoader(_FakeLoader):
-    """fastai's ``_FakeLoader`` (the iterable torch's DataLoader iterates) starting at a batch.
+    """fastai's ``_FakeLoader`` (the iterable torch's DataLoader iterates) able to start at a batch.
 
-    Put in place (``__class__``) for the duration of a fit; ``_ka_start`` is the first batch of the
-    next iteration, ``_ka_seed_batches`` turns per-batch worker seeding on, ``_ka_generator`` says that
-    ``generator`` is ours (see :func:`resume_epoch`).
+    Put in place (``__class__``) for the duration of a fit. ``_ka_start``: the first batch of the next
+    iteration; ``_ka_folder`` / ``_ka_serial``: where workers note their batches' random states (with
+    workers), and for which iteration; ``_ka_resume``: the saved states of a resumed epoch's first
+    batches (number -> pickled state).
     """
 
     _ka_start = 0
-    _ka_seed_batches = False
-    _ka_generator = False
+    _ka_folder: Optional[str] = None
+    _ka_serial = 0
+    _ka_resume: Optional[Dict[int, bytes]] = None
 
     def __iter__(self):
-        return iter(self.d.create_batches(_indices(self.d, self._ka_start, self._ka_seed_batches)))
+        states = None
+        if self._ka_folder is not None and torch.utils.data.get_worker_info() is not None:
+            states = _WorkerStates(self._ka_folder, self._ka_serial, self.num_workers, self._ka_resume)
+        return iter(self.d.create_batches(_indices(self.d, self._ka_start, states)))
 
 
 def check_resumable(n_saved: int, n_now: int, why_not: Optional[str]) -> None:
@@ -108,7 +247,11 @@ def install(dl: FastaiDataLoader) -> None:
     fl = dl.fake_l
     fl.__class__ = _PositionedLoader
     fl._ka_start = 0
-    fl._ka_seed_batches = fl.num_workers > 0
+    fl._ka_resume = None
+    fl._index_sampler = _Counter()
+    if fl.num_workers > 0 and fl.__dict__.get("_ka_folder") is None:
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+        fl._ka_folder = tempfile.mkdtemp(prefix="keepalive-fastai-workers-", dir=shm)
 
 
 # ------------------------------------------------------------------------------ epoch RNGs
@@ -128,43 +271,94 @@ def _as_tuple(x: Any) -> Any:
     return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
 
 
-def epoch_start(learn: Any) -> Dict[str, Any]:
-    """What an epoch's data depends on, taken as its training begins: the global torch RNG (the
-    iterator's base seed) and the loaders' RNGs (the order); saved with every mid-epoch checkpoint."""
-    return {"torch": torch.get_rng_state(), "dl_rngs": dl_rngs(learn)}
-
-
-def resume_epoch(learn: Any, dl: FastaiDataLoader, start: Dict[str, Any], batch: int) -> Dict[str, Any]:
-    """The epoch that began with the saved :func:`epoch_start` ``start`` goes on at ``batch`` of ``dl``
-    (an installed loader); returns ``start`` as the running epoch's.
-
-    The loaders' RNGs are set so ``get_idxs()`` recomputes the epoch's order. The iterator draws its
-    (worker) base seed from the global torch RNG: it gets a private generator in the saved state, so
-    the base seed is the same and the global RNGs (restored to the saved step) are not consumed.
-    """
-    set_dl_rngs(learn, start["dl_rngs"])
+def _next_iteration(dl: FastaiDataLoader) -> None:
+    """A new iteration of an installed loader begins: its workers note states under a new number."""
     fl = dl.fake_l
-    generator = torch.Generator()
-    generator.set_state(start["torch"].clone())
-    fl.generator = generator
-    fl._ka_generator = True
+    if not isinstance(fl, _PositionedLoader):
+        return
+    fl._ka_serial = fl._ka_serial + 1
+    folder = fl._ka_folder
+    if folder is not None:  # the last iteration's states: no longer needed
+        for name in os.listdir(folder):
+            if name != _DRAWS:
+                try:
+                    os.unlink(os.path.join(folder, name))
+                except OSError:
+                    pass
+
+
+def epoch_start(learn: Any, dl: FastaiDataLoader) -> Dict[str, Any]:
+    """What an epoch's data depends on, taken as its training begins (its iterator not made yet): every
+    global random state (the order of ``TabWeightedDL`` / ``SortedDL``, the base seed) and the
+    loaders' RNGs (``randomize`` / ``shuffle_fn``); saved with every mid-epoch checkpoint."""
+    _next_iteration(dl)
+    return {"rng": rng.capture(), "dl_rngs": dl_rngs(learn), "workers": int(dl.fake_l.num_workers)}
+
+
+def resume_epoch(learn: Any, dl: FastaiDataLoader, start: Dict[str, Any], batch: int,
+                 workers: Optional[Dict[str, bytes]], on_positioned: Callable[[], None]) -> Dict[str, Any]:
+    """The epoch that began with the saved :func:`epoch_start` ``start`` goes on at ``batch`` of ``dl``
+    (an installed loader); returns the running epoch's :func:`epoch_start` record.
+
+    The global and the loaders' random states are put back as they were when the epoch began, so that
+    fastai makes the same order and base seed the normal way; ``on_positioned`` (put back the saved
+    step's random state) runs once the iterator is made, before the first batch is fetched. Workers
+    start their first batches from the saved states ``workers`` (None or empty: none saved).
+    """
+    _next_iteration(dl)
+    fl = dl.fake_l
+    if "rng" in start:
+        rng.restore(start["rng"])
+    else:  # written by keepalive < issue 21: the base seed only (workers were seeded per batch then)
+        torch.set_rng_state(start["torch"].clone())
+    set_dl_rngs(learn, start["dl_rngs"])
+    record = {"rng": rng.capture(), "dl_rngs": dl_rngs(learn), "workers": int(fl.num_workers)}
     fl._ka_start = batch
-    return {"torch": start["torch"].clone(), "dl_rngs": _as_tuple(start["dl_rngs"])}
+    fl._ka_resume = {int(k): bytes(v) for k, v in (workers or {}).items()}
+    fl._index_sampler.hook = on_positioned
+    return record
+
+
+def worker_states(dl: FastaiDataLoader, batches: int, n_iter: int) -> Optional[Dict[str, bytes]]:
+    """The random states the workers start the batches after the first ``batches`` of the running
+    epoch from (a mid-epoch checkpoint's): ``{}`` when no worker drew random numbers, None when one of
+    them did not come in time (a resume would not replay the workers' draws)."""
+    fl = dl.fake_l
+    folder = getattr(fl, "_ka_folder", None)
+    if folder is None or not os.path.exists(os.path.join(folder, _DRAWS)):
+        return {}
+    out: Dict[str, bytes] = {}
+    deadline = time.monotonic() + STATE_WAIT_S
+    for n in range(batches, min(batches + fl.num_workers, n_iter)):
+        path = os.path.join(folder, f"{fl._ka_serial}-{n}")
+        while True:  # a worker writes it when it starts that batch: it has it queued
+            try:
+                with open(path, "rb") as f:
+                    out[str(n)] = f.read()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    return None
+                time.sleep(0.002)
+    return out
 
 
 def rewind(dl: FastaiDataLoader) -> None:
-    """After a (possibly resumed) epoch: the next one starts at batch 0 with the global RNG again."""
+    """After a (possibly resumed) epoch: the next one starts at batch 0."""
     fl = dl.fake_l
-    fl._ka_start = 0
-    if fl.__dict__.pop("_ka_generator", False):
-        fl.__dict__.pop("generator", None)
+    if isinstance(fl, _PositionedLoader):
+        fl._ka_start = 0
+        fl._ka_resume = None
+        fl._index_sampler.hook = None
 
 
 def uninstall(dl: FastaiDataLoader) -> None:
     """Give the loader its own ``_FakeLoader`` back (the fit ended, or stopped anywhere)."""
     fl = dl.fake_l
     if isinstance(fl, _PositionedLoader):
-        rewind(dl)
-        for name in ("_ka_start", "_ka_seed_batches"):
+        folder = fl.__dict__.get("_ka_folder")
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
+        for name in ("_ka_start", "_ka_folder", "_ka_serial", "_ka_resume", "_index_sampler"):
             fl.__dict__.pop(name, None)
         fl.__class__ = _FakeLoader

@@ -16,9 +16,17 @@ has that end state restored), the fit the checkpoint is in resumes at its epoch 
 run has not seen starts from the checkpoint. Every fit's end is saved after the other callbacks'
 ``after_fit``. Positions in messages are counts of work done ("1 of 3 epochs done").
 
+Transparent: the loaders are iterated as fastai iterates them (same order, same worker seeds); with the
+callback and no interruption a training is bit-identical to the same one without it
+(``tests/test_fastai_data.py``). A mid-epoch resume replays the loader's own randomness: the random
+states the epoch began with, the first batches' indices passed over without loading, the saved step's
+random state, and the random states workers started the next batches from
+(:mod:`keepalive.callbacks._fastai_data`).
+
 Limits: inside an epoch (``every`` = steps or a duration, Ctrl-C, SIGTERM, the deadline) a checkpoint is
-taken only where the training loader can be positioned (:mod:`keepalive.callbacks._fastai_data`; else at
-epoch ends only, with a warning) and no ``GradientAccumulation`` is pending; ``train_metrics``
+taken only where the training loader can be positioned (fastai's ``DataLoader`` / ``TfmdDL``, and the
+tabular and text defaults ``TabWeightedDL`` and ``SortedDL``; another order method: epoch ends only, with
+a warning) and no ``GradientAccumulation`` is pending; ``train_metrics``
 accumulators are not restored mid-epoch; tracker files live under ``learn.path`` (keep it on Drive).
 Near the session's time limit the fit is saved and cancelled (``cb.stopped``; later fits of the cell are
 skipped). A checkpoint that does not fit the learner raises :class:`~keepalive.errors.StateMismatchError`
@@ -40,6 +48,7 @@ from fastai.learner import Learner
 from fastai.torch_core import find_bs
 from fastcore.basics import noop
 
+from .. import rng
 from ..adapter import RunViews
 from ..config import CheckpointConfig
 from ..core import Checkpointer
@@ -174,11 +183,15 @@ class DriveCheckpoint(RunViews, Callback):  # RunViews: no epoch / step (a callb
             core.say("fit skipped: training stopped before the session's end. In a new session run the "
                      "same code again to continue.")
             return None
-        # fastai finds the batch layout lazily, fetching (and augmenting: RNG draws) one item the first
-        # time it is asked; have that happen now, at the same point in every run, not after a restore.
-        with contextlib.suppress(Exception):  # fastai asks again (and reports) at the first batch
-            getattr(learn.dls, "n_inp", None)
         tree = self._load(learn)
+        if tree is not None:
+            # fastai finds the batch layout lazily, fetching (and augmenting: RNG draws) one item the
+            # first time it is asked, in the first batch of the run; a resumed process asks it now,
+            # without a draw (the draws of that fetch are in the checkpoint's random state).
+            saved = rng.capture()
+            with contextlib.suppress(Exception):  # fastai asks again (and reports) at the first batch
+                getattr(learn.dls, "n_inp", None)
+            rng.restore(saved)
         self._n_fits += 1
         phase = state.fine_tune_phase(learn)
         fit_id = self._fits.next_id()
@@ -322,10 +335,17 @@ class DriveCheckpoint(RunViews, Callback):  # RunViews: no epoch / step (a callb
             st.resume_mid, pos = None, mid["fastai"]["position"]
             learn.pct_train = float(pos["pct_train"])
             st.iter_offset = int(pos["batch"])
-            st.epoch_start = data.resume_epoch(learn, st.dl, mid["fastai"]["epoch_start"], st.iter_offset)
-            self.core.restore_rng(mid)
+            start = mid["fastai"]["epoch_start"]
+            workers = mid["fastai"].get("workers")
+            if workers and int(start.get("workers", st.dl.fake_l.num_workers)) != st.dl.fake_l.num_workers:
+                self.core.warn(f"the checkpoint was written with {start['workers']} DataLoader workers, this "
+                               f"training has {st.dl.fake_l.num_workers}: the rest of the resumed epoch's "
+                               "augmentation in workers differs from the uninterrupted run's (the order is "
+                               "the same)", key="fastai-workers-changed")
+            st.epoch_start = data.resume_epoch(learn, st.dl, start, st.iter_offset, workers,
+                                               lambda: self.core.restore_rng(mid))
             return
-        st.epoch_start = data.epoch_start(learn)
+        st.epoch_start = data.epoch_start(learn, st.dl) if st.positioned else None
 
     def before_batch(self) -> None:
         st = self._fit
@@ -398,6 +418,13 @@ class DriveCheckpoint(RunViews, Callback):  # RunViews: no epoch / step (a callb
         }
         if kind == "step":
             fa["epoch_start"] = st.epoch_start
+            workers = data.worker_states(st.dl, batch, st.n_iter)
+            if workers is None:
+                self.core.warn("a DataLoader worker did not start the batches after this checkpoint's in "
+                               f"{data.STATE_WAIT_S:.0f} s: a resume from it replays the order, but not the "
+                               "random draws (augmentation) in workers", key="fastai-worker-states")
+            elif workers:
+                fa["workers"] = workers
         return {"objects": objects, "fastai": fa}
 
     def save(self, *, sync: bool = False) -> None:
