@@ -19,7 +19,8 @@ except ImportError:  # pragma: no cover - depends on what is installed
 
 from ._compat import Framework, Internal, Package, field, has, module_has, param, uses
 
-__all__ = ["COMPAT", "EPOCH_START", "EPOCH_END", "BATCH_END", "DATA_SOURCE", "DATALOADER"]
+__all__ = ["COMPAT", "EPOCH_START", "EPOCH_END", "BATCH_END", "EPOCH_RESET", "LOAD_LOADER_STATES",
+           "NOT_RESUMABLE_WARNING"]
 
 #: the fit loop's method before an epoch (replaced on the instance: restores the pending state)
 EPOCH_START = "on_advance_start"
@@ -27,9 +28,13 @@ EPOCH_START = "on_advance_start"
 EPOCH_END = "on_advance_end"
 #: the epoch loop's method after a training batch (replaced on the instance: the step checkpoint)
 BATCH_END = "on_advance_end"
-#: the fit loop's training data source, and its method that builds the loader (replaced: positioned)
-DATA_SOURCE = "_data_source"
-DATALOADER = "dataloader"
+#: the epoch loop's reset (replaced on the instance: its "dataloader is not resumable" warning is
+#: silenced when keepalive positions the loaders)
+EPOCH_RESET = "reset"
+NOT_RESUMABLE_WARNING = "You're resuming from a checkpoint that ended before the epoch ended"
+#: the fit loop's method called once its training loaders are built, right before it calls iter() on
+#: them (replaced on the instance: the combined loader iterates them through keepalive's replay)
+LOAD_LOADER_STATES = "_load_combined_loader_states"
 
 _LOG_PARAMS = ("fx", "name", "value", "prog_bar", "logger", "on_step", "on_epoch", "reduce_fx", "enable_graph",
                "add_dataloader_idx", "batch_size", "sync_dist", "sync_dist_fn", "metric_attribute",
@@ -48,7 +53,7 @@ def _internals() -> List[Internal]:
     logger = _cls("trainer.connectors.logger_connector.logger_connector", "_LoggerConnector")
     result = "trainer.connectors.logger_connector.result"
     metric, meta, sync = _cls(result, "_ResultMetric"), _cls(result, "_Metadata"), _cls(result, "_Sync")
-    L, S = "lightning.py", "_lightning_state.py"
+    L, S, D = "lightning.py", "_lightning_state.py", "_lightning_data.py"
     rows = [
         Internal(f"_FitLoop.{EPOCH_START}", "replaced on the trainer's fit loop for one fit: the RNGs and "
                  "accumulators of a resume go back right before the epoch continues", f"{L}: DriveCheckpoint._attach",
@@ -58,12 +63,20 @@ def _internals() -> List[Internal]:
         Internal(f"_TrainingEpochLoop.{BATCH_END}", "replaced on the trainer's epoch loop for one fit: the "
                  "checkpoint between two batches", f"{L}: DriveCheckpoint._attach", has(epoch_loop, BATCH_END),
                  token="BATCH_END"),
-        Internal(f"_FitLoop.{DATA_SOURCE}", "the training data source", f"{L}: DriveCheckpoint._attach",
-                 uses(fit_loop, DATA_SOURCE), token="DATA_SOURCE"),
-        Internal(f"_DataLoaderSource.{DATALOADER}", "replaced on the fit loop's source for one fit: the "
-                 "training loader comes back positioned", f"{L}: DriveCheckpoint._attach",
-                 has(_cls("trainer.connectors.data_connector", "_DataLoaderSource"), DATALOADER),
-                 token="DATALOADER"),
+        Internal(f"_TrainingEpochLoop.{EPOCH_RESET}", "replaced on the trainer's epoch loop for one fit: its "
+                 "warning that a mid-epoch resume's loader is not resumable is silenced (keepalive positions it)",
+                 f"{L}: DriveCheckpoint._attach", has(epoch_loop, EPOCH_RESET), token="EPOCH_RESET"),
+        Internal(f"_FitLoop.{LOAD_LOADER_STATES}", "replaced on the trainer's fit loop for one fit: called once "
+                 "the training loaders are built, right before the loop calls iter() on them: keepalive's replay "
+                 "is installed there", f"{L}: DriveCheckpoint._attach", has(fit_loop, LOAD_LOADER_STATES),
+                 token="LOAD_LOADER_STATES"),
+        Internal("CombinedLoader.__iter__ / _flattened", "for one fit the fit loop's combined loader is a subclass "
+                 "whose iter() hands Lightning's mode iterator keepalive's iterables in place of the loaders "
+                 "(_flattened, read by __iter__)", f"{D}: install",
+                 uses(_cls("utilities.combined_loader", "CombinedLoader"), "_flattened"), token="_flattened"),
+        Internal("_ModeIterator.iterables", "iter() is called on each of them (the training loaders' epoch "
+                 "iterators)", f"{D}: install", uses(_cls("utilities.combined_loader", "_ModeIterator"), "iterables"),
+                 token="_Feed"),
         Internal("Trainer._checkpoint_connector", "Lightning's own checkpoint: dumped at a save, handed the "
                  "loaded one at a resume", f"{L}: DriveCheckpoint.capture, _resume",
                  uses(lambda: pl.Trainer, "_checkpoint_connector")),
@@ -92,8 +105,8 @@ def _internals() -> List[Internal]:
                  token="fit_loop.max_steps"),
         Internal("_FitLoop._can_stop_early", "whether a stop request ends the fit now",
                  f"{L}: DriveCheckpoint._is_last_epoch", has(fit_loop, "_can_stop_early")),
-        Internal("_FitLoop._combined_loader", "the running training loaders (their batch size)",
-                 f"{L}: DriveCheckpoint._batch_samples", uses(fit_loop, "_combined_loader")),
+        Internal("_FitLoop._combined_loader", "the training loaders (checked, iterated through keepalive)",
+                 f"{L}: DriveCheckpoint._install", uses(fit_loop, "_combined_loader")),
         Internal("lightning.pytorch.utilities.exceptions.SIGTERMException", "raised by the loop on SIGTERM: "
                  "the boundary is saved before it propagates", f"{L}: _sigterm_exception",
                  module_has(f"{pl.__name__}.utilities.exceptions", "SIGTERMException"), token="SIGTERMException"),

@@ -1,159 +1,357 @@
-"""Sampler-level mid-epoch positioning of a Lightning training ``DataLoader``.
+"""Mid-epoch positioning of Lightning's training loaders by replaying their own randomness.
 
-The ``DataLoader`` that ``train_dataloader()`` returns is rebuilt (once per request; Lightning asks again
-only with ``reload_dataloaders_every_n_epochs``) around a batch sampler whose order of an epoch is a
-function of ``(seed, epoch)`` (:class:`keepalive.callbacks._torch_data.ResumableBatchSampler`): a resume
-at batch ``b`` computes that epoch's permutation (indices only) and starts at sample ``b * batch_size``;
-no skipped sample is loaded. The global RNGs are never drawn from, so dropout and augmentation in the
-main process see the stream they would have seen without a restart; DataLoader workers are seeded per
-batch.
+Lightning iterates the user's training loaders as they are (same objects, same sampler, same worker
+seeds): a fit with keepalive sees exactly the data a fit without it sees. What keepalive adds happens
+where Lightning calls ``iter()`` on them: the fit loop's ``CombinedLoader`` (for the duration of a fit
+its class is :func:`install` ed as a subclass whose ``__iter__`` hands Lightning's mode iterator thin
+:class:`_Feed` iterables instead of the loaders, then puts the loaders back; ``flattened``,
+``trainer.train_dataloader``, ``set_epoch`` and Lightning's own resumable-loader protocol see the
+user's objects). Each ``iter()`` of a training ``DataLoader`` goes through a
+:class:`keepalive.callbacks._torch_replay.LoaderReplay` (:class:`_Replay`):
 
-The rebuilt loader speaks Lightning's own resumable-loader protocol (``state_dict`` /
-``load_state_dict``, what ``torchdata``'s ``StatefulDataLoader`` offers): Lightning stores its position
-in ``fit_loop.state_dict()["combined_loader"]`` and gives it back when a fit restarts inside an epoch,
-right before it creates the epoch's iterator. Its length is the whole epoch's (Lightning counts the
-epoch's batches from it); a positioned iteration yields the rest of the epoch.
+* an ordinary iteration calls ``iter(loader)`` right there, as Lightning would, and records the random
+  states it draws from (global RNGs, ``generator=``, the samplers' generators and counters) — and,
+  without workers, the random state at its first batch too: Lightning creates an epoch's iterator ahead
+  of its first batch (``configure_optimizers`` reading ``trainer.estimated_stepping_batches`` builds it
+  before the sanity check, whose validation loader draws a seed in between), and a ``RandomSampler``
+  draws its seed at the first batch;
+* the first iteration of a resumed fit is made at its first batch (Lightning creates it before the loop
+  state, the RNGs and ``set_epoch`` are restored): a mid-epoch checkpoint puts the recorded states back,
+  creates the iterator the normal way while the index sampler skips the saved number of samples (index
+  generation only, no fetch), then puts back the random state of the saved step; the workers' per-batch
+  random states replay too. An epoch-end checkpoint puts back the loaders' generators and counters.
 
-Positioned: ``DataLoader`` s over map-style datasets with a ``RandomSampler`` (without replacement) or
-a ``SequentialSampler``. Anything else (``IterableDataset``, custom samplers, ``DataLoader`` subclasses)
-is left as it is and the run is checkpointed at epoch ends only (the adapter says so once).
+So the saved position never goes through Lightning's own loader-state restore, which a
+``configure_optimizers`` reading ``estimated_stepping_batches`` bypasses (it builds the loader before
+the loop state is loaded: the position Lightning holds is never applied).
+
+Which loaders: what :class:`LoaderReplay` replays (map-style datasets with any sampler or batch sampler
+whose order is a function of the states above: ``shuffle=True/False``, ``batch_sampler=``,
+``WeightedRandomSampler``, custom ones, checked once), or restores through ``state_dict()``
+(``StatefulDataLoader``). Everything else (other ``IterableDataset`` s, an iterable that is not a
+``DataLoader``, a sampler whose order does not replay): checkpoints at epoch ends only, said once.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterator, Optional, Tuple
+import os
+import tempfile
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
+import torch
 from torch.utils.data import DataLoader
 
-from ..dataorder import mix
-from ._torch_data import ResumableBatchSampler, ResumableLoader, SeededDataset
+from .. import rng
+from ._torch_replay import LoaderReplay, _WorkerDraws
 
-FORMAT = 1
+__all__ = ["TrainData", "install", "uninstall"]
 
 
-class EpochBatchSampler(ResumableBatchSampler):
-    """A :class:`ResumableBatchSampler` whose length is always the whole epoch's number of batches."""
+def _size_of(batch: Any, default: Optional[int]) -> int:
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() else 1
+    if isinstance(batch, (list, tuple)) and batch:
+        return _size_of(batch[0], default)
+    if isinstance(batch, dict) and batch:
+        return _size_of(next(iter(batch.values())), default)
+    return int(default or 1)
+
+
+class _Replay(LoaderReplay):
+    """A :class:`LoaderReplay` whose iterator is created when asked (``begin``), not at its first batch:
+    Lightning creates an epoch's iterator ahead of its first batch."""
+
+    def begin(self, start: Optional[Dict[str, Any]] = None) -> Iterator[Tuple[Any, int]]:
+        """``iter(loader)`` now, positioned at ``start`` (a saved :meth:`position`); an iterator of
+        ``(batch, samples in it)``. With ``start``, the random state of now is put back once the
+        loader is positioned."""
+        loader = self.loader
+        if self.mode == "stateful":
+            holder = self._stateful()
+            if start and start.get("state") is not None and holder is not None:
+                now = rng.capture()
+                holder.load_state_dict(start["state"])
+                rng.restore(now)
+            self.start_state = None
+            return ((b, _size_of(b, loader.batch_size)) for b in iter(loader))
+        pos = self._positioned
+        if self.mode == "epoch" or pos is None:
+            return ((b, _size_of(b, loader.batch_size)) for b in iter(loader))
+        resume = None
+        at = (start or {}).get("at_iter") or {}
+        if start:
+            now = rng.capture()
+            self._load_start(start)
+            pos.skip = int(start["samples"] if pos.by_samples else start["batches"])
+            pos.first = int(start["batches"])
+            pos.on_positioned = lambda: rng.restore(now)
+            resume = {int(k): v for k, v in (start.get("workers") or {}).items()}
+        self.start_state = self._record()
+        it = self._iter_now(pos, resume)
+        if not pos.used:  # e.g. a subclass whose __iter__ is a generator (it iterates after the stand-in left)
+            self.why_not = (f"{type(loader).__name__} does not iterate through its batch_sampler when iter() "
+                            "is called: checkpoints at epoch ends only")
+            self.mode = "epoch"
+            return ((b, _size_of(b, loader.batch_size)) for b in it)
+        if loader.num_workers == 0:
+            if at.get("rng_next") is not None:
+                # what drew from the global RNGs between the epoch's iter() and its first batch
+                # (the sampler's seed is drawn at the first batch)
+                rng.restore(at["rng_next"])
+                self.start_state["rng_next"] = at["rng_next"]
+            elif not start:
+                self.start_state["rng_next"] = None  # taken at the first batch (_Feed)
+        return self._batches(it)
+
+    def _iter_now(self, pos: Any, resume: Optional[Dict[int, Any]]) -> Iterator[Any]:
+        """``iter(loader)`` with the index sampler replaced by the positioning stand-in (and, with
+        workers, the dataset by the one that notes the workers' random states), put back right
+        after: the iterator keeps them. Its first batch is not fetched here (Lightning fetches it
+        later, after hooks that may draw random numbers)."""
+        loader = self.loader
+        attr = "batch_sampler" if loader.batch_sampler is not None else "sampler"
+        original = getattr(loader, attr)
+        dataset = loader.dataset
+        workers = loader.num_workers > 0
+        pos.used = False
+        pos.serial += 1
+        pos.tagging = workers
+        object.__setattr__(loader, attr, pos)
+        try:
+            if workers:
+                if self._folder is None:
+                    shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+                    self._folder = tempfile.mkdtemp(prefix="keepalive-workers-", dir=shm)
+                object.__setattr__(loader, "dataset", _WorkerDraws(dataset, self._folder, resume))
+            return iter(loader)
+        finally:
+            object.__setattr__(loader, attr, original)
+            if workers:
+                object.__setattr__(loader, "dataset", dataset)
+
+    def _batches(self, it: Iterator[Any]) -> Iterator[Tuple[Any, int]]:
+        pos = self._positioned
+        assert pos is not None
+        for batch in it:
+            if not pos.generated:  # a subclass yields more batches than its batch sampler gives
+                self.mode, self.why_not = "epoch", (
+                    f"{type(self.loader).__name__} overrides DataLoader.__iter__ and yields other batches "
+                    "than its batch sampler's, which keepalive cannot position: checkpoints at epoch ends only")
+                yield batch, _size_of(batch, self.loader.batch_size)
+                continue
+            yield batch, pos.generated.popleft()
+
+
+class _Feed:
+    """What Lightning's mode iterator calls ``iter()`` on in place of one training loader."""
+
+    def __init__(self, data: "TrainData", index: int, loader: Any):
+        self.data, self.index, self.loader = data, index, loader
 
     def __len__(self) -> int:
-        return self.batches_per_epoch
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Any]:
+        return self.data.open(self.index, self.loader)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("data", "index", "loader"):
+            raise AttributeError(name)
+        return getattr(self.loader, name)
 
 
-class PositionedLoader(DataLoader):
-    """The user's training loader on an :class:`EpochBatchSampler`; ``epoch_of()`` says which epoch an
-    iteration is (asked when Lightning creates the epoch's iterator)."""
+class Stream:
+    """One iteration (an epoch's pass) over a training loader, counting what it hands to Lightning."""
 
-    def __init__(self, original: DataLoader, seed: int, epoch_of: Callable[[], int],
-                 warn: Callable[[str, str], None]):
-        bs = original.batch_sampler
-        sampler = EpochBatchSampler(len(original.dataset), bs.batch_size, bs.drop_last,  # type: ignore
-                                    _shuffled(original), seed)
-        kwargs: Dict[str, Any] = dict(
-            batch_sampler=sampler, num_workers=original.num_workers, collate_fn=original.collate_fn,
-            pin_memory=original.pin_memory, timeout=original.timeout,
-            worker_init_fn=original.worker_init_fn,
-            multiprocessing_context=original.multiprocessing_context,
-            persistent_workers=original.persistent_workers, pin_memory_device=original.pin_memory_device)
-        if original.num_workers > 0:
-            kwargs["prefetch_factor"] = original.prefetch_factor
-        if hasattr(original, "in_order"):
-            kwargs["in_order"] = original.in_order
-        import torch
+    def __init__(self, data: "TrainData", index: int, replay: Optional[_Replay], loader: Any, deferred: bool):
+        self.data, self.index, self.replay, self.loader = data, index, replay, loader
+        self.samples = 0   # samples handed out in the epoch
+        self.batches = 0   # batches handed out (the true index in the epoch)
+        self._first = True
+        self._it: Optional[Iterator[Tuple[Any, int]]] = None
+        if not deferred:
+            self._it = self._begin(None, None)
 
-        gen = torch.Generator()
-        super().__init__(SeededDataset(original.dataset), generator=gen, **kwargs)
-        self.keepalive_original = original
-        self._keepalive_sampler = sampler
-        self._keepalive_epoch_of = epoch_of
-        self._keepalive_warn = warn
-        self._keepalive_pending: Optional[Tuple[int, int]] = None
-        self.keepalive_epoch = -1        # the epoch of the running iteration
-        self.keepalive_samples = 0       # samples of that epoch's order handed to Lightning
+    def _begin(self, start: Optional[Dict[str, Any]], generators: Optional[Dict[str, Any]]
+               ) -> Iterator[Tuple[Any, int]]:
+        rp = self.replay
+        if rp is None:
+            return ((b, 0) for b in iter(self.loader))
+        if generators:
+            rp.load_generators(generators)  # an epoch-end checkpoint: where this epoch starts
+        if start:
+            self.samples, self.batches = int(start["samples"]), int(start["batches"])
+        return rp.begin(start)
 
-    # --------------------------------------------------------------------------- iteration
-    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
-        sampler = self._keepalive_sampler
-        epoch = int(self._keepalive_epoch_of())
-        start = 0
-        pending, self._keepalive_pending = self._keepalive_pending, None
-        if pending is not None and pending[0] == epoch:
-            start = min(pending[1], sampler.n)
-        sampler.epoch, sampler.start_sample = epoch, start
-        self.generator.manual_seed(mix(sampler.seed, epoch, 2))  # type: ignore[union-attr]
-        self.keepalive_epoch, self.keepalive_samples = epoch, start
-        return _Counted(super().__iter__(), self)
-
-    # ---------------------------------------------------- Lightning's resumable-loader protocol
-    def state_dict(self) -> Dict[str, Any]:
-        """Where the running epoch is: its number and the samples of its order already handed out."""
-        return {"keepalive": FORMAT, "epoch": self.keepalive_epoch, "samples": self.keepalive_samples,
-                "batch_size": self._keepalive_sampler.batch_size, "seed": self._keepalive_sampler.seed}
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """The next iteration of that epoch starts at the saved sample."""
-        if not isinstance(state, dict) or state.get("keepalive") != FORMAT:
-            return
-        size = self._keepalive_sampler.batch_size
-        if state.get("batch_size") not in (None, size):
-            self._keepalive_warn(
-                f"the batch size is {size} now, {state['batch_size']} in the checkpoint: epoch "
-                f"{state['epoch']} continues at sample {state['samples']} of its order with the same samples, "
-                "but its batches (and from here the model) differ from an uninterrupted run: the result is "
-                "not bit-identical to one.", "batch-size")
-        self._keepalive_pending = (int(state["epoch"]), int(state["samples"]))
-
-
-class _Counted:
-    """The loader's iterator, counting the samples it hands out (not those its workers prefetch)."""
-
-    def __init__(self, it: Iterator[Any], loader: PositionedLoader):
-        self.it, self.loader, self.k = it, loader, 0
-
-    def __iter__(self) -> "_Counted":
+    def __iter__(self) -> "Stream":
         return self
 
     def __next__(self) -> Any:
-        batch = next(self.it)
-        self.loader.keepalive_samples += self.loader._keepalive_sampler.batch_len(self.k)
-        self.k += 1
+        if self._it is None:  # the first iteration of a resumed fit: made at its first batch
+            self._it = self._begin(*self.data.take_resume(self.index, self.replay))
+        if self._first:
+            self._first = False
+            st = self.replay.start_state if self.replay is not None else None
+            if st is not None and "rng_next" in st and st["rng_next"] is None:
+                st["rng_next"] = rng.capture()  # the state the sampler's first draw sees
+        batch, n = next(self._it)
+        self.samples += n
+        self.batches += 1
+        self.data.samples_out += n if self.index == 0 else 0
         return batch
 
-    def __len__(self) -> int:
-        return len(self.it)  # type: ignore[arg-type]
-
-    def __getattr__(self, name: str) -> Any:  # _shutdown_workers() and friends of torch's iterator
-        return getattr(self.it, name)
-
-
-def why_not_positionable(loader: Any) -> Optional[str]:
-    """None when :class:`PositionedLoader` can stand in for ``loader``, else why not (for the user)."""
-    if isinstance(loader, PositionedLoader):
-        return None
-    if not isinstance(loader, DataLoader):
-        return (f"the training data is a {type(loader).__name__}, not a torch DataLoader: checkpoints at "
-                "epoch ends only")
-    plain = ResumableLoader(loader, 0)  # the torch adapter's judgement of a loader (builds no workers)
-    return None if plain.mid_epoch else plain.why_not
+    def position(self) -> Optional[Dict[str, Any]]:
+        if self.replay is None or not self.replay.mid_epoch:
+            return None
+        return self.replay.position(self.samples, self.batches)
 
 
-def _shuffled(loader: DataLoader) -> bool:
-    plain = ResumableLoader(loader, 0)
-    return bool(plain.sampler is not None and plain.sampler.shuffle)
+class TrainData:
+    """The training loaders of one fit as Lightning iterates them: their replays, their running
+    streams, and where a resumed fit continues."""
 
+    def __init__(self, warn: Callable[[str, str], None]):
+        self.warn = warn
+        self.replays: Dict[int, Tuple[Any, Optional[_Replay]]] = {}  # index -> (loader, its replay)
+        self.streams: Dict[int, Stream] = {}
+        self.why_not: Optional[str] = None
+        self.samples_out = 0
+        self._starts: Optional[Dict[int, Any]] = None      # a resumed fit: index -> saved position
+        self._generators: Optional[Dict[int, Any]] = None  # a resumed fit at an epoch end
+        self._taken: set = set()  # loaders whose first iteration of a resumed fit has begun
+        self._installed: List[Tuple[Any, type]] = []
 
-def position(dataloaders: Any, seed: int, epoch_of: Callable[[], int],
-             warn: Callable[[str, str], None]) -> Tuple[Any, Optional[str]]:
-    """``train_dataloader()``'s result with every positionable DataLoader replaced; and why not, if
-    one of them cannot be (then the run is saved at epoch ends only)."""
-    if isinstance(dataloaders, (list, tuple)):
-        parts = [position(dl, mix(seed, i), epoch_of, warn) for i, dl in enumerate(dataloaders)]
-        why = next((w for _, w in parts if w), None)
-        return type(dataloaders)(p for p, _ in parts), why
-    if isinstance(dataloaders, dict):
-        out, why = {}, None
-        for i, (k, dl) in enumerate(dataloaders.items()):
-            out[k], w = position(dl, mix(seed, i), epoch_of, warn)
+    # -------------------------------------------------------------------------------- resume
+    def resume_at(self, starts: Optional[List[Any]], generators: Optional[List[Any]]) -> None:
+        """The first iteration of each loader in this fit continues from a checkpoint: ``starts``
+        (positions inside an epoch, by loader index) or ``generators`` (an epoch-end checkpoint)."""
+        self._starts = {i: s for i, s in enumerate(starts or [])}
+        self._generators = {i: g for i, g in enumerate(generators or [])}
+        self._taken = set()
+
+    def forget_resume(self) -> None:
+        self._starts = self._generators = None
+
+    # ------------------------------------------------------------------------------- loaders
+    def replay_of(self, index: int, loader: Any) -> Optional[_Replay]:
+        known = self.replays.get(index)
+        if known is not None and known[0] is loader:
+            return known[1]
+        if known is not None and known[1] is not None:
+            known[1].close()
+        rp = _Replay(loader) if isinstance(loader, DataLoader) else None
+        self.replays[index] = (loader, rp)
+        return rp
+
+    def check(self, loaders: List[Any]) -> Optional[str]:
+        """Why these training loaders cannot be positioned inside an epoch (None: they can)."""
+        why: Optional[str] = None
+        for i, loader in enumerate(loaders):
+            rp = self.replay_of(i, loader)
+            w: Optional[str]
+            if rp is None:
+                w = (f"the training data is a {type(loader).__name__}, not a torch DataLoader: checkpoints "
+                     "at epoch ends only")
+            else:
+                w = None if rp.mid_epoch else (rp.why_not or f"{type(loader).__name__}: checkpoints at epoch "
+                                                              "ends only")
             why = why or w
-        return out, why
-    why = why_not_positionable(dataloaders)
-    if why is not None or isinstance(dataloaders, PositionedLoader):
-        return dataloaders, why
-    return PositionedLoader(dataloaders, seed, epoch_of, warn), None
+        self.why_not = why
+        return why
+
+    def open(self, index: int, loader: Any) -> Stream:
+        """``iter()`` of training loader ``index``: now, or (the first one of a resumed fit) at its
+        first batch, where the loader is positioned."""
+        rp = self.replay_of(index, loader)
+        deferred = self._starts is not None and index not in self._taken
+        stream = Stream(self, index, rp, loader, deferred)
+        self.streams[index] = stream
+        return stream
+
+    def take_resume(self, index: int, rp: Optional[_Replay]) -> Tuple[Optional[Dict[str, Any]], Any]:
+        """Where loader ``index`` continues (once per fit): its saved position, its generators."""
+        if self._starts is None or self._generators is None or index in self._taken:
+            return None, None
+        self._taken.add(index)
+        start, gens = self._starts.get(index), self._generators.get(index)
+        if rp is None or not rp.mid_epoch:
+            start = None
+        return start, gens
+
+    # ---------------------------------------------------------------------------------- state
+    def positions(self) -> List[Optional[Dict[str, Any]]]:
+        """Where each training loader's running pass is (a mid-epoch checkpoint)."""
+        n = max(self.replays) + 1 if self.replays else 0
+        return [s.position() if (s := self.streams.get(i)) is not None else None for i in range(n)]
+
+    def generators_now(self) -> List[Optional[Dict[str, Any]]]:
+        """The loaders' generators and counters now (an epoch-end checkpoint)."""
+        n = max(self.replays) + 1 if self.replays else 0
+        return [rp.generators_now() if (rp := self.replays.get(i, (None, None))[1]) is not None else None
+                for i in range(n)]
+
+    def workers_untold(self, positions: List[Optional[Dict[str, Any]]]) -> Optional[int]:
+        """The number of workers of a loader whose workers draw random numbers but whose states this
+        checkpoint lacks (None: no such loader)."""
+        for i, (loader, rp) in self.replays.items():
+            pos = positions[i] if i < len(positions) else None
+            if rp is not None and rp.workers_draw() and pos is not None and pos.get("workers") is None:
+                return int(loader.num_workers)
+        return None
+
+    def take_samples(self) -> int:
+        n, self.samples_out = self.samples_out, 0
+        return n
+
+    def close(self) -> None:
+        uninstall(self)
+        for _, rp in self.replays.values():
+            if rp is not None:
+                rp.close()
+        self.streams.clear()
+
+
+_REPLAYING: Dict[type, type] = {}
+_DATA = "_keepalive_data"  #: where an installed combined loader keeps its TrainData (in its __dict__)
+
+
+def _replaying(base: type) -> type:
+    """A subclass of Lightning's ``CombinedLoader`` (either namespace) whose ``iter()`` goes through
+    :class:`TrainData`."""
+    cls = _REPLAYING.get(base)
+    if cls is None:
+        base_iter: Callable[[Any], Any] = vars(base).get("__iter__") or base.__iter__  # type: ignore[attr-defined]
+
+        def __iter__(self: Any) -> Any:
+            data = self.__dict__.get(_DATA)
+            if data is None:
+                return base_iter(self)
+            flat = self._flattened
+            self._flattened = [_Feed(data, i, dl) for i, dl in enumerate(flat)]
+            try:
+                return base_iter(self)
+            finally:
+                self._flattened = flat
+
+        cls = type(base.__name__, (base,), {"__iter__": __iter__, "__module__": base.__module__,
+                                            "__qualname__": base.__qualname__})
+        _REPLAYING[base] = cls
+    return cls
+
+
+def install(combined_loader: Any, data: TrainData) -> None:
+    """Lightning's combined training loader iterates through ``data`` until :func:`uninstall`."""
+    base = type(combined_loader)
+    if base in _REPLAYING.values():
+        combined_loader.__dict__[_DATA] = data
+        return
+    combined_loader.__class__ = _replaying(base)
+    combined_loader.__dict__[_DATA] = data
+    data._installed.append((combined_loader, base))
+
+
+def uninstall(data: TrainData) -> None:
+    for combined_loader, base in reversed(data._installed):
+        combined_loader.__dict__.pop(_DATA, None)
+        combined_loader.__class__ = base
+    data._installed.clear()
+

@@ -19,11 +19,17 @@ trainer's last metrics (:mod:`keepalive.callbacks._lightning_state`). Checkpoint
 store (manifest last, checksums, retention, spool for Drive / gs:// / s3://), never through
 ``torch.save``; ``keepalive ls`` / ``verify`` see them.
 
-Data: the training ``DataLoader`` (map-style dataset, ``shuffle=True`` / ``False``) is rebuilt on a
-batch sampler that orders each epoch from a seed (``torch.initial_seed()`` when the run began, e.g.
-``seed_everything(42)``) and starts a resumed epoch at its saved sample without loading the skipped
-ones (:mod:`keepalive.callbacks._lightning_data`). Other loaders (``IterableDataset``, custom samplers):
-checkpoints at epoch ends only, said once.
+Data: Lightning iterates your training loaders as they are (same objects, same sampler, same worker
+seeds), so a fit with keepalive trains on exactly the data a fit without it does. A resumed epoch
+continues at its saved sample by replaying the loader's own randomness where Lightning calls ``iter()``
+on it (the random states of the epoch's ``iter()`` put back, index generation skipped to the saved
+sample without loading the skipped ones, the workers' random states per batch):
+:mod:`keepalive.callbacks._lightning_data`. Map-style datasets with any sampler or batch sampler whose
+order replays (``shuffle=True/False``, ``batch_sampler=``, ``WeightedRandomSampler``, custom samplers;
+an unknown one is checked once), ``StatefulDataLoader`` (through its ``state_dict()``). Other loaders
+(``IterableDataset``, a sampler whose order does not replay): checkpoints at epoch ends only, said once.
+A ``configure_optimizers`` that reads ``trainer.estimated_stepping_batches`` (the OneCycleLR recipe),
+which makes Lightning build the training loader before its loop state is restored, resumes exactly too.
 
 When: ``every=`` (epochs, optimizer steps = ``trainer.global_step``, a duration), before the session's
 deadline (then ``trainer.should_stop`` ends the fit cleanly: ``cb.stopped``), at the end of training, on
@@ -44,10 +50,9 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple, Type, Union
-
-import torch
 
 try:  # the unified package first; the classic namespace is the same code
     import lightning.pytorch as pl
@@ -67,7 +72,6 @@ from .torchstate import check_module
 __all__ = ["DriveCheckpoint"]
 
 FORMAT = 1
-_MASK63 = (1 << 63) - 1
 
 
 class DriveCheckpoint(CheckpointAdapter, pl.Callback):
@@ -86,7 +90,7 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
         self.core = Checkpointer(config=cfg, framework="lightning")
         self._trainer_ref: Optional["weakref.ReferenceType[Any]"] = None
         self._restore: List[Tuple[Any, str, Any]] = []  # (object, attribute, what was there)
-        self.data_seed: Optional[int] = None
+        self.data = data.TrainData(lambda msg, key: self.core.warn(msg, key=key))  # this fit's training loaders
         self.why_not: Optional[str] = None      # why the training data cannot be positioned
         self._pending: Optional[Dict[str, Any]] = None  # restored right before training continues
         self._validated = False                 # a validation ran since the last boundary
@@ -108,6 +112,8 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
             raise RuntimeError("keepalive's Lightning DriveCheckpoint runs on one device (one process); this "
                                f"Trainer has world_size={trainer.world_size}")
         self._trainer_ref = weakref.ref(trainer)
+        self.data.close()
+        self.data = data.TrainData(lambda msg, key: self.core.warn(msg, key=key))
         self._attach(trainer)
         self._resume(trainer, pl_module)
 
@@ -119,6 +125,7 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
                 "restores it (no RNG, data position or epoch accumulators). Leave ckpt_path out to let "
                 "DriveCheckpoint resume.", key="ckpt_path")
             self._pending = None
+            self.data.forget_resume()
             c = self.core.counters
             c["epoch"], c["step"], c["batch"] = trainer.current_epoch, trainer.global_step, 0
 
@@ -141,6 +148,7 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
 
     def _end(self, trainer: Any) -> None:
         self._detach()
+        self.data.close()
         self.core.uninstall_signal_handlers()
         self.core.close()  # waits for the write in flight, releases the writer lease
 
@@ -151,7 +159,6 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
         self._pending = None
         tree = core.load(describe=self._describe, check=lambda t: self._check_fits(t, pl_module))
         if tree is None:
-            self.data_seed = torch.initial_seed() & _MASK63
             return
         self.restore(tree)
 
@@ -163,7 +170,19 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
         if trainer is None:
             raise RuntimeError("DriveCheckpoint: no fit is running")
         lt = tree["lightning"]
-        self.data_seed = int((tree.get("data") or {}).get("seed", torch.initial_seed() & _MASK63))
+        saved = tree.get("data") or {}
+        if core.counters["batch"] and "loaders" not in saved:
+            # a mid-epoch checkpoint of an older keepalive, which rebuilt the loader on its own order
+            # (and had Lightning save that loader's state, which your loader cannot take)
+            lt["checkpoint"].get("loops", {}).get("fit_loop", {}).get("state_dict", {}).pop("combined_loader", None)
+            core.warn(f"this checkpoint was written by an older keepalive, whose data order differs: epoch "
+                      f"{core.counters['epoch']} restarts from its first batch (its first {core.counters['batch']} "
+                      "batches are trained again).", key="old-position")
+            self.data.resume_at(None, None)
+        elif core.counters["batch"]:
+            self.data.resume_at(saved["loaders"], None)
+        else:
+            self.data.resume_at(None, saved.get("generators"))
         # Lightning's own restore takes it from here: _restore_modules_and_callbacks (model,
         # datamodule, callbacks) and restore_training_state (precision, loops, optimizers, schedulers)
         # read the checkpoint the connector holds when no ckpt_path is given.
@@ -214,7 +233,6 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
         self._detach()
         fit_loop = trainer.fit_loop
         epoch_loop = fit_loop.epoch_loop
-        source = getattr(fit_loop, lc.DATA_SOURCE, None)
         sigterm = _sigterm_exception()
 
         def epoch_start(*a: Any, **k: Any) -> Any:
@@ -240,16 +258,25 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
             self._step_boundary(trainer)
             return result
 
+        def epoch_reset(*a: Any, **k: Any) -> Any:
+            if self.why_not is not None:
+                return orig_reset(*a, **k)
+            with warnings.catch_warnings():  # keepalive positions the loaders: they are resumable
+                warnings.filterwarnings("ignore", message=lc.NOT_RESUMABLE_WARNING)
+                return orig_reset(*a, **k)
+
         orig_start = self._wrap(fit_loop, lc.EPOCH_START, epoch_start)
+        orig_reset = self._wrap(epoch_loop, lc.EPOCH_RESET, epoch_reset)
         orig_end = self._wrap(fit_loop, lc.EPOCH_END, epoch_end)
         orig_batch_end = self._wrap(epoch_loop, lc.BATCH_END, batch_end)
-        if source is not None and callable(getattr(source, lc.DATALOADER, None)):
-            orig_loader = getattr(source, lc.DATALOADER)
+        if callable(getattr(fit_loop, lc.LOAD_LOADER_STATES, None)):
+            orig_load = getattr(fit_loop, lc.LOAD_LOADER_STATES)
 
-            def dataloader() -> Any:
-                return self._position(trainer, orig_loader())
+            def load_loader_states(*a: Any, **k: Any) -> Any:
+                self._install(trainer)  # the training loaders are final; Lightning calls iter() next
+                return orig_load(*a, **k)
 
-            self._wrap(source, lc.DATALOADER, dataloader)
+            self._wrap(fit_loop, lc.LOAD_LOADER_STATES, load_loader_states)
         else:
             self.why_not = f"Lightning {pl.__version__} builds its training data in an unknown way"
 
@@ -267,20 +294,23 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
                 setattr(obj, name, before)
         self._restore = []
 
-    def _position(self, trainer: Any, loaders: Any) -> Any:
+    def _install(self, trainer: Any) -> None:
+        """The fit loop's training loaders are built: iterate them through :class:`data.TrainData`,
+        and say now (once) if they cannot be positioned inside an epoch."""
+        combined = trainer.fit_loop._combined_loader
+        if combined is None:
+            return
         why: Optional[str]
         if trainer.overfit_batches:
-            positioned, why = loaders, ("Trainer(overfit_batches=...) resamples the data: checkpoints at "
-                                        "epoch ends only")
+            why = "Trainer(overfit_batches=...) resamples the data: checkpoints at epoch ends only"
         else:
-            positioned, why = data.position(loaders, self.data_seed or 0, lambda: trainer.current_epoch,
-                                            lambda msg, key: self.core.warn(msg, key=key))
+            why = self.data.check(list(combined.flattened))
+        data.install(combined, self.data)
         self.why_not = why
         self.core.trigger.mid_epoch = why is None
         self.core.mid_epoch_obstacle = why
         if why is not None:
             self.core.warn(why, key=f"lightning-data:{why}")
-        return positioned
 
     # -------------------------------------------------------------------------------- boundaries
     def _step_boundary(self, trainer: Any) -> None:
@@ -332,11 +362,7 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
             setattr(obj, name, value)
 
     def _batch_samples(self, trainer: Any) -> int:
-        loader = getattr(trainer.fit_loop, "_combined_loader", None)
-        for dl in getattr(loader, "flattened", []) or []:
-            if isinstance(dl, data.PositionedLoader):
-                return int(dl._keepalive_sampler.batch_size)
-        return 0
+        return self.data.take_samples()
 
     # ----------------------------------------------------------------------------------- capture
     def capture(self) -> Captured:
@@ -350,9 +376,20 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
             "finished": bool(self.core.finished), "should_stop": bool(trainer.should_stop),
             "metrics": lstate.capture_metrics(trainer.lightning_module),
             "trainer_metrics": lstate.capture_trainer_metrics(trainer)}
+        saved: Dict[str, Any] = {"positioned": self.why_not is None}
         if self.core.counters["batch"]:
             lt["results"] = lstate.capture_results(trainer.fit_loop.epoch_loop._results)
-        return {"lightning": lt, "data": {"seed": self.data_seed, "positioned": self.why_not is None}}
+            saved["loaders"] = positions = self.data.positions()  # where each training loader's pass is
+            workers = self.data.workers_untold(positions)
+            if workers is not None:
+                self.core.warn(
+                    f"the training loader's {workers} worker(s) draw random numbers (augmentation in the "
+                    "dataset), and keepalive could not take their random state for this checkpoint (a "
+                    "worker that did not start the next batch in time): a resume from it replays the data "
+                    "order exactly, but not the workers' draws for the rest of that epoch.", key="worker-draws")
+        else:
+            saved["generators"] = self.data.generators_now()  # where the next epoch's order starts
+        return {"lightning": lt, "data": saved}
 
     def _say_once(self, message: str, key: str) -> None:
         """A note that is news, not a problem: said once per callback."""
