@@ -1,6 +1,8 @@
 """The PyTorch Lightning adapter: random SIGKILLs against real ``Trainer.fit`` subprocesses
-(``LightningDataModule``, validation inside the epoch, ``EarlyStopping`` / ``ModelCheckpoint``, a
-scheduler stepped per step, or manual optimization with two optimizers) must end bit-identical to an
+(``LightningDataModule``, validation inside the epoch, ``EarlyStopping`` / ``ModelCheckpoint``,
+Lightning's OneCycleLR recipe over ``trainer.estimated_stepping_batches`` stepped per step (its
+``configure_optimizers`` builds the training loader before the loop state is restored), or manual
+optimization with two optimizers) must end bit-identical to an
 uninterrupted run: weights, optimizer states, the logged history, the final metrics. The same kills
 against Lightning's own ``ModelCheckpoint(save_last=True, every_n_train_steps=...)`` +
 ``fit(ckpt_path="last")`` are measured side by side (work redone per kill, exactness). In-process
@@ -34,7 +36,7 @@ pl = pytest.importorskip("lightning.pytorch")
 from safetensors.torch import load_file  # noqa: E402
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset  # noqa: E402
 
-from crashkit import run_to_completion  # noqa: E402
+from crashkit import assert_differs, run_to_completion  # noqa: E402
 from keepalive.callbacks.lightning import DriveCheckpoint  # noqa: E402
 from keepalive.errors import StateMismatchError  # noqa: E402
 
@@ -46,7 +48,8 @@ _KEEPALIVE_RUNS: dict = {}  # the crash test's keepalive run with these kills, f
 
 # mode -> (script arguments, total steps (= trainer.global_step at the end), kills)
 MODES = {
-    # automatic optimization, AdamW + OneCycleLR stepped per step, saves every 5 steps
+    # automatic optimization, AdamW + OneCycleLR(total_steps=trainer.estimated_stepping_batches) stepped
+    # per step, saves every 5 steps
     "auto": (["--mode", "auto", "--every", "5"], 48, 3),
     # manual optimization, two optimizers (global_step counts both: 2 per batch), StepLR by hand
     "manual": (["--mode", "manual", "--every", "6"], 96, 2),
@@ -157,6 +160,22 @@ def test_sigkill_resume_is_bit_exact(tmp_path, references, mode):
     print(f"\n{mode}: kills (after step, resumed at step) {_kill_report(report)}")
     if mode == "auto":
         _KEEPALIVE_RUNS["auto"] = (report, tmp_path / "run", tmp_path / "w.st")
+
+
+def test_sigkill_control_without_the_data_position_differs(tmp_path, references):
+    """The control of the crash test: the same recipe (OneCycleLR over estimated_stepping_batches) killed
+    once inside epoch 2, resumed with the saved data position not applied (the resumed epoch's order
+    made afresh: what a loader built before the loop state is restored gave) must differ from the
+    uninterrupted run, so the bit-exact comparison above does see the data order."""
+    args, total, _ = MODES["auto"]
+    ref_out, _ = references("auto")
+    report = run_to_completion(_cmd(tmp_path / "run", tmp_path / "w.st", *args, "--control-drop-position"),
+                               total_steps=total, kills=1, rng=_Planned(KILL_AT[:1]), env=ENV, timeout=240,
+                               kill_after_commit=15)
+    assert report.kills == 1 and "DONE" in report.final_output
+    resumed = report.trials[1].resumed_step
+    assert resumed is not None and resumed % 12, resumed  # resumed inside an epoch
+    assert_differs(load_file(str(ref_out)), load_file(str(tmp_path / "w.st")))
 
 
 def test_side_by_side_with_lightnings_own_resume(tmp_path, references):

@@ -1,10 +1,15 @@
 """A real Lightning ``Trainer.fit`` for crash tests: a ``LightningDataModule`` over synthetic tensors,
 a tiny MLP with dropout, validation (also inside the epoch), ``EarlyStopping`` and ``ModelCheckpoint``
 callbacks, and either automatic optimization with an LR scheduler stepped per step (``--mode auto``) or
-manual optimization with two optimizers (``--mode manual``). Prints ``STEP n`` after each training
-batch (n = trainer.global_step) and ``COMMITTED n`` after each keepalive commit; a file logger appends
-every ``log_metrics`` call to ``<run>/metrics.jsonl`` (it survives kills: a restart appends). At the
-end writes the weights and optimizer states (safetensors) and the logged history (JSON).
+manual optimization with two optimizers (``--mode manual``). The automatic mode follows Lightning's
+OneCycleLR recipe: ``configure_optimizers`` reads ``trainer.estimated_stepping_batches``. Prints
+``STEP n`` after each training batch (n = trainer.global_step) and ``COMMITTED n`` after each
+keepalive commit; a file logger appends every ``log_metrics`` call to ``<run>/metrics.jsonl`` (it
+survives kills: a restart appends). At the end writes the weights and optimizer states (safetensors)
+and the logged history (JSON).
+
+``--control-drop-position``: the negative control of the crash test: a resume does not apply the saved
+data position (what a loader built before the loop state is restored did).
 
 ``--native``: no keepalive; Lightning's own ``ModelCheckpoint(save_last=True, every_n_train_steps=N)``
 and ``fit(ckpt_path="last")``: the side-by-side comparison."""
@@ -29,6 +34,8 @@ p.add_argument("--native", action="store_true")
 p.add_argument("--sleep", type=float, default=0.0)
 p.add_argument("--namespace", default="lightning", choices=["lightning", "pytorch_lightning"])
 p.add_argument("--deadline-after", type=int, default=0, help="stop at the deadline after this many steps")
+p.add_argument("--control-drop-position", action="store_true",
+               help="negative control: a resume ignores the saved data position (the epoch's order made afresh)")
 args = p.parse_args()
 
 import torch  # noqa: E402
@@ -125,8 +132,11 @@ class Net(pl.LightningModule):
 
     def configure_optimizers(self):
         if self.automatic_optimization:
+            # Lightning's documented recipe: the schedule's length from estimated_stepping_batches, which
+            # builds the training loader here, before the loop state of a resume is restored
             opt = torch.optim.AdamW(self.parameters(), lr=3e-3)
-            sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=1000)
+            sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2,
+                                                        total_steps=self.trainer.estimated_stepping_batches)
             return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
         opt_a = torch.optim.Adam(self.body.parameters(), lr=3e-3)
         opt_b = torch.optim.SGD(self.critic.parameters(), lr=1e-2, momentum=0.9)
@@ -158,6 +168,12 @@ if args.native:
                                      every_n_train_steps=every_n or 0))
 else:
     from keepalive.callbacks.lightning import DriveCheckpoint
+
+    if args.control_drop_position:
+        from keepalive.callbacks import _lightning_data
+
+        _real_resume_at = _lightning_data.TrainData.resume_at
+        _lightning_data.TrainData.resume_at = lambda self, starts, gens: _real_resume_at(self, None, None)
 
     options = {}
     if args.deadline_after:
