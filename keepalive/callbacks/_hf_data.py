@@ -16,10 +16,11 @@ masking, augmentation in ``__getitem__``) replay exactly after a mid-epoch resum
 an optimizer step's micro-batches before the step begins, and accelerate's loader fetches one batch
 ahead, so a batch is made while earlier steps still train. :class:`Replay` keeps what is needed:
 
-* no workers: the sampler notes the main process's CPU generators just before each batch is fetched
-  (python, numpy, torch; a few microseconds); a checkpoint keeps those of the batches fetched ahead of
-  the trained ones, and the resumed epoch puts each back just before the same batch is fetched again,
-  then the saved step's own state before the first batch that was not fetched yet;
+* no workers: the sampler notes the main process's CPU generators (python, numpy, torch) just before a
+  step's first batch is fetched (once per optimizer step, tens of microseconds); a checkpoint keeps that
+  of the batch fetched ahead of the trained ones (accelerate's one; more is told), and the resumed pass
+  puts it back just before the same batch is fetched again, then the saved step's own state before the
+  first batch that was not fetched yet;
 * worker processes: each worker's generators continue from one batch to the next, so every batch a
   worker makes carries the worker's state after it (a small stamp the main process takes off before
   the Trainer sees the batch). A checkpoint keeps, per worker, the state after the last batch it made
@@ -102,8 +103,10 @@ class PositionedBatchSampler(BatchSampler):
         self.placeholders = 0   # empty batches first: what the Trainer's SkipBatchSampler drops
         self.empties = 0        # then empty batches that reach the workers (see the module)
         self.plan: Dict[int, Dict[str, Any]] = {}   # batch -> random state to put back before its fetch
-        self.watch = False      # note the random state before each fetch (no workers: made here)
+        self.watch = False      # note the random state before a step's first fetch (no workers: made here)
+        self.every = 1          # ... of batches b % every == 0: a step's first (gradient accumulation)
         self.noted: Deque[Tuple[int, Dict[str, Any]]] = collections.deque(maxlen=4)
+        self.last = -1          # the last batch yielded in this pass
         self.sampler = self  # type: ignore[assignment]  # accelerate: batch_sampler.sampler.set_epoch
 
     def set_epoch(self, epoch: int) -> None:
@@ -122,6 +125,7 @@ class PositionedBatchSampler(BatchSampler):
         start, placeholders, empties, plan = self.start, self.placeholders, self.empties, self.plan
         self.start = self.placeholders = self.empties = 0  # once: the next epoch starts at its beginning
         self.noted.clear()
+        self.last = -1
         for _ in range(placeholders):
             yield _Placeholder()
         for _ in range(empties):
@@ -131,8 +135,9 @@ class PositionedBatchSampler(BatchSampler):
             state = plan.pop(b, None)
             if state is not None:
                 rng.restore(state)
-            if self.watch:
+            if self.watch and not b % self.every:
                 self.noted.append((b, cpu_rng()))
+            self.last = b
             yield idx[b * self.batch_size:(b + 1) * self.batch_size].tolist()
 
     def __len__(self) -> int:
@@ -149,7 +154,8 @@ class _Collate:
         self.stamp = False
         self.made = 0                               # batches made in this pass (main process)
         self.plan: Dict[int, Dict[str, Any]] = {}   # batch -> random state to put back before collating it
-        self.watch = False                          # note the random state before each batch (a stream)
+        self.watch = False                          # note the random state before a step's first batch
+        self.every = 1                              # (see PositionedBatchSampler)
         self.stream: Any = None                     # a stream with state_dict(): noted after each batch
         self.noted: Deque[Tuple[int, Dict[str, Any]]] = collections.deque(maxlen=4)
         self.stream_noted: Deque[Tuple[int, Any]] = collections.deque(maxlen=4)
@@ -170,10 +176,10 @@ class _Collate:
         state = self.plan.pop(b, None)
         if state is not None:
             rng.restore(state)
-        if self.watch:
+        if self.watch and not b % self.every:
             self.noted.append((b, cpu_rng()))
         batch = self.inner(items)
-        if self.stream is not None:
+        if self.stream is not None and not (b + 1) % self.every:
             self.stream_noted.append((b + 1, self.stream.state_dict()))  # the stream before batch b + 1
         return batch
 
@@ -201,12 +207,18 @@ class _WorkerInit:
 class Replay:
     """The random states (and a stream's position) one training loader needs to resume mid-epoch."""
 
-    def __init__(self, base: Any, sampler: Optional[PositionedBatchSampler], stateful_stream: bool):
+    def __init__(self, base: Any, sampler: Optional[PositionedBatchSampler], stateful_stream: bool,
+                 accumulation: int = 1):
         self.base, self.sampler = base, sampler
         self.workers = int(getattr(base, "num_workers", 0) or 0)
         self.persistent = bool(getattr(base, "persistent_workers", False))
         self.collate = _Collate(base.collate_fn)
         self.init = _WorkerInit(base.worker_init_fn)
+        # a save lands between steps, when the next step's first batch may be fetched already: only a
+        # step's first batch needs its random state noted (once per optimizer step, tens of microseconds)
+        self.collate.every = max(1, int(accumulation))
+        if sampler is not None:
+            sampler.every = self.collate.every
         base.collate_fn = self.collate
         if self.workers:
             base.worker_init_fn = self.init
@@ -221,6 +233,7 @@ class Replay:
         self.feed: Optional[Iterator[Any]] = None
         self.source: Any = None
         self.unstamped = False  # a batch made in a worker could not carry its state (not a mapping)
+        self.deep_ahead = False  # more than one batch was fetched ahead of a save (only one is replayed)
         # persistent workers: a resumed pass runs on the loader accelerate rebuilt to skip batches, and its
         # workers end with it; the next pass starts new ones, which take over the workers' states
         self.carry = False
@@ -261,8 +274,10 @@ class Replay:
         out: Dict[str, Any] = {}
         if self.sampler is not None and self.sampler.watch:
             out["ahead"] = [[b, s] for b, s in self.sampler.noted if b >= trained]
+            self.deep_ahead = self.deep_ahead or self.sampler.last > trained
         elif self.collate.watch:
             out["ahead"] = [[b, s] for b, s in self.collate.noted if b >= trained]
+            self.deep_ahead = self.deep_ahead or self.collate.made - 1 > trained
         if self.workers:
             out["iter_rng"] = self.iter_rng
         if self.workers and self.collate.stamp:

@@ -142,7 +142,8 @@ class DriveCheckpoint(CheckpointAdapter, TrainerCallback):
                 self._stream, why = _hf_data.stream_kind(loader), ""
             if not why:
                 self._replay = _hf_data.Replay(_hf_data.base_loader(loader), self._sampler,
-                                               stateful_stream=self._stream == "stateful")
+                                               stateful_stream=self._stream == "stateful",
+                                               accumulation=int(args.gradient_accumulation_steps))
         core.trigger.mid_epoch, core.mid_epoch_obstacle = self._positionable, why or None
         if why:
             core.warn(why, key="hf-positionable")
@@ -353,6 +354,10 @@ class DriveCheckpoint(CheckpointAdapter, TrainerCallback):
                       f"{collator.seed}), which keepalive does not save: after a mid-epoch resume its draws "
                       "differ from the uninterrupted run's. Leave seed= unset (the Trainer's seed then "
                       "decides, and keepalive replays it)", key="hf-collator")
+        if replay is not None and replay.deep_ahead:
+            core.warn("the training loader fetched more than one batch ahead of a save: a resume replays the "
+                      "random state of one, so random draws of the others (augmentation, masking) differ from "
+                      "the uninterrupted run's", key="hf-ahead")
         if replay is not None and replay.unstamped:
             core.warn("the training batches are not mappings, so the random state of the loader's worker "
                       "processes cannot travel with them: after a mid-epoch resume, random draws in workers "
