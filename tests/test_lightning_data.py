@@ -94,16 +94,17 @@ class Unreplayable(Sampler):
 
 
 class Data(pl.LightningDataModule):
-    def __init__(self, shape="shuffle", workers=0):
+    def __init__(self, shape="shuffle", workers=0, persistent=False):
         super().__init__()
+        self.persistent = persistent
         g = torch.Generator().manual_seed(5)
         self.x, self.y = torch.randn(N + 16, 4, generator=g), torch.randn(N + 16, 1, generator=g)
         self.shape, self.workers = shape, workers
 
     def train_dataloader(self):
-        ds = Augmented(self.x[:N], self.y[:N])
-        kw = dict(num_workers=self.workers, persistent_workers=False)
-        if self.shape == "shuffle":
+        ds = Augmented(self.x[:N], self.y[:N]) if self.shape != "plain" else TensorDataset(self.x[:N], self.y[:N])
+        kw = dict(num_workers=self.workers, persistent_workers=self.persistent)
+        if self.shape in ("shuffle", "plain"):
             return DataLoader(ds, batch_size=BS, shuffle=True, **kw)
         if self.shape == "custom_sampler":
             return DataLoader(ds, batch_size=BS, sampler=OwnRngSampler(N), **kw)
@@ -152,7 +153,7 @@ class Net(pl.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
-def fit(path=None, shape="shuffle", workers=0, epochs=3, extra_draw=False, **options):
+def fit(path=None, shape="shuffle", workers=0, epochs=3, extra_draw=False, persistent=False, **options):
     """One fit (a keepalive run at ``path``, or without keepalive); its final weights and the trainer."""
     pl.seed_everything(3, verbose=False)
     model = Net(extra_draw)
@@ -160,7 +161,7 @@ def fit(path=None, shape="shuffle", workers=0, epochs=3, extra_draw=False, **opt
     trainer = pl.Trainer(max_epochs=epochs, callbacks=callbacks, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
                          num_sanity_val_steps=1, val_check_interval=0.5)
-    trainer.fit(model, datamodule=Data(shape, workers))
+    trainer.fit(model, datamodule=Data(shape, workers, persistent))
     weights = {k: v.clone() for k, v in model.state_dict().items()}
     return weights, trainer, (callbacks[0] if callbacks else None)
 
@@ -204,6 +205,28 @@ def test_mid_epoch_resume_is_exact_for_each_loader_shape(tmp_path, shape, worker
     assert_same(ref, resumed, f"{shape} with {workers} workers: resumed vs uninterrupted")
     assert {k: float(v) for k, v in trainer.callback_metrics.items()} == \
         {k: float(v) for k, v in ref_trainer.callback_metrics.items()}
+
+
+@pytest.mark.parametrize("every", [2, "epoch"])
+def test_persistent_workers_resume_exactly_or_are_told(tmp_path, capsys, every):
+    """``persistent_workers=True``: an epoch after the first resets the running iterator (no workers'
+    base seed drawn); a resume creates one: exact (mid-epoch and at an epoch end) when the workers draw
+    nothing; when they do (augmentation), the first save says that their streams do not continue."""
+    ref, _, _ = fit(None, "plain", 2, persistent=True)
+    calls = iter(range(10_000))
+    _, t1, cb1 = fit(tmp_path / "run", "plain", 2, persistent=True, every=every,
+                     remaining_fn=lambda: 10_000.0 if next(calls) < 8 else 1.0)
+    if every == "epoch":  # resume from the end of epoch 0 (the deadline's mid-epoch checkpoint dropped)
+        for info in cb1.core.store.list():
+            if info.step % 6:
+                cb1.core.store.remove(info)
+    resumed, _, cb = fit(tmp_path / "run", "plain", 2, persistent=True, every=every)
+    assert cb.core.resumed_from is not None and cb.core.resumed_from.step == (8 if every == 2 else 6)
+    assert_same(ref, resumed, "persistent workers: resumed vs uninterrupted")
+    capsys.readouterr()
+    fit(tmp_path / "aug", "shuffle", 2, persistent=True, every=every, epochs=1)
+    out = capsys.readouterr()
+    assert (out.out + out.err).count("persistent_workers=False resumes bit-exactly") == 1
 
 
 def test_mid_epoch_resume_control_position_dropped(tmp_path, monkeypatch):

@@ -60,10 +60,14 @@ class _Replay(LoaderReplay):
     """A :class:`LoaderReplay` whose iterator is created when asked (``begin``), not at its first batch:
     Lightning creates an epoch's iterator ahead of its first batch."""
 
-    def begin(self, start: Optional[Dict[str, Any]] = None) -> Iterator[Tuple[Any, int]]:
+    def __init__(self, loader: DataLoader):
+        super().__init__(loader)
+        self._running: Any = None  # persistent workers: the loader's running iterator
+
+    def begin(self, start: Optional[Dict[str, Any]] = None, resumed: bool = False) -> Iterator[Tuple[Any, int]]:
         """``iter(loader)`` now, positioned at ``start`` (a saved :meth:`position`); an iterator of
         ``(batch, samples in it)``. With ``start``, the random state of now is put back once the
-        loader is positioned."""
+        loader is positioned. ``resumed``: the first iteration of a resumed fit (its workers are new)."""
         loader = self.loader
         if self.mode == "stateful":
             holder = self._stateful()
@@ -86,7 +90,13 @@ class _Replay(LoaderReplay):
             pos.on_positioned = lambda: rng.restore(now)
             resume = {int(k): v for k, v in (start.get("workers") or {}).items()}
         self.start_state = self._record()
-        it = self._iter_now(pos, resume)
+        # persistent workers: an epoch after the first resets the running iterator, which draws no
+        # workers' base seed; the iterator a resume creates does: its draw is undone before the order's
+        reset_before = bool(at.get("reset") if start else resumed) and self._persistent
+        it = self._iter_now(pos, resume, rng.capture() if reset_before else None)
+        if self._persistent:  # what the uninterrupted run's iter() did: reset the running iterator or not
+            self.start_state["reset"] = bool(reset_before) or it is self._running
+            self._running = it
         if not pos.used:  # e.g. a subclass whose __iter__ is a generator (it iterates after the stand-in left)
             self.why_not = (f"{type(loader).__name__} does not iterate through its batch_sampler when iter() "
                             "is called: checkpoints at epoch ends only")
@@ -102,12 +112,19 @@ class _Replay(LoaderReplay):
                 self.start_state["rng_next"] = None  # taken at the first batch (_Feed)
         return self._batches(it)
 
-    def _iter_now(self, pos: Any, resume: Optional[Dict[int, Any]]) -> Iterator[Any]:
+    @property
+    def _persistent(self) -> bool:
+        return bool(self.loader.persistent_workers and self.loader.num_workers > 0)
+
+    def _iter_now(self, pos: Any, resume: Optional[Dict[int, Any]], state: Optional[Dict[str, Any]]) -> Iterator[Any]:
         """``iter(loader)`` with the index sampler replaced by the positioning stand-in (and, with
         workers, the dataset by the one that notes the workers' random states), put back right
         after: the iterator keeps them. Its first batch is not fetched here (Lightning fetches it
-        later, after hooks that may draw random numbers)."""
+        later, after hooks that may draw random numbers). ``state``: the random state the index
+        sampler starts from (put back when the iterator asks for its indices)."""
         loader = self.loader
+        if state is not None:
+            pos = _StartsFrom(pos, state)
         attr = "batch_sampler" if loader.batch_sampler is not None else "sampler"
         original = getattr(loader, attr)
         dataset = loader.dataset
@@ -127,6 +144,8 @@ class _Replay(LoaderReplay):
             object.__setattr__(loader, attr, original)
             if workers:
                 object.__setattr__(loader, "dataset", dataset)
+            if isinstance(pos, _StartsFrom):
+                pos.state = None
 
     def _batches(self, it: Iterator[Any]) -> Iterator[Tuple[Any, int]]:
         pos = self._positioned
@@ -139,6 +158,27 @@ class _Replay(LoaderReplay):
                 yield batch, _size_of(batch, self.loader.batch_size)
                 continue
             yield batch, pos.generated.popleft()
+
+
+class _StartsFrom:
+    """The positioning stand-in, putting back a random state each time ``iter()`` asks it for indices
+    while armed (the multi-process iterator asks after drawing its workers' base seed)."""
+
+    def __init__(self, inner: Any, state: Optional[Dict[str, Any]]):
+        self.inner, self.state = inner, state
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __iter__(self) -> Iterator[Any]:
+        if self.state is not None:
+            rng.restore(self.state)
+        return iter(self.inner)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("inner", "state"):
+            raise AttributeError(name)
+        return getattr(self.inner, name)
 
 
 class _Feed:
@@ -169,10 +209,10 @@ class Stream:
         self._first = True
         self._it: Optional[Iterator[Tuple[Any, int]]] = None
         if not deferred:
-            self._it = self._begin(None, None)
+            self._it = self._begin(None, None, resumed=False)
 
-    def _begin(self, start: Optional[Dict[str, Any]], generators: Optional[Dict[str, Any]]
-               ) -> Iterator[Tuple[Any, int]]:
+    def _begin(self, start: Optional[Dict[str, Any]], generators: Optional[Dict[str, Any]],
+               resumed: bool = True) -> Iterator[Tuple[Any, int]]:
         rp = self.replay
         if rp is None:
             return ((b, 0) for b in iter(self.loader))
@@ -180,7 +220,7 @@ class Stream:
             rp.load_generators(generators)  # an epoch-end checkpoint: where this epoch starts
         if start:
             self.samples, self.batches = int(start["samples"]), int(start["batches"])
-        return rp.begin(start)
+        return rp.begin(start, resumed=resumed)
 
     def __iter__(self) -> "Stream":
         return self
@@ -295,6 +335,14 @@ class TrainData:
         for i, (loader, rp) in self.replays.items():
             pos = positions[i] if i < len(positions) else None
             if rp is not None and rp.workers_draw() and pos is not None and pos.get("workers") is None:
+                return int(loader.num_workers)
+        return None
+
+    def persistent_draws(self) -> Optional[int]:
+        """The number of workers of a loader with persistent workers that draw random numbers (their
+        streams do not continue across a resume), or None."""
+        for loader, rp in self.replays.values():
+            if rp is not None and rp._persistent and rp.workers_draw():
                 return int(loader.num_workers)
         return None
 

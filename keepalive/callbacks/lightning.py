@@ -389,6 +389,14 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
                     "order exactly, but not the workers' draws for the rest of that epoch.", key="worker-draws")
         else:
             saved["generators"] = self.data.generators_now()  # where the next epoch's order starts
+        persistent = self.data.persistent_draws()
+        if persistent is not None:
+            self.core.warn(
+                f"the training loader's {persistent} persistent worker(s) (persistent_workers=True) draw random "
+                "numbers (augmentation in the dataset): a resume starts new workers, which do not continue the "
+                "random streams of the ones they replace, so the augmentation after a resume differs from an "
+                "uninterrupted run (the data order and the main process's draws are exact). "
+                "persistent_workers=False resumes bit-exactly.", key="persistent-worker-draws")
         return {"lightning": lt, "data": saved}
 
     def _say_once(self, message: str, key: str) -> None:
