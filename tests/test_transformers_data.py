@@ -193,3 +193,16 @@ def test_a_stream_checkpoints_every_n_steps_and_resumes_exactly(tmp_path, capsys
     assert (err.count(told) == 1) if data == "stream" else (told not in err)
     _, resumed = _stopped_and_resumed(tmp_path, 7, data=data)
     assert_same(plain, resumed)
+
+
+def test_a_collator_with_its_own_seed_is_told_once(tmp_path, capsys):
+    """``DataCollatorForLanguageModeling(seed=...)`` masks from a generator of its own, which is not saved: the
+    first mid-epoch save says so (once), instead of a resume that masks differently in silence."""
+    from transformers import DataCollatorForLanguageModeling
+
+    from keepalive.callbacks.transformers import DriveCheckpoint
+
+    t = hf_setup.trainer(str(tmp_path / "hf"), DriveCheckpoint(tmp_path / "run", every=1, quiet=True), epochs=1)
+    t.data_collator = DataCollatorForLanguageModeling(hf_setup.tokenizer(), mlm_probability=0.3, seed=1)
+    t.train()
+    assert capsys.readouterr().err.count("draws from its own generator (seed=1)") == 1
