@@ -43,8 +43,10 @@ import os
 import pickle
 import random
 import shutil
+import sys
 import tempfile
 import time
+import weakref
 from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
@@ -54,7 +56,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, get_work
 from .. import rng
 from .torchstate import RandomState
 
-__all__ = ["LoaderReplay", "batch_len"]
+__all__ = ["LoaderReplay", "ForeignIterators", "batch_len"]
 
 _GENERATOR_TYPES = (torch.Generator, np.random.Generator, np.random.RandomState, random.Random)
 _KNOWN_SAMPLERS = frozenset({
@@ -248,7 +250,11 @@ class LoaderReplay:
 
     def __init__(self, loader: DataLoader):
         self.loader = loader
+        #: integer attributes as the code built them: those that change later are counters (an epoch)
+        self._initial_ints = self._ints()
         self.why_not = ""
+        #: why a mid-epoch resume of this loader is not bit-exact although it is positioned ('' if it is)
+        self.inexact = ""
         self.mode = self._mode()
         self.start_state: Optional[Dict[str, Any]] = None  # recorded at the running iteration's iter()
         self._positioned: Optional[_Positioned] = None
@@ -287,7 +293,12 @@ class LoaderReplay:
         return None
 
     def _mode(self) -> str:
-        if self._stateful() is not None:
+        holder = self._stateful()
+        if holder is not None:
+            if _buffered_shuffle(holder):
+                self.inexact = (f"{type(holder).__name__} shuffles with a buffer that its state_dict() does "
+                                "not hold: a resume from a mid-epoch checkpoint refills the buffer, so the "
+                                "rest of that epoch sees another order than an uninterrupted run")
             return "stateful"
         loader = self.loader
         name = type(loader).__name__
@@ -310,16 +321,42 @@ class LoaderReplay:
         return "replay"
 
     def _samplers(self) -> List[Tuple[str, Any]]:
-        """The sampler objects an iteration uses, by path."""
-        loader = self.loader
+        """The sampler objects an iteration uses, by path (samplers inside samplers too: a batch
+        sampler's sampler, Accelerate's shard around the user's batch sampler)."""
         found: List[Tuple[str, Any]] = []
-        seen = set()
-        for path, obj in (("batch_sampler", loader.batch_sampler), ("sampler", loader.sampler),
-                          ("batch_sampler.sampler", getattr(loader.batch_sampler, "sampler", None))):
-            if obj is not None and id(obj) not in seen:
-                seen.add(id(obj))
-                found.append((path, obj))
+        seen = {id(self.loader.dataset)}
+        todo: List[Tuple[str, Any, int]] = [("batch_sampler", self.loader.batch_sampler, 0),
+                                            ("sampler", self.loader.sampler, 0)]
+        while todo:
+            path, obj, depth = todo.pop(0)
+            if obj is None or id(obj) in seen or isinstance(obj, (_Positioned, torch.Tensor, list, tuple)):
+                continue
+            seen.add(id(obj))
+            found.append((path, obj))
+            if depth < 3:
+                todo += [(f"{path}.{a}", getattr(obj, a, None), depth + 1) for a in ("batch_sampler", "sampler")]
         return found
+
+    def _counters(self) -> Dict[str, Dict[str, int]]:
+        """The integer attributes of the loader and its samplers that changed since the code built
+        them (an epoch count, such as ``set_epoch`` or Accelerate's sampler keep): the order may
+        depend on them."""
+        now = self._ints()
+        return {p: {k: v for k, v in attrs.items() if self._initial_ints.get(p, {}).get(k) != v}
+                for p, attrs in now.items() if attrs != self._initial_ints.get(p)}
+
+    def _ints(self) -> Dict[str, Dict[str, int]]:
+        objects = [("loader", self.loader), *self._samplers()]
+        return {p: {k: v for k, v in _plain_attrs(o).items() if type(v) is int} for p, o in objects}
+
+    def _load_counters(self, saved: Dict[str, Dict[str, int]]) -> None:
+        objects = dict(self._samplers())
+        objects["loader"] = self.loader
+        for path, attrs in saved.items():
+            obj = objects.get(path)
+            if obj is not None:
+                for k, v in attrs.items():
+                    object.__setattr__(obj, k, int(v))
 
     def _generators(self) -> Dict[str, Any]:
         """Every private generator the iteration may draw from, by path (each object once)."""
@@ -351,9 +388,9 @@ class LoaderReplay:
             for _ in range(2):
                 rng.restore(saved)
                 twin = copy.deepcopy(index_sampler, dict(memo_base))
-                before = _plain_attrs(twin)
+                before = _chain_attrs(twin)
                 firsts.append([_as_list(b) for b in itertools.islice(iter(twin), _PROBE_BATCHES)])
-                mutated = mutated or _plain_attrs(twin) != before
+                mutated = mutated or _chain_attrs(twin) != before
         except Exception as e:  # a sampler that cannot be copied: cannot be checked either
             return (f"sampler {name} cannot be copied to check that its order replays ({type(e).__name__}: "
                     f"{e}); checkpoints at epoch ends only")
@@ -379,7 +416,7 @@ class LoaderReplay:
             yield from self._iterate_stateful(start, on_positioned)
             return
         if self.mode == "epoch" or self._positioned is None:
-            for batch in self.loader:
+            for batch in _ours(iter(self.loader)):
                 yield batch, _batch_size_of(batch, self.loader.batch_size)
             return
         pos = self._positioned
@@ -395,12 +432,12 @@ class LoaderReplay:
             pos.on_positioned = lambda: _then(rng.restore, now, on_positioned)
             resume = {int(k): v for k, v in (start.get("workers") or {}).items()}
         self.start_state = self._record()
-        it = self._iter_with(pos, resume)
+        it, first = self._iter_with(pos, resume)
         if not pos.used:
             self.why_not = (f"{type(self.loader).__name__} does not iterate through its batch_sampler: "
                             "checkpoints at epoch ends only")
             self.mode = "epoch"
-        for batch in it:
+        for batch in itertools.chain(first, _ours(it)):
             if not pos.generated:  # a subclass yields more batches than its batch sampler gives
                 self.mode, self.why_not = "epoch", (
                     f"{type(self.loader).__name__} overrides DataLoader.__iter__ and yields other batches "
@@ -409,7 +446,9 @@ class LoaderReplay:
                 continue
             yield batch, pos.generated.popleft()
 
-    def _iter_with(self, pos: _Positioned, resume: Optional[Dict[int, Any]]) -> Iterator[Any]:
+    def _iter_with(self, pos: _Positioned, resume: Optional[Dict[int, Any]]) -> Tuple[Iterator[Any], List[Any]]:
+        """``iter(loader)`` and its first batch (a subclass whose ``__iter__`` is a generator creates
+        the real iterator at the first ``next()``), with the stand-ins in place."""
         loader = self.loader
         attr = "batch_sampler" if loader.batch_sampler is not None else "sampler"
         original = getattr(loader, attr)
@@ -425,7 +464,8 @@ class LoaderReplay:
                     shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
                     self._folder = tempfile.mkdtemp(prefix="keepalive-workers-", dir=shm)
                 object.__setattr__(loader, "dataset", _WorkerDraws(dataset, self._folder, resume))
-            return iter(loader)
+            it = iter(loader)
+            return it, list(itertools.islice(_ours(it), 1))
         finally:
             object.__setattr__(loader, attr, original)
             if workers:
@@ -440,7 +480,7 @@ class LoaderReplay:
         it = iter(self.loader)
         if on_positioned is not None and start:
             on_positioned()
-        for batch in it:
+        for batch in _ours(it):
             yield batch, _batch_size_of(batch, self.loader.batch_size)
 
     # --------------------------------------------------------------------------------- states
@@ -448,7 +488,8 @@ class LoaderReplay:
         """The states this iteration starts from (saved with a mid-epoch checkpoint)."""
         state: Dict[str, Any] = {"rng": rng.capture(),
                                  "generators": {p: RandomState(g).state_dict()
-                                                for p, g in self._generators().items()}}
+                                                for p, g in self._generators().items()},
+                                 "counters": self._counters()}
         samplers = {p: s.state_dict() for p, s in self._samplers() if callable(getattr(s, "state_dict", None))
                     and callable(getattr(s, "load_state_dict", None))}
         if samplers:
@@ -459,17 +500,25 @@ class LoaderReplay:
         at = start.get("at_iter") or {}
         if at.get("rng") is not None:
             rng.restore(at["rng"])
-        self.load_generators(at.get("generators") or {})
+        self._load_generators(at.get("generators") or {})
+        self._load_counters(at.get("counters") or {})
         samplers = dict(self._samplers())
         for path, sd in (at.get("samplers") or {}).items():
             if path in samplers:
                 samplers[path].load_state_dict(sd)
 
     def generators_now(self) -> Dict[str, Any]:
-        """The private generators' states now (an epoch-end checkpoint: where the next epoch starts)."""
-        return {p: RandomState(g).state_dict() for p, g in self._generators().items()}
+        """The private generators' states and the samplers' counters now (an epoch-end checkpoint:
+        where the next epoch starts)."""
+        return {"generators": {p: RandomState(g).state_dict() for p, g in self._generators().items()},
+                "counters": self._counters()}
 
     def load_generators(self, states: Dict[str, Any]) -> None:
+        """Put back :meth:`generators_now`."""
+        self._load_generators(states.get("generators") or {})
+        self._load_counters(states.get("counters") or {})
+
+    def _load_generators(self, states: Dict[str, Any]) -> None:
         gens = self._generators()
         for path, sd in states.items():
             if path in gens:
@@ -527,10 +576,33 @@ def _worker_state() -> Tuple[torch.Tensor, Any, bytes, int]:
     return (torch.random.get_rng_state(), random.getstate(), bytes(np_state[1][:4].tobytes()), int(np_state[2]))
 
 
+def _buffered_shuffle(obj: Any) -> bool:
+    """A Hugging Face ``datasets.IterableDataset`` shuffled with ``.shuffle(buffer_size=...)``."""
+    ex = getattr(obj, "_ex_iterable", None)
+    for _ in range(16):
+        if ex is None:
+            return False
+        if "BufferShuffled" in type(ex).__name__:
+            return True
+        ex = getattr(ex, "ex_iterable", None)
+    return False
+
+
 def _then(first: Callable[[Any], None], arg: Any, then: Optional[Callable[[], None]]) -> None:
     first(arg)
     if then is not None:
         then()
+
+
+def _chain_attrs(sampler: Any) -> List[Dict[str, Any]]:
+    """The plain attributes of a sampler and of the samplers inside it."""
+    out = []
+    for _ in range(4):
+        if sampler is None:
+            break
+        out.append(_plain_attrs(sampler))
+        sampler = getattr(sampler, "sampler", None) or getattr(sampler, "batch_sampler", None)
+    return out
 
 
 def _plain_attrs(obj: Any) -> Dict[str, Any]:
@@ -555,3 +627,100 @@ def _batch_size_of(batch: Any, default: Optional[int]) -> int:
     if isinstance(batch, dict) and batch:
         return _batch_size_of(next(iter(batch.values())), default)
     return int(default or 1)
+
+
+# ------------------------------------------------------------------ loaders outside ckpt.batches()
+_depth = 0  # > 0 while keepalive itself takes a batch from a loader
+
+
+def _ours(it: Iterator[Any]) -> Iterator[Any]:
+    """``it``'s items, taken as keepalive's (not counted by :class:`ForeignIterators`)."""
+    global _depth
+    while True:
+        _depth += 1
+        try:
+            item = next(it)
+        except StopIteration:
+            return
+        finally:
+            _depth -= 1
+        yield item
+
+
+class ForeignIterators:
+    """Notices DataLoader iterators that the training loop advances itself across training
+    boundaries (``zip(ckpt.batches(labeled), unlabeled_loader)``, FixMatch's ``next(unlabeled_iter)``):
+    after a resume they restart their epoch, which keepalive cannot see in the checkpoint. A loader
+    iterated whole between two boundaries (a validation loop) is not one of them.
+
+    While a training runs, ``_BaseDataLoaderIter.__next__`` is wrapped (one check per batch);
+    :meth:`uninstall` puts it back."""
+
+    _active: List["ForeignIterators"] = []
+    _original: Optional[Callable[[Any], Any]] = None
+
+    def __init__(self) -> None:
+        self.boundary = 0  # the adapter counts its training boundaries here
+        self._first: "weakref.WeakKeyDictionary[Any, Tuple[int, str]]" = weakref.WeakKeyDictionary()
+        self._flagged: Dict[str, bool] = {}  # name -> told
+
+    def install(self) -> None:
+        from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+        cls = ForeignIterators
+        if cls._original is None:
+            original = _BaseDataLoaderIter.__next__
+            cls._original = original
+
+            def __next__(it: Any) -> Any:
+                if not _depth:
+                    for watcher in cls._active:
+                        watcher._saw(it)
+                return original(it)
+
+            _BaseDataLoaderIter.__next__ = __next__  # type: ignore[method-assign,assignment]
+        if self not in cls._active:
+            cls._active.append(self)
+
+    def uninstall(self) -> None:
+        from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+        cls = ForeignIterators
+        if self in cls._active:
+            cls._active.remove(self)
+        if not cls._active and cls._original is not None:
+            _BaseDataLoaderIter.__next__ = cls._original  # type: ignore[method-assign,assignment]
+            cls._original = None
+
+    def _saw(self, it: Any) -> None:
+        try:
+            first = self._first.get(it)
+        except TypeError:
+            return
+        if first is None:
+            self._first[it] = (self.boundary, _name_of(it, sys._getframe(2)))
+        elif first[0] != self.boundary and first[1] not in self._flagged:
+            self._flagged[first[1]] = False
+
+    def untold(self) -> List[str]:
+        """Names of the loaders noticed since the last call."""
+        names = [n for n, told in self._flagged.items() if not told]
+        for n in names:
+            self._flagged[n] = True
+        return names
+
+
+def _name_of(it: Any, frame: Any) -> str:
+    """The name the loop's code gives the iterator or its DataLoader (else a description)."""
+    dataset = getattr(it, "_dataset", None)
+    for _ in range(3):
+        if frame is None:
+            break
+        for name, value in frame.f_locals.items():
+            if isinstance(value, DataLoader) and dataset is not None and value.dataset is dataset:
+                return name
+        for name, value in frame.f_locals.items():
+            if value is it:
+                return name
+        frame = frame.f_back
+    return f"a DataLoader over a {type(dataset).__name__}"

@@ -52,7 +52,7 @@ from ..config import CheckpointConfig
 from ..core import Checkpointer
 from ..statetree import Captured, StateTree
 from ._torch_data import DatasetKeys
-from ._torch_replay import LoaderReplay
+from ._torch_replay import ForeignIterators, LoaderReplay
 from .torchstate import (
     RandomState,
     changed_hyperparameters,
@@ -135,6 +135,7 @@ class DriveCheckpoint(CheckpointAdapter):
         #: training passes left inside an epoch in this process (Ctrl-C, an exception): where the same
         #: loop, run again, continues
         self._left: Dict[str, Any] = {}
+        self._foreign = ForeignIterators()  # loaders the loop iterates itself across training steps
 
     @property
     def _in_batch(self) -> bool:
@@ -239,6 +240,7 @@ class DriveCheckpoint(CheckpointAdapter):
         core.check_storable(self._storable_preview)  # a value that cannot be stored fails now
         core.install_signal_handlers()
         self._in_epochs = True
+        self._foreign.install()
         try:
             while core.counters["epoch"] < n:
                 core.start_epoch()
@@ -263,6 +265,7 @@ class DriveCheckpoint(CheckpointAdapter):
                     return
         finally:
             self._in_epochs = False
+            self._foreign.uninstall()
             for rl in self._loaders.values():
                 rl.close()
             core.uninstall_signal_handlers()
@@ -373,6 +376,7 @@ class DriveCheckpoint(CheckpointAdapter):
                           for q in self._passes)
         requested, self._save_requested = self._save_requested, False
         samples, self._samples_out = self._samples_out, 0
+        self._foreign.boundary += 1
         mid_epoch = all(q.rl.mid_epoch for q in self._passes if q.trains)
         self.core.trigger.mid_epoch = mid_epoch
         return self.core.advance(self.capture, steps=steps, batch=p.done, samples=samples, can_save=mid_epoch,
@@ -465,6 +469,12 @@ class DriveCheckpoint(CheckpointAdapter):
 
     # ------------------------------------------------------------------------------- save/state
     def capture(self) -> Captured:
+        for name in self._foreign.untold():
+            self.core.warn(
+                f"{name} is iterated outside ckpt.batches() across training steps: after a resume it "
+                "restarts its epoch, so its batches differ from an uninterrupted run's. Pass it through "
+                f"ckpt.batches() too (e.g. zip(ckpt.batches(labeled), ckpt.batches({name}))).",
+                key=f"foreign:{name}")
         data: Dict[str, Any] = {"seen_step": self._seen_step, "train_loader": self._train_key}
         if self.core.counters["batch"]:  # inside an epoch: where each training pass is, the epoch's RNGs
             streams = {p.key: p.rl.position(p.position, p.done) for p in self._passes if p.trains}
@@ -484,9 +494,11 @@ class DriveCheckpoint(CheckpointAdapter):
                           "hparams": self._hparams}}
 
     def _tell_workers(self, streams: Dict[str, Any]) -> None:
-        """A mid-epoch save whose training loader's workers draw random numbers, and whose random
-        states keepalive could not take from them: say once that a resume from here differs."""
+        """A mid-epoch save that a resume will not continue bit-exactly (a loader's shuffle buffer, or
+        workers that draw random numbers and whose states keepalive could not take): say so once."""
         for p in self._passes:
+            if p.trains and p.rl.inexact:
+                self.core.warn(p.rl.inexact, key=f"inexact:{p.rl.inexact}")
             if p.trains and p.rl.workers_draw() and (streams.get(p.key) or {}).get("workers") is None:
                 n = p.rl.loader.num_workers
                 self.core.warn(
