@@ -5,9 +5,11 @@ replaying their own randomness (``keepalive.callbacks._lightning_data``):
   (``shuffle=True``, 0 and 2 workers with random augmentation in the dataset, dropout, the OneCycleLR
   recipe reading ``trainer.estimated_stepping_batches`` with a sanity check in between); its negative
   control: one extra draw from the global RNG before the fit's first batch (the sampler's seed) is caught;
-* loader shapes (a custom sampler, ``batch_sampler=``, ``WeightedRandomSampler``, 2 workers with
-  augmentation, ``StatefulDataLoader``-like loaders aside): a fit stopped inside an epoch (the deadline
-  stop) and resumed in the same process ends bit-identical to an uninterrupted one;
+* loader shapes (``shuffle=True`` with 0 / 2 workers and augmentation, a custom sampler with its own
+  generator, ``batch_sampler=`` (custom and over a ``RandomSampler``), ``WeightedRandomSampler``,
+  ``generator=``, torchdata's ``StatefulDataLoader``, a dict of two loaders; persistent workers): a fit
+  stopped inside an epoch (the deadline stop) and resumed in the same process ends bit-identical to an
+  uninterrupted one;
 * a sampler whose order does not replay stays at epoch ends, said once.
 
 In-process (no subprocess import cost); the SIGKILL crash tests are in test_lightning.py."""
@@ -117,6 +119,12 @@ class Data(pl.LightningDataModule):
             return DataLoader(ds, batch_size=BS, sampler=WeightedRandomSampler(weights, N), **kw)
         if self.shape == "generator":
             return DataLoader(ds, batch_size=BS, shuffle=True, generator=torch.Generator().manual_seed(11), **kw)
+        if self.shape == "stateful":
+            stateful = pytest.importorskip("torchdata.stateful_dataloader")
+            return stateful.StatefulDataLoader(ds, batch_size=BS, shuffle=True, **kw)
+        if self.shape == "two_loaders":  # a dict of loaders (Lightning's CombinedLoader, max_size_cycle)
+            return {"a": DataLoader(ds, batch_size=BS, shuffle=True, **kw),
+                    "b": DataLoader(ds, batch_size=BS // 2, sampler=OwnRngSampler(N), **kw)}
         if self.shape == "unreplayable":
             return DataLoader(ds, batch_size=BS, sampler=Unreplayable(N), **kw)
         raise ValueError(self.shape)
@@ -139,6 +147,8 @@ class Net(pl.LightningModule):
             torch.rand(1)
 
     def training_step(self, batch, batch_idx):
+        if isinstance(batch, dict):
+            batch = [torch.cat([batch["a"][0], batch["b"][0]]), torch.cat([batch["a"][1], batch["b"][1]])]
         loss = torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
         self.log("loss", loss, on_step=True, on_epoch=True)
         return loss
@@ -193,7 +203,7 @@ def _stop_then_resume(tmp_path, shape, workers=0, stop_after=8, extra_draw=False
 @pytest.mark.parametrize("shape,workers,stop_after,extra_draw", [
     ("shuffle", 0, 8, False), ("shuffle", 2, 8, False), ("custom_sampler", 0, 8, False),
     ("batch_sampler", 0, 8, False), ("batch_sampler_of_random", 0, 8, False), ("weighted", 2, 8, False),
-    ("generator", 0, 8, False),
+    ("generator", 0, 8, False), ("stateful", 0, 8, False), ("two_loaders", 0, 8, False),
     # inside epoch 0, whose iterator configure_optimizers created before on_train_start drew a random
     # number: the sampler's seed is drawn at the first batch, from the state after that draw
     ("shuffle", 0, 3, True)])
@@ -201,7 +211,7 @@ def test_mid_epoch_resume_is_exact_for_each_loader_shape(tmp_path, shape, worker
     ref, ref_trainer, _ = fit(None, shape, workers, extra_draw=extra_draw)
     resumed, trainer, cb = _stop_then_resume(tmp_path, shape, workers, stop_after, extra_draw)
     assert cb.why_not is None
-    assert trainer.global_step == ref_trainer.global_step == 18
+    assert trainer.global_step == ref_trainer.global_step == (36 if shape == "two_loaders" else 18)
     assert_same(ref, resumed, f"{shape} with {workers} workers: resumed vs uninterrupted")
     assert {k: float(v) for k, v in trainer.callback_metrics.items()} == \
         {k: float(v) for k, v in ref_trainer.callback_metrics.items()}

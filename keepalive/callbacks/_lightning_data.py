@@ -71,12 +71,14 @@ class _Replay(LoaderReplay):
         loader = self.loader
         if self.mode == "stateful":
             holder = self._stateful()
-            if start and start.get("state") is not None and holder is not None:
-                now = rng.capture()
-                holder.load_state_dict(start["state"])
-                rng.restore(now)
             self.start_state = None
-            return ((b, _size_of(b, loader.batch_size)) for b in iter(loader))
+            if not (start and start.get("state") is not None and holder is not None):
+                return ((b, _size_of(b, loader.batch_size)) for b in iter(loader))
+            now = rng.capture()  # what loading the state and creating the iterator draw is not the step's
+            holder.load_state_dict(start["state"])
+            it = iter(loader)
+            rng.restore(now)
+            return ((b, _size_of(b, loader.batch_size)) for b in it)
         pos = self._positioned
         if self.mode == "epoch" or pos is None:
             return ((b, _size_of(b, loader.batch_size)) for b in iter(loader))
