@@ -55,6 +55,12 @@ def _tf_context() -> Any:
     return context.Context
 
 
+def _tf_dataset() -> Any:
+    import tensorflow as tf
+
+    return tf.data.Dataset
+
+
 def _eager_tensor() -> Any:
     from tensorflow.python.framework import ops
 
@@ -147,6 +153,9 @@ def _internals() -> List[Internal]:
                  uses(_tf_context, "_seed", "_rng"), token="ctx._rng", package=tf),
         Internal("tensorflow.python.eager.context.Context._set_global_seed", "sets the global seed at a restore",
                  f"{S}: _tf_op_seeds_restore", has(_tf_context, "_set_global_seed"), package=tf),
+        Internal("tensorflow.data.Dataset._variant_tensor", "the pipeline's graph, serialized to tell whether "
+                 "every pass yields the same batches (without it: told as not exact)", f"{D}: tf_dataset_kind",
+                 has(_tf_dataset, "_variant_tensor"), token="_variant_tensor", package=tf, required=False),
         Internal("tensorflow.python.framework.ops.EagerTensor._numpy", "a view of a variable's buffer "
                  "(without it: a copy, slower)",
                  f"{S}: variable_array", has(_eager_tensor, "_numpy"), token='"_numpy"', package=tf,
