@@ -95,6 +95,13 @@ class Unreplayable(Sampler):
         return iter(random.Random().sample(range(self.n), self.n))
 
 
+class GeneratorLoader(DataLoader):
+    """A DataLoader subclass whose ``__iter__`` is a generator: it iterates after ``iter()`` returned."""
+
+    def __iter__(self):
+        yield from super().__iter__()
+
+
 class Data(pl.LightningDataModule):
     def __init__(self, shape="shuffle", workers=0, persistent=False):
         super().__init__()
@@ -125,6 +132,8 @@ class Data(pl.LightningDataModule):
         if self.shape == "two_loaders":  # a dict of loaders (Lightning's CombinedLoader, max_size_cycle)
             return {"a": DataLoader(ds, batch_size=BS, shuffle=True, **kw),
                     "b": DataLoader(ds, batch_size=BS // 2, sampler=OwnRngSampler(N), **kw)}
+        if self.shape == "generator_subclass":
+            return GeneratorLoader(ds, batch_size=BS, shuffle=True, **kw)
         if self.shape == "unreplayable":
             return DataLoader(ds, batch_size=BS, sampler=Unreplayable(N), **kw)
         raise ValueError(self.shape)
@@ -251,9 +260,12 @@ def test_mid_epoch_resume_control_position_dropped(tmp_path, monkeypatch):
     assert_differs(ref, resumed)
 
 
-def test_unreplayable_sampler_saves_at_epoch_ends_only(tmp_path, capsys):
-    _, _, cb = fit(tmp_path / "run", "unreplayable", every=2)
+@pytest.mark.parametrize("shape,said", [("unreplayable", "Unreplayable"), ("generator_subclass", "GeneratorLoader")])
+def test_unpositionable_loaders_save_at_epoch_ends_only(tmp_path, capsys, shape, said):
+    """A sampler whose order does not replay (found when the callback starts), a subclass iterating
+    outside its batch sampler (found at its first iteration): epoch ends only, said once."""
+    _, _, cb = fit(tmp_path / "run", shape, every=2)
     out = capsys.readouterr()
-    assert "Unreplayable" in out.out + out.err and cb.why_not
+    assert (out.out + out.err).count(said) == 1 and cb.why_not
     steps = sorted(info.step for info in cb.core.store.list())
     assert steps and all(s % 6 == 0 for s in steps), steps

@@ -76,9 +76,9 @@ class _Replay(LoaderReplay):
                 return ((b, _size_of(b, loader.batch_size)) for b in iter(loader))
             now = rng.capture()  # what loading the state and creating the iterator draw is not the step's
             holder.load_state_dict(start["state"])
-            it = iter(loader)
+            batches = iter(loader)
             rng.restore(now)
-            return ((b, _size_of(b, loader.batch_size)) for b in it)
+            return ((b, _size_of(b, loader.batch_size)) for b in batches)
         pos = self._positioned
         if self.mode == "epoch" or pos is None:
             return ((b, _size_of(b, loader.batch_size)) for b in iter(loader))
@@ -299,6 +299,12 @@ class TrainData:
             why = why or w
         self.why_not = why
         return why
+
+    def why_now(self) -> Optional[str]:
+        """Why a loader turned out not positionable while iterating (e.g. a subclass iterating
+        outside its batch sampler), or None."""
+        return next((rp.why_not or "checkpoints at epoch ends only" for _, rp in self.replays.values()
+                     if rp is not None and not rp.mid_epoch), None)
 
     def open(self, index: int, loader: Any) -> Stream:
         """``iter()`` of training loader ``index``: now, or (the first one of a resumed fit) at its

@@ -306,11 +306,18 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
         else:
             why = self.data.check(list(combined.flattened))
         data.install(combined, self.data)
-        self.why_not = why
-        self.core.trigger.mid_epoch = why is None
-        self.core.mid_epoch_obstacle = why
+        self.why_not = None
+        self.core.trigger.mid_epoch = True
+        self.core.mid_epoch_obstacle = None
         if why is not None:
-            self.core.warn(why, key=f"lightning-data:{why}")
+            self._cannot_position(why)
+
+    def _cannot_position(self, why: Optional[str]) -> None:
+        """The training data cannot be positioned inside an epoch: checkpoints at epoch ends, said once."""
+        self.why_not = why
+        self.core.trigger.mid_epoch = False
+        self.core.mid_epoch_obstacle = why
+        self.core.warn(str(why), key=f"lightning-data:{why}")
 
     # -------------------------------------------------------------------------------- boundaries
     def _step_boundary(self, trainer: Any) -> None:
@@ -323,6 +330,8 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
         else:
             pending = steps == 0  # no optimizer step in this batch: gradients may be accumulated
         validated, self._validated = self._validated, False
+        if self.why_not is None and self.data.why_now() is not None:  # found out while iterating
+            self._cannot_position(self.data.why_now())
         bp = epoch_loop.batch_progress
         can_save = (self.why_not is None and not validated and not bp.is_last_batch
                     and not trainer.should_stop)
