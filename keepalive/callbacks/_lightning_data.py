@@ -125,8 +125,6 @@ class _Replay(LoaderReplay):
         later, after hooks that may draw random numbers). ``state``: the random state the index
         sampler starts from (put back when the iterator asks for its indices)."""
         loader = self.loader
-        if state is not None:
-            pos = _StartsFrom(pos, state)
         attr = "batch_sampler" if loader.batch_sampler is not None else "sampler"
         original = getattr(loader, attr)
         dataset = loader.dataset
@@ -134,7 +132,8 @@ class _Replay(LoaderReplay):
         pos.used = False
         pos.serial += 1
         pos.tagging = workers
-        object.__setattr__(loader, attr, pos)
+        index = _StartsFrom(pos, state) if state is not None else pos
+        object.__setattr__(loader, attr, index)
         try:
             if workers:
                 if self._folder is None:
@@ -146,8 +145,8 @@ class _Replay(LoaderReplay):
             object.__setattr__(loader, attr, original)
             if workers:
                 object.__setattr__(loader, "dataset", dataset)
-            if isinstance(pos, _StartsFrom):
-                pos.state = None
+            if isinstance(index, _StartsFrom):
+                index.state = None
 
     def _batches(self, it: Iterator[Any]) -> Iterator[Tuple[Any, int]]:
         pos = self._positioned

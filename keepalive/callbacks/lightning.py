@@ -30,6 +30,8 @@ an unknown one is checked once), ``StatefulDataLoader`` (through its ``state_dic
 (``IterableDataset``, a sampler whose order does not replay): checkpoints at epoch ends only, said once.
 A ``configure_optimizers`` that reads ``trainer.estimated_stepping_batches`` (the OneCycleLR recipe),
 which makes Lightning build the training loader before its loop state is restored, resumes exactly too.
+``persistent_workers=True``: exact when the workers draw no random numbers; when they do (augmentation
+in the dataset), said once: a resume starts new workers, whose streams differ from the ones they replace.
 
 When: ``every=`` (epochs, optimizer steps = ``trainer.global_step``, a duration), before the session's
 deadline (then ``trainer.should_stop`` ends the fit cleanly: ``cb.stopped``), at the end of training, on
