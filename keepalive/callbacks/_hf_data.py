@@ -316,6 +316,10 @@ class Replay:
             self.collate.made = trained  # the pass continues at that batch (no batch is read again)
         return in_plan
 
+    def end_pass(self) -> None:
+        """The pass is over: let go of its iterator (its worker processes end with it, as without keepalive)."""
+        self.source = self.feed = None
+
     def fetched(self) -> None:
         """A pass's first fetch is done: new workers that took over states start as seeded from now on."""
         if self.keep_rng is not None:

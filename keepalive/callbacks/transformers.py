@@ -253,6 +253,8 @@ class DriveCheckpoint(CheckpointAdapter, TrainerCallback):
                 core.end_epoch(self.capture, last=True, epoch=epochs)
         finally:
             self._active = False
+            if self._replay is not None:
+                self._replay.end_pass()
             core.uninstall_signal_handlers()
             core.close()
 
@@ -518,7 +520,7 @@ class _EpochRunner:
             if cb._stream == "stateful":
                 cb._epoch_fix = (epoch, int(kwargs["steps_in_epoch"]))
             try:
-                return run(**kwargs)
+                return self._run(run, **kwargs)
             finally:
                 trainer.args.ignore_data_skip = ignore
                 cb._resume = None
@@ -528,7 +530,14 @@ class _EpochRunner:
             # keepalive's checkpoint is in force: a Trainer checkpoint passed to train() as well must
             # not make it skip batches of this epoch
             kwargs.update(resume_from_checkpoint=None)
-        return run(**kwargs)
+        return self._run(run, **kwargs)
+
+    def _run(self, run: Any, **kwargs: Any) -> Any:
+        try:
+            return run(**kwargs)
+        finally:
+            if self.cb._replay is not None:
+                self.cb._replay.end_pass()
 
 
 # ------------------------------------------------------------------------------------ helpers
