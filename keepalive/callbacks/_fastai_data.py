@@ -22,7 +22,9 @@ What it records:
   state the uninterrupted run's worker had for it, so the rest of the epoch draws what it drew then.
 
 Which loaders: fastai's ``DataLoader`` / ``TfmdDL`` / ``TabDataLoader`` and the default loaders of
-tabular and text learners, ``TabWeightedDL`` and ``SortedDL`` (:data:`_KNOWN_ORDER`); a loader with
+tabular, text and language-model learners, ``TabWeightedDL``, ``SortedDL`` and ``LMDataLoader``
+(:data:`_KNOWN_ORDER`; an ``LMDataLoader``'s text order, which its shuffle permutes in place from epoch
+to epoch, is saved and restored with the loaders' RNGs: :func:`dl_rngs`); a loader with
 another ``get_idxs`` / ``shuffle_fn`` / ``sample`` / ... cannot be positioned (:func:`positionable`
 says why; the adapter then checkpoints at epoch ends only).
 """
@@ -56,7 +58,8 @@ __all__ = ["positionable", "check_resumable", "install", "rewind", "uninstall", 
 
 #: fastai classes whose order methods replay from the recorded states (module, class, methods)
 _KNOWN_ORDER = (("fastai.tabular.core", "TabWeightedDL", ("get_idxs",)),
-                ("fastai.text.data", "SortedDL", ("get_idxs", "shuffle_fn")))
+                ("fastai.text.data", "SortedDL", ("get_idxs", "shuffle_fn")),
+                ("fastai.text.data", "LMDataLoader", ("shuffle_fn",)))
 #: worker random states kept per worker (a worker with prefetched batches may be ahead)
 _KEPT_PER_WORKER = 6
 #: how long a mid-epoch save waits for a worker to start a batch whose random state it needs
@@ -217,14 +220,33 @@ def install(dl: FastaiDataLoader) -> None:
 
 
 # ------------------------------------------------------------------------------ epoch RNGs
+def _lm_order(dl: Any) -> Optional[List[Any]]:
+    """An ``LMDataLoader``'s text order: its shuffle permutes the texts in place (``items.idxs``, shared
+    with ``lens``), each epoch from the last one's; None for other loaders."""
+    cls = getattr(sys.modules.get("fastai.text.data"), "LMDataLoader", None)
+    order = getattr(getattr(getattr(dl, "items", None), "idxs", None), "items", None)
+    return order if cls is not None and isinstance(dl, cls) and isinstance(order, list) else None
+
+
 def dl_rngs(learn: Any) -> List[Any]:
-    """The state of each fastai ``DataLoader``'s ``random.Random`` (its shuffling order)."""
-    return [dl.rng.getstate() if isinstance(getattr(dl, "rng", None), random.Random) else None
-            for dl in learn.dls.loaders]
+    """The state of each fastai ``DataLoader``'s ``random.Random`` (its shuffling order); for an
+    ``LMDataLoader`` ``{"rng": that, "order": its texts' order}``."""
+    out: List[Any] = []
+    for dl in learn.dls.loaders:
+        state = dl.rng.getstate() if isinstance(getattr(dl, "rng", None), random.Random) else None
+        order = _lm_order(dl)
+        out.append(state if order is None else {"rng": state, "order": np.asarray(order, dtype=np.int64)})
+    return out
 
 
 def set_dl_rngs(learn: Any, states: Optional[List[Any]]) -> None:
     for dl, state in zip(learn.dls.loaders, states or []):
+        if isinstance(state, dict):
+            order, live = state.get("order"), _lm_order(dl)
+            if order is not None and live is not None and len(order) == len(live):
+                live[:] = [int(i) for i in order]  # in place: items and lens share the list
+                dl.make_chunks()
+            state = state.get("rng")
         if state is not None and isinstance(getattr(dl, "rng", None), random.Random):
             dl.rng.setstate(_as_tuple(state))
 
