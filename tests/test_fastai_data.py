@@ -1,18 +1,19 @@
 """The fastai adapter and the data: keepalive does not change the training, and fastai's tabular and text
-default loaders (``TabWeightedDL``, ``SortedDL``) resume mid-epoch exactly.
+default loaders (``TabWeightedDL``, ``SortedDL``, ``LMDataLoader``) resume mid-epoch exactly.
 
 * Transparency: ``fit_one_cycle`` with ``DriveCheckpoint(every=2)`` (mid-epoch saves, worker states
   taken) and no interruption gives the weights and the Recorder history of the same training without
   keepalive, bit for bit: shuffling, dropout, augmentation from all three global RNGs in the main
   process (0 workers) or in 2 DataLoader workers, batch transforms; tabular (``TabWeightedDL``: its
-  order is NumPy's) and text (``SortedDL`` with 2 workers, a random token dropped per item in them).
+  order is NumPy's), text (``SortedDL`` with 2 workers, a random token dropped per item in them) and
+  a language model (``LMDataLoader``: its shuffle permutes the documents in place, epoch after epoch).
   Control: the same with the workers seeded one off (what keepalive's per-batch worker seeding did)
   is caught.
-* SIGKILL: the tabular and text trainings (tests/scripts/fastai_shapes.py), saving every 3 steps, are
+* SIGKILL: the tabular, text and language-model trainings (tests/scripts/fastai_shapes.py), saving every 3 steps, are
   killed at random moments and re-run until they finish; they must end bit-identical to the
   uninterrupted training without keepalive (the in-process one above). Controls: a resumed epoch that
-  does not put back the global NumPy state (the order of both loaders) or the workers' saved random
-  states is caught.
+  does not put back the global NumPy state (the tabular order), the workers' saved random states or
+  the language model's document order is caught.
 """
 import os
 import random
@@ -27,7 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "scripts"))
 from fastai.data.load import _wif  # noqa: E402
 from fastai.torch_core import set_seed  # noqa: E402
 from fastai_setup import history, make_learner, weights  # noqa: E402
-from fastai_shapes import make_tabular, make_text  # noqa: E402
+from fastai_shapes import make_lm, make_tabular, make_text  # noqa: E402
 
 from crashkit import assert_differs, assert_same, run_to_completion  # noqa: E402
 from keepalive.callbacks.fastai import DriveCheckpoint  # noqa: E402
@@ -41,6 +42,7 @@ SCENARIOS = {  # name: (learner maker, DataLoader workers, batches per epoch)
     "images-2-workers": (lambda cbs: make_learner(workers=2, cbs=cbs), 2, 6),
     "tabular": (lambda cbs: make_tabular(cbs=cbs), 0, 12),
     "text": (lambda cbs: make_text(cbs=cbs), 2, 10),
+    "lm": (lambda cbs: make_lm(cbs=cbs), 0, 11),
 }
 
 
@@ -117,7 +119,7 @@ def _result(tmp_path):
         return {"weights": load_file(str(tmp_path / "w.st")), "history": json.load(f)}
 
 
-@pytest.mark.parametrize("shape,seed", [("tabular", 3), ("text", 5)])
+@pytest.mark.parametrize("shape,seed", [("tabular", 3), ("text", 5), ("lm", 11)])
 def test_sigkill_mid_epoch_is_bit_exact(tmp_path, plain, shape, seed):
     n_iter = SCENARIOS[shape][2]
     report = run_to_completion(_cmd(tmp_path, shape), total_steps=EPOCHS * n_iter, kills=2,
@@ -138,6 +140,7 @@ class _KillLast(random.Random):
 @pytest.mark.parametrize("shape,broken,commit", [
     ("tabular", "numpy", 15),  # TabWeightedDL's order: np.random.choice at epoch 1's start
     ("text", "workers", 12),   # SortedDL with 2 workers dropping random tokens, resumed at batch 2
+    ("lm", "lm_order", 15),    # LMDataLoader: epoch 1 shuffles the documents from epoch 0's order
 ])
 def test_sigkill_controls(tmp_path, plain, shape, broken, commit):
     """Negative controls: killed once inside epoch 1 (after the save at step ``commit``), resumed without

@@ -5,6 +5,8 @@ tests), and, run as a script, a training of one of them for crash tests.
   ``TabularPandas`` (Categorify, FillMissing, Normalize) and ``tabular_learner`` (embedding and layer
   dropout): the training loader is a shuffling ``TabWeightedDL``, whose order comes from the global NumPy
   generator (``np.random.choice``).
+* ``lm``: documents of token ids through ``LMDataLoader`` (a language model's default loader: each
+  epoch's shuffle permutes the documents in place, from the last epoch's order; python's ``random``).
 * ``text``: token-id sequences of varying length (a random token dropped per item: augmentation, in
   workers) through ``SortedDL`` with ``pad_input`` (a text classifier's default loader: its shuffle is
   NumPy's, sorted by length in chunks) and a small embedding-bag classifier with dropout.
@@ -32,7 +34,7 @@ from fastai.tabular.all import (
     tabular_config,
     tabular_learner,
 )
-from fastai.text.data import SortedDL, TensorText, pad_input
+from fastai.text.data import LMDataLoader, SortedDL, TensorText, pad_input
 from fastai.torch_core import TensorCategory, set_seed
 from torch import nn
 
@@ -96,7 +98,41 @@ def make_text(seed: int = 42, n: int = 160, bs: int = 16, workers: int = 2, cbs=
                    metrics=accuracy, cbs=cbs)
 
 
-MAKERS = {"tabular": make_tabular, "text": make_text}
+class Texts(torch.utils.data.Dataset):
+    """Documents of 20..60 token ids for a language model."""
+
+    n_inp = 1
+
+    def __init__(self, n: int, seed: int):
+        g = np.random.default_rng(seed)
+        self.docs = [TensorText(g.integers(2, VOCAB, int(g.integers(20, 61)))) for _ in range(n)]
+
+    def __len__(self) -> int:
+        return len(self.docs)
+
+    def __getitem__(self, i):
+        return self.docs[i]
+
+
+class NextToken(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 16)
+        self.head = nn.Sequential(nn.Dropout(0.2), nn.Linear(16, VOCAB))
+
+    def forward(self, x):
+        return self.head(self.emb(x))
+
+
+def make_lm(seed: int = 42, n: int = 24, bs: int = 8, seq_len: int = 12, workers: int = 0, cbs=None) -> Learner:
+    set_seed(seed)
+    torch.set_num_threads(1)
+    train = LMDataLoader(Texts(n, 1), bs=bs, seq_len=seq_len, shuffle=True, num_workers=workers, device="cpu")
+    valid = LMDataLoader(Texts(12, 2), bs=bs, seq_len=seq_len, num_workers=0, device="cpu")
+    return Learner(DataLoaders(train, valid), NextToken(), loss_func=CrossEntropyLossFlat(), cbs=cbs)
+
+
+MAKERS = {"tabular": make_tabular, "text": make_text, "lm": make_lm}
 
 
 def weights(learn: Learner) -> dict:
@@ -131,7 +167,8 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=None)
     p.add_argument("--sleep", type=float, default=0.0)
     p.add_argument("--break", dest="breaks", default="", help="negative controls: numpy = a resumed epoch does "
-                   "not put back the global NumPy state (the order); workers = nor the workers' states")
+                   "not put back the global NumPy state (the order); workers = nor the workers' states; "
+                   "lm_order = nor an LMDataLoader's document order")
     args = p.parse_args()
     if args.breaks:
         original = fd.resume_epoch
@@ -141,6 +178,8 @@ def main() -> None:
                 start = dict(start, rng={k: v for k, v in start["rng"].items() if k != "numpy"})
             if args.breaks == "workers":
                 workers = None
+            if args.breaks == "lm_order":
+                fd._lm_order = lambda dl: None
             return original(learn, dl, start, batch, workers, on_positioned)
 
         fd.resume_epoch = broken
