@@ -73,22 +73,26 @@ def main() -> None:
     print(f"{'loader':26s} {'fresh s':>8s} {'keepalive s':>12s} {'x fresh':>8s} {'accelerate s':>13s} "
           f"{'x fresh':>8s} {'iterate s':>10s} {'x fresh':>8s}")
     for name, make in shapes(n):
-        loader = make()
-        fresh = timed(lambda: next(iter(loader)), args.repeat)
-        replay = LoaderReplay(loader)
-        assert replay.mid_epoch, replay.why_not
-        list(itertools.islice(replay.iterate(), 1))  # an epoch's iter(): its states recorded
-        start = replay.position(at, k)
-        now = rng.capture()
-        ours = timed(lambda: next(replay.iterate(start, lambda: rng.restore(now))), args.repeat)
-        from accelerate import skip_first_batches
+        print(row(name, make(), at, k, args.repeat))
 
-        acc = timed(lambda: next(iter(skip_first_batches(loader, k))), args.repeat)
-        part = max(1, k // 100)
-        it_s = timed(lambda: next(itertools.islice(iter(loader), part, None)), 1) * (k / part)
-        replay.close()
-        print(f"{name:26s} {fresh:8.3f} {ours:12.3f} {ours / fresh:8.2f} {acc:13.3f} {acc / fresh:8.2f} "
-              f"{it_s:10.2f} {it_s / fresh:8.0f}")
+
+def row(name: str, loader: DataLoader, at: int, k: int, repeat: int) -> str:
+    """One loader shape's figures, positioned at sample ``at`` (batch ``k``)."""
+    from accelerate import skip_first_batches
+
+    fresh = timed(lambda: next(iter(loader)), repeat)
+    replay = LoaderReplay(loader)
+    assert replay.mid_epoch, replay.why_not
+    list(itertools.islice(replay.iterate(), 1))  # an epoch's iter(): its states recorded
+    start = replay.position(at, k)
+    now = rng.capture()
+    ours = timed(lambda: next(replay.iterate(start, lambda: rng.restore(now))), repeat)
+    acc = timed(lambda: next(iter(skip_first_batches(loader, k))), repeat)
+    part = max(1, k // 100)
+    it_s = timed(lambda: next(itertools.islice(iter(loader), part, None)), 1) * (k / part)
+    replay.close()
+    return (f"{name:26s} {fresh:8.3f} {ours:12.3f} {ours / fresh:8.2f} {acc:13.3f} {acc / fresh:8.2f} "
+            f"{it_s:10.2f} {it_s / fresh:8.0f}")
 
 
 if __name__ == "__main__":
