@@ -151,3 +151,20 @@ def test_sigkill_controls(tmp_path, plain, shape, broken, commit):
     assert report.trials[1].resumed_step == commit
     assert "DONE" in report.final_output
     assert_differs(plain(shape), _result(tmp_path))
+
+
+def test_a_loader_with_its_own_order_is_not_positioned():
+    """fastai's own order methods (and TabWeightedDL's, SortedDL's, LMDataLoader's: the scenarios above
+    save inside epochs) replay; a subclass or an instance with another order cannot be positioned."""
+    from fastai.data.load import DataLoader
+
+    from keepalive.callbacks._fastai_data import positionable
+
+    class Reversed(DataLoader):
+        def get_idxs(self):
+            return list(range(self.n))[::-1]
+
+    assert positionable(DataLoader(list(range(10)), bs=2, shuffle=True)) is None
+    assert positionable(Reversed(list(range(10)), bs=2)) == "Reversed overrides get_idxs()"
+    custom = DataLoader(list(range(10)), bs=2, shuffle_fn=lambda idxs: idxs[::-1])
+    assert positionable(custom) == "the training loader has a custom shuffle_fn()"
