@@ -131,6 +131,21 @@ def test_ranks_killed_at_random_resume_bit_exactly(tmp_path, reference):
     assert parts and all(n == 2 for n in parts), parts
 
 
+def test_with_keepalive_and_no_kill_equals_the_loop_without_it(tmp_path, reference):
+    """The DDP tutorial loop (DistributedSampler + set_epoch, dropout) without keepalive ends with the
+    reference's weights on both ranks; control: another dropout seed does not."""
+    for name, env, same in (("plain", {"DDP_PLAIN": "1"}, True),
+                            ("plain-other-seed", {"DDP_PLAIN": "1", "DDP_SEED": "4321"}, False)):
+        job = Job(tmp_path, name, env=env)
+        try:
+            assert job.wait() == 0, job.text()
+        finally:
+            job.stop()
+        finals = job.finals()
+        for rank in (0, 1):
+            assert same_weights(finals[rank], reference[rank]) is same, (name, rank)
+
+
 def test_negative_control_rank0_state_for_all_ranks_differs(tmp_path, reference):
     job = Job(tmp_path, "broken", restarts=1, env={"DDP_SELF_KILL": "1:10", "DDP_BROKEN_RANKS": "1"})
     try:

@@ -11,7 +11,9 @@ DDP_SLOW_WRITE (seconds each checkpoint file write takes: kills land inside save
 DDP_SELF_KILL="rank:step" (that rank SIGKILLs itself after that step, in the first attempt only),
 DDP_SIGTERM="rank:step" (that rank sends itself SIGTERM after that step, first attempt only),
 DDP_DEADLINE="rank:step" (that rank's session deadline comes at that step),
-DDP_BROKEN_RANKS=1 (negative control: every rank resumes with rank 0's part of the checkpoint).
+DDP_BROKEN_RANKS=1 (negative control: every rank resumes with rank 0's part of the checkpoint),
+DDP_PLAIN=1 (the same training without keepalive: the transparency test's other half),
+DDP_SEED (the ranks' dropout seed base, 1234: another one is the transparency test's control).
 """
 import os
 import sys
@@ -74,9 +76,22 @@ def main(run_dir: str, out_dir: str) -> None:
     torch.manual_seed(99)  # the same initial weights on every rank
     for p in net.parameters():
         torch.nn.init.normal_(p, std=0.3)
-    torch.manual_seed(1234 + rank)  # ranks differ in their random streams (dropout), as usual
+    torch.manual_seed(int(knob("DDP_SEED", 1234)) + rank)  # ranks differ in their random streams (dropout)
     model = torch.nn.parallel.DistributedDataParallel(net) if distributed else net
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    if os.environ.get("DDP_PLAIN"):  # the tutorial loop as it is, no keepalive
+        for epoch in range(knob("DDP_EPOCHS", 3)):
+            sampler.set_epoch(epoch)
+            for x, y in loader:
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+        torch.save({k: v.detach().clone() for k, v in net.state_dict().items()},
+                   os.path.join(out_dir, f"final.{rank}.pt"))
+        emit(f"DONE rank {rank} plain")
+        if distributed:
+            dist.destroy_process_group()
+        return
     deadline_rank, deadline_step = pair("DDP_DEADLINE")
     options = {}
     if deadline_rank == rank:  # this rank's session (alone) is about to end at that step
