@@ -216,7 +216,34 @@ def install(dl: FastaiDataLoader) -> None:
     fl._index_sampler = _Counter()
     if fl.num_workers > 0 and fl.__dict__.get("_ka_folder") is None:
         shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-        fl._ka_folder = tempfile.mkdtemp(prefix="keepalive-fastai-workers-", dir=shm)
+        _sweep(shm or tempfile.gettempdir())
+        fl._ka_folder = tempfile.mkdtemp(prefix=f"{_FOLDER}{os.getpid()}-", dir=shm)
+
+
+_FOLDER = "keepalive-fastai-workers-"
+
+
+def _sweep(parent: str) -> None:
+    """Remove the worker-state folders of processes that are gone (killed: they could not), untouched
+    for an hour (a live training's workers write in theirs every batch: another PID namespace sharing
+    /dev/shm cannot lose a folder in use)."""
+    try:
+        names = [n for n in os.listdir(parent) if n.startswith(_FOLDER)]
+    except OSError:
+        return
+    for name in names:
+        pid = name[len(_FOLDER):].split("-", 1)[0]
+        if not pid.isdigit():
+            continue
+        path = os.path.join(parent, name)
+        try:
+            if time.time() - os.path.getmtime(path) < 3600:
+                continue
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except OSError:  # gone meanwhile, or another user's process: alive
+            pass
 
 
 # ------------------------------------------------------------------------------ epoch RNGs
