@@ -337,6 +337,10 @@ class DriveCheckpoint(RunViews, Callback):  # RunViews: no epoch / step (a callb
             st.iter_offset = int(pos["batch"])
             start = mid["fastai"]["epoch_start"]
             workers = mid["fastai"].get("workers")
+            if "rng" not in start:
+                self.core.warn("this checkpoint was written by an older keepalive, which seeded DataLoader workers "
+                               "per batch: the resumed epoch has the saved order, but its random draws differ "
+                               "from the uninterrupted run's", key="fastai-old-epoch-start")
             if workers and int(start.get("workers", st.dl.fake_l.num_workers)) != st.dl.fake_l.num_workers:
                 self.core.warn(f"the checkpoint was written with {start['workers']} DataLoader workers, this "
                                f"training has {st.dl.fake_l.num_workers}: the rest of the resumed epoch's "
