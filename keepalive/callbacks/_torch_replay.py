@@ -92,6 +92,16 @@ class _Positioned:
         self.tagging = False
         self.serial = 0
         self.first = 0  # the number of the first batch the next iteration yields
+        # A loader that fetches ahead of the batch it hands out (Accelerate's DataLoaderShard fetches
+        # one batch ahead, in the main process) makes a batch before the steps before it have trained:
+        # a save then holds the state the step left, not the one that batch was made from. With
+        # ``noting`` (no workers), the global random state is noted as each batch of indices goes to
+        # the fetcher (``noted``, parallel to ``generated``); a resumed iteration puts back ``ahead``
+        # (the saved ones) before the same batches are fetched again, then runs ``on_positioned``.
+        self.noting = False
+        self.noted: Deque[Tuple[int, Any]] = collections.deque()  # (batch number, state or None)
+        self.last_noted: Optional[Tuple[int, Any]] = None  # that of the batch handed out last
+        self.ahead: List[Any] = []
 
     def __len__(self) -> int:
         return len(self.inner)
@@ -112,16 +122,31 @@ class _Positioned:
         skip, self.skip = self.skip, 0
         hook, self.on_positioned = self.on_positioned, None
         first, self.first = self.first, 0
+        ahead, self.ahead = self.ahead, []
         self.generated.clear()
+        self.noted.clear()
+        self.last_noted = None
         serial = self.serial
-        # a plain BatchSampler skips samples in its sampler (as lazily as it)
+        # a plain BatchSampler skips samples in its sampler (as lazily as it); with batches to fetch
+        # ahead again, the hook runs once they are made (below)
+        later: Optional[Callable[[], None]] = hook if ahead else None
+        if ahead:
+            hook = None
         batches = self._batched(skip, hook) if eager is None else self._skipped(eager, skip, hook)
-        for number, b in enumerate(batches, start=first):
+        for i, b in enumerate(batches):
+            if i < len(ahead):
+                rng.restore(ahead[i])  # the state the uninterrupted run made this batch from
+            elif later is not None:
+                run, later = later, None
+                run()
             self.generated.append(batch_len(b))
+            self.noted.append((first + i, rng.capture() if self.noting and not self.tagging else None))
             if self.tagging and type(b) is list:
                 b = _Tagged(b)
-                b.tag = (serial, number)
+                b.tag = (serial, first + i)
             yield b
+        if later is not None:  # the epoch ended with the batches made ahead
+            later()
 
     @staticmethod
     def _skipped(it: Iterator[Any], skip: int, hook: Optional[Callable[[], None]]) -> Iterator[Any]:
@@ -250,6 +275,9 @@ class LoaderReplay:
 
     def __init__(self, loader: DataLoader):
         self.loader = loader
+        #: the torch DataLoader whose sampler and dataset are stood in for: Accelerate's DataLoaderShard
+        #: is no DataLoader (it poses as one through __class__) and iterates the one it wraps
+        self.base: DataLoader = _base_loader(loader)
         #: integer attributes as the code built them: those that change later are counters (an epoch)
         self._initial_ints = self._ints()
         self.why_not = ""
@@ -263,6 +291,8 @@ class LoaderReplay:
             index_sampler = loader._index_sampler
             self._positioned = _Positioned(index_sampler)
             self._positioned.by_samples = type(index_sampler) is BatchSampler
+            # a wrapper around the DataLoader (Accelerate's) fetches ahead: note from the first batch
+            self._positioned.noting = self.base is not loader
             self.why_not = self._probe()
             if self.why_not:
                 self.mode, self._positioned = "epoch", None
@@ -283,8 +313,10 @@ class LoaderReplay:
 
     # ------------------------------------------------------------------------------ what it is
     def _stateful(self) -> Optional[Any]:
+        # Accelerate's wrappers have state_dict() whatever they wrap; only a StatefulDataLoader's works
         if callable(getattr(self.loader, "state_dict", None)) and \
-                callable(getattr(self.loader, "load_state_dict", None)):
+                callable(getattr(self.loader, "load_state_dict", None)) and \
+                (self.base is self.loader or callable(getattr(self.base, "state_dict", None))):
             return self.loader
         ds = self.loader.dataset
         if isinstance(ds, IterableDataset) and callable(getattr(ds, "state_dict", None)) and \
@@ -431,6 +463,7 @@ class LoaderReplay:
             pos.first = int(start["batches"])
             pos.on_positioned = lambda: _then(rng.restore, now, on_positioned)
             resume = {int(k): v for k, v in (start.get("workers") or {}).items()}
+            pos.ahead = list(start.get("ahead") or [])
         self.start_state = self._record()
         it, first = self._iter_with(pos, resume)
         if not pos.used:
@@ -444,12 +477,15 @@ class LoaderReplay:
                     "than its batch sampler's, which keepalive cannot position: checkpoints at epoch ends only")
                 yield batch, _batch_size_of(batch, self.loader.batch_size)
                 continue
+            pos.last_noted = pos.noted.popleft()
+            if len(pos.generated) > 1:  # a batch made ahead of this one: note states from now on
+                pos.noting = True
             yield batch, pos.generated.popleft()
 
     def _iter_with(self, pos: _Positioned, resume: Optional[Dict[int, Any]]) -> Tuple[Iterator[Any], List[Any]]:
         """``iter(loader)`` and its first batch (a subclass whose ``__iter__`` is a generator creates
         the real iterator at the first ``next()``), with the stand-ins in place."""
-        loader = self.loader
+        loader = self.base  # iter(self.loader) below: a wrapper iterates this one
         attr = "batch_sampler" if loader.batch_sampler is not None else "sampler"
         original = getattr(loader, attr)
         dataset = loader.dataset
@@ -464,7 +500,7 @@ class LoaderReplay:
                     shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
                     self._folder = tempfile.mkdtemp(prefix="keepalive-workers-", dir=shm)
                 object.__setattr__(loader, "dataset", _WorkerDraws(dataset, self._folder, resume))
-            it = iter(loader)
+            it = iter(self.loader)
             return it, list(itertools.islice(_ours(it), 1))
         finally:
             object.__setattr__(loader, attr, original)
@@ -533,6 +569,16 @@ class LoaderReplay:
         out: Dict[str, Any] = {"samples": samples, "batches": batches, "at_iter": self.start_state}
         if self.workers_draw():
             out["workers"] = self._worker_states(batches)
+        pos = self._positioned
+        if pos is not None and not pos.tagging:  # batches made (no workers) that no step trained yet
+            made = ([pos.last_noted] if pos.last_noted is not None else []) + list(pos.noted)
+            ahead = [state for number, state in made if number >= batches]
+            if any(state is None for state in ahead):
+                self.inexact = (f"{type(self.loader).__name__} made a batch ahead of the step being saved "
+                                "before keepalive noted its random state: a resume from this checkpoint "
+                                "makes that batch from another random state than the uninterrupted run")
+            elif ahead:
+                out["ahead"] = ahead
         return out
 
     def workers_draw(self) -> bool:
@@ -568,6 +614,13 @@ class LoaderReplay:
         if self._folder is not None:
             shutil.rmtree(self._folder, ignore_errors=True)
             self._folder = None
+
+
+def _base_loader(loader: Any) -> Any:
+    """The torch ``DataLoader`` an Accelerate ``DataLoaderShard`` / ``DataLoaderDispatcher`` iterates
+    (``base_dataloader``), or ``loader`` itself."""
+    base = getattr(loader, "__dict__", {}).get("base_dataloader")
+    return base if isinstance(base, DataLoader) else loader
 
 
 def _worker_state() -> Tuple[torch.Tensor, Any, bytes, int]:
