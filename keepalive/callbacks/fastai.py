@@ -337,7 +337,7 @@ class DriveCheckpoint(RunViews, Callback):  # RunViews: no epoch / step (a callb
             st.iter_offset = int(pos["batch"])
             start = mid["fastai"]["epoch_start"]
             workers = mid["fastai"].get("workers")
-            if "rng" not in start:
+            if "rng" not in start and st.dl.fake_l.num_workers > 0:
                 self.core.warn("this checkpoint was written by an older keepalive, which seeded DataLoader workers "
                                "per batch: the resumed epoch has the saved order, but its random draws differ "
                                "from the uninterrupted run's", key="fastai-old-epoch-start")
