@@ -61,7 +61,7 @@ def killed(job: TorchrunJob, timeout: float = 240.0) -> str:
             assert job.proc.poll() is None, f"the job ended before its kill:\n{job.text()[-6000:]}"
             assert time.monotonic() < deadline, f"no kill in {timeout} s:\n{job.text()[-6000:]}"
             time.sleep(0.02)
-        victim = int(open(os.path.join(job.out_dir, "pid.0.1")).read())
+        victim = int(open(os.path.join(job.out_dir, f"pid.0.{KILL.split(':')[0]}")).read())
         while _alive(victim) and time.monotonic() < deadline:
             time.sleep(0.01)
     finally:
@@ -89,7 +89,8 @@ def test_prepared_loader_two_processes_transparent_and_exact_after_a_kill_mid_ep
     finally:
         for job in (plain, ref, crash):
             job.stop()
-    assert "COMMITTED 15" in first and "DONE" not in first, first[-4000:]
+    # (the victim waited for the save of step 15 on the store; the resumes below start there)
+    assert "KILL rank 1 before step 17" in first and "DONE" not in first, first[-4000:]
     reference = finals(ref)
     assert_same(reference[0], reference[1], "the replicas")  # DDP keeps them equal
     for rank, (with_ka, without) in enumerate(zip(reference, finals(plain))):
