@@ -33,15 +33,14 @@ whose order is a function of the states above: ``shuffle=True/False``, ``batch_s
 """
 from __future__ import annotations
 
-import os
-import tempfile
+import itertools
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch.utils.data import DataLoader
 
 from .. import rng
-from ._torch_replay import LoaderReplay, _WorkerDraws
+from ._torch_replay import LoaderReplay
 
 __all__ = ["TrainData", "install", "uninstall"]
 
@@ -95,10 +94,10 @@ class _Replay(LoaderReplay):
         # persistent workers: an epoch after the first resets the running iterator, which draws no
         # workers' base seed; the iterator a resume creates does: its draw is undone before the order's
         reset_before = bool(at.get("reset") if start else resumed) and self._persistent
-        it = self._iter_now(pos, resume, rng.capture() if reset_before else None)
+        it, made = self._iter_now(pos, resume, rng.capture() if reset_before else None)
         if self._persistent:  # what the uninterrupted run's iter() did: reset the running iterator or not
-            self.start_state["reset"] = bool(reset_before) or it is self._running
-            self._running = it
+            self.start_state["reset"] = bool(reset_before) or made is self._running
+            self._running = made
         if not pos.used:  # e.g. a subclass whose __iter__ is a generator (it iterates after the stand-in left)
             self.why_not = (f"{type(loader).__name__} does not iterate through its batch_sampler when iter() "
                             "is called: checkpoints at epoch ends only")
@@ -118,35 +117,37 @@ class _Replay(LoaderReplay):
     def _persistent(self) -> bool:
         return bool(self.loader.persistent_workers and self.loader.num_workers > 0)
 
-    def _iter_now(self, pos: Any, resume: Optional[Dict[int, Any]], state: Optional[Dict[str, Any]]) -> Iterator[Any]:
-        """``iter(loader)`` with the index sampler replaced by the positioning stand-in (and, with
-        workers, the dataset by the one that notes the workers' random states), put back right
-        after: the iterator keeps them. Its first batch is not fetched here (Lightning fetches it
-        later, after hooks that may draw random numbers). ``state``: the random state the index
-        sampler starts from (put back when the iterator asks for its indices)."""
+    def _iter_now(self, pos: Any, resume: Optional[Dict[int, Any]], state: Optional[Dict[str, Any]]
+                  ) -> Tuple[Iterator[Any], Any]:
+        """Its batches and the loader's iterator: ``iter(loader)`` with the index sampler replaced by
+        the positioning stand-in, put back right after (the iterator keeps it). ``state``: the random
+        state the index sampler starts from (put back when the iterator asks for its indices:
+        persistent workers)."""
         loader = self.loader
-        attr = "batch_sampler" if loader.batch_sampler is not None else "sampler"
-        original = getattr(loader, attr)
-        dataset = loader.dataset
-        workers = loader.num_workers > 0
-        pos.used = False
-        pos.serial += 1
-        pos.tagging = workers
-        index = _StartsFrom(pos, state) if state is not None else pos
-        object.__setattr__(loader, attr, index)
-        try:
-            if workers:
-                if self._folder is None:
-                    shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-                    self._folder = tempfile.mkdtemp(prefix="keepalive-workers-", dir=shm)
-                object.__setattr__(loader, "dataset", _WorkerDraws(dataset, self._folder, resume))
-            return iter(loader)
-        finally:
-            object.__setattr__(loader, attr, original)
-            if workers:
-                object.__setattr__(loader, "dataset", dataset)
+        if loader.num_workers > 0:
+            # the replay's own iter(), which also puts in the dataset stand-in noting the workers' random
+            # states; it fetches the first batch too, which with workers draws nothing in this process
+            # (the order and the workers' seeds are drawn inside iter() with workers)
+            index: Any = _StartsFrom(pos, state) if state is not None else pos
+            made = self._iter_with(index, resume)
             if isinstance(index, _StartsFrom):
                 index.state = None
+            if isinstance(made, tuple):  # (the iterator, its first batch)
+                return itertools.chain(made[1], made[0]), made[0]
+            return made, made
+        # no workers: the first batch is fetched when Lightning asks for it (hooks run in between may
+        # draw random numbers, and the sampler draws its seed at the first batch)
+        attr = "batch_sampler" if loader.batch_sampler is not None else "sampler"
+        original = getattr(loader, attr)
+        pos.used = False
+        pos.serial += 1
+        pos.tagging = False
+        object.__setattr__(loader, attr, pos)
+        try:
+            it = iter(loader)
+            return it, it
+        finally:
+            object.__setattr__(loader, attr, original)
 
     def _batches(self, it: Iterator[Any]) -> Iterator[Tuple[Any, int]]:
         pos = self._positioned
@@ -166,7 +167,8 @@ class _StartsFrom:
     while armed (the multi-process iterator asks after drawing its workers' base seed)."""
 
     def __init__(self, inner: Any, state: Optional[Dict[str, Any]]):
-        self.inner, self.state = inner, state
+        object.__setattr__(self, "inner", inner)
+        object.__setattr__(self, "state", state)
 
     def __len__(self) -> int:
         return len(self.inner)
@@ -180,6 +182,12 @@ class _StartsFrom:
         if name in ("inner", "state"):
             raise AttributeError(name)
         return getattr(self.inner, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:  # the stand-in's counters live in the stand-in
+        if name == "state":
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.inner, name, value)
 
 
 class _Feed:
