@@ -9,17 +9,21 @@ its class is :func:`install` ed as a subclass whose ``__iter__`` hands Lightning
 user's objects). Each ``iter()`` of a training ``DataLoader`` goes through a
 :class:`keepalive.callbacks._torch_replay.LoaderReplay` (:class:`_Replay`):
 
-* an ordinary iteration calls ``iter(loader)`` right there, as Lightning would, and records the random
-  states it draws from (global RNGs, ``generator=``, the samplers' generators and counters) — and,
-  without workers, the random state at its first batch too: Lightning creates an epoch's iterator ahead
-  of its first batch (``configure_optimizers`` reading ``trainer.estimated_stepping_batches`` builds it
-  before the sanity check, whose validation loader draws a seed in between), and a ``RandomSampler``
-  draws its seed at the first batch;
+* an ordinary iteration calls ``iter(loader)`` right there, as Lightning would (with workers through
+  ``LoaderReplay``'s own, which also fetches the first batch: with workers that draws nothing in this
+  process), and records the random states it draws from (global RNGs, ``generator=``, the samplers'
+  generators and counters) — and, without workers, the random state at its first batch too:
+  Lightning creates an epoch's iterator ahead of its first batch (``configure_optimizers`` reading
+  ``trainer.estimated_stepping_batches`` builds it before ``on_train_start`` and
+  ``on_train_epoch_start``, whose hooks may draw random numbers), and a ``RandomSampler`` without
+  workers draws its seed at the first batch;
 * the first iteration of a resumed fit is made at its first batch (Lightning creates it before the loop
   state, the RNGs and ``set_epoch`` are restored): a mid-epoch checkpoint puts the recorded states back,
   creates the iterator the normal way while the index sampler skips the saved number of samples (index
   generation only, no fetch), then puts back the random state of the saved step; the workers' per-batch
   random states replay too. An epoch-end checkpoint puts back the loaders' generators and counters.
+  With ``persistent_workers=True`` an epoch after the first resets the running iterator (no workers'
+  base seed drawn); the iterator a resume creates draws one, which is undone before the order is drawn.
 
 So the saved position never goes through Lightning's own loader-state restore, which a
 ``configure_optimizers`` reading ``estimated_stepping_batches`` bypasses (it builds the loader before
