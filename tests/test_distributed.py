@@ -38,19 +38,6 @@ RESUME_RE = re.compile(r"resuming run .* step (\d+)")
 
 
 # ------------------------------------------------------------------------------- in-process parts
-def test_distributed_order_is_distributed_samplers():
-    from torch.utils.data.distributed import DistributedSampler
-
-    from keepalive.callbacks._torch_data import distributed_order
-
-    for n, world, drop_last, shuffle in [(10, 3, False, True), (11, 2, True, True), (7, 4, False, False)]:
-        for rank in range(world):
-            s = DistributedSampler(list(range(n)), num_replicas=world, rank=rank, shuffle=shuffle,
-                                   seed=5, drop_last=drop_last)
-            s.set_epoch(3)
-            assert distributed_order(s).tolist() == list(s)
-
-
 def test_localize_takes_own_part_and_reshards_by_global_sample():
     tree = {"objects": {"m": 1}, "rng": "r0", "data": {"position": 8},
             kd.RANKS_KEY: [{"rng": "r0", "data": {"position": 8}}, {"rng": "r1", "data": {"position": 8}}]}

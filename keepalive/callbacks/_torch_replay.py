@@ -21,7 +21,8 @@ Which loaders (:attr:`LoaderReplay.mode`):
   ``WeightedRandomSampler``, ``DistributedSampler`` after ``set_epoch``, custom ones, DataLoader
   subclasses that iterate through ``batch_sampler``). A sampler keepalive does not know is checked
   once: two deep copies generate their first batches from the same states; different batches, or a
-  sampler that changes its own attributes when iterated, cannot be replayed (``why_not``).
+  sampler that changes its own attributes (other than integers, such as an epoch count, which are
+  saved and restored) when iterated, cannot be replayed (``why_not``).
 * ``"stateful"``: a loader with ``state_dict()`` / ``load_state_dict()`` (torchdata's
   ``StatefulDataLoader``), or, with ``num_workers=0``, a dataset with them (a Hugging Face
   ``datasets.IterableDataset``): saved and restored through that protocol.
@@ -56,7 +57,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, get_work
 from .. import rng
 from .torchstate import RandomState
 
-__all__ = ["LoaderReplay", "ForeignIterators", "batch_len"]
+__all__ = ["LoaderReplay", "ForeignIterators", "DatasetKeys", "batch_len"]
 
 _GENERATOR_TYPES = (torch.Generator, np.random.Generator, np.random.RandomState, random.Random)
 _KNOWN_SAMPLERS = frozenset({
@@ -188,10 +189,21 @@ def _full_state() -> Tuple[bytes, Any, Any]:
     return (bytes(torch.random.get_rng_state().numpy().tobytes()), random.getstate(), np.random.get_state())
 
 
-def _set_full_state(state: Tuple[bytes, Any, Any]) -> None:
-    torch.random.set_rng_state(torch.frombuffer(bytearray(state[0]), dtype=torch.uint8))
-    random.setstate(state[1])
-    np.random.set_state(state[2])
+def _plain_state(state: Tuple[bytes, Any, Any]) -> Dict[str, Any]:
+    """:func:`_full_state` as plain values a checkpoint stores (a checkpoint is never unpickled)."""
+    version, internal, gauss = state[1]
+    name, keys, pos, has_gauss, cached = state[2]
+    return {"torch": torch.frombuffer(bytearray(state[0]), dtype=torch.uint8).clone(),
+            "python": [int(version), np.asarray(internal, dtype=np.uint64), gauss],
+            "numpy": [str(name), np.asarray(keys, dtype=np.uint32), int(pos), int(has_gauss), float(cached)]}
+
+
+def _set_plain_state(state: Dict[str, Any]) -> None:
+    torch.random.set_rng_state(state["torch"].clone())
+    version, internal, gauss = state["python"]
+    random.setstate((int(version), tuple(int(v) for v in internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((str(name), np.asarray(keys, dtype=np.uint32), int(pos), int(has_gauss), float(cached)))
 
 
 class _WorkerDraws:
@@ -239,7 +251,7 @@ class _WorkerDraws:
         serial, number = tag
         saved = self._resume.pop(number, None)
         if saved is not None:
-            _set_full_state(pickle.loads(saved))
+            _set_plain_state(saved)
         drawing = os.path.exists(os.path.join(self._folder, "draws"))
         before = _full_state()
         path = os.path.join(self._folder, f"{serial}-{number}")
@@ -420,9 +432,9 @@ class LoaderReplay:
             for _ in range(2):
                 rng.restore(saved)
                 twin = copy.deepcopy(index_sampler, dict(memo_base))
-                before = _chain_attrs(twin)
+                before = _chain_attrs(twin, ints=False)
                 firsts.append([_as_list(b) for b in itertools.islice(iter(twin), _PROBE_BATCHES)])
-                mutated = mutated or _chain_attrs(twin) != before
+                mutated = mutated or _chain_attrs(twin, ints=False) != before
         except Exception as e:  # a sampler that cannot be copied: cannot be checked either
             return (f"sampler {name} cannot be copied to check that its order replays ({type(e).__name__}: "
                     f"{e}); checkpoints at epoch ends only")
@@ -585,7 +597,7 @@ class LoaderReplay:
         """A worker of this loader drew random numbers while fetching (augmentation in workers)."""
         return self._folder is not None and os.path.exists(os.path.join(self._folder, "draws"))
 
-    def _worker_states(self, batches: int) -> Optional[Dict[str, bytes]]:
+    def _worker_states(self, batches: int) -> Optional[Dict[str, Any]]:
         """The random states the workers start the next ``num_workers`` batches from (None: one is
         missing, the resume will not replay the workers' draws)."""
         assert self._folder is not None and self._positioned is not None
@@ -595,14 +607,14 @@ class LoaderReplay:
             total = batches + self.loader.num_workers
         wanted = range(batches, min(batches + self.loader.num_workers, total))
         serial = self._positioned.serial
-        out: Dict[str, bytes] = {}
+        out: Dict[str, Any] = {}
         deadline = time.monotonic() + _STATE_WAIT_S
         for n in wanted:
             path = os.path.join(self._folder, f"{serial}-{n}")
             while True:  # a worker writes it when it starts that batch: it has it queued
                 try:
-                    with open(path, "rb") as f:
-                        out[str(n)] = f.read()
+                    with open(path, "rb") as f:  # written by this loader's own worker, never a checkpoint
+                        out[str(n)] = _plain_state(pickle.load(f))
                     break
                 except OSError:
                     if time.monotonic() > deadline:
@@ -647,13 +659,14 @@ def _then(first: Callable[[Any], None], arg: Any, then: Optional[Callable[[], No
         then()
 
 
-def _chain_attrs(sampler: Any) -> List[Dict[str, Any]]:
-    """The plain attributes of a sampler and of the samplers inside it."""
+def _chain_attrs(sampler: Any, ints: bool = True) -> List[Dict[str, Any]]:
+    """The plain attributes of a sampler and of the samplers inside it (``ints=False``: without its
+    integers, which keepalive saves and restores when they change: an epoch counter)."""
     out = []
     for _ in range(4):
         if sampler is None:
             break
-        out.append(_plain_attrs(sampler))
+        out.append({k: v for k, v in _plain_attrs(sampler).items() if ints or type(v) is not int})
         sampler = getattr(sampler, "sampler", None) or getattr(sampler, "batch_sampler", None)
     return out
 
@@ -777,3 +790,30 @@ def _name_of(it: Any, frame: Any) -> str:
                 return name
         frame = frame.f_back
     return f"a DataLoader over a {type(dataset).__name__}"
+
+
+class DatasetKeys:
+    """Names the datasets a run iterates: type, length, and place among the datasets of that type and
+    length first used in the running epoch. Code that builds its loaders (and datasets) anew in every
+    epoch thus sees the same data, in the same order, in every epoch and every session; two datasets
+    in one epoch get different orders."""
+
+    def __init__(self) -> None:
+        self._seen: Dict[int, Tuple[str, Any]] = {}  # id -> (key, dataset), this epoch
+
+    def new_epoch(self) -> None:
+        self._seen = {}
+
+    def key(self, ds: Any) -> str:
+        known = self._seen.get(id(ds))
+        if known is not None and known[1] is ds:
+            return known[0]
+        try:
+            size: Any = len(ds)
+        except TypeError:
+            size = None
+        kind = f"{type(ds).__qualname__}:{size}"
+        rank = sum(1 for k, _ in self._seen.values() if k.rsplit(":", 1)[0] == kind)
+        key = f"{kind}:{rank}"
+        self._seen[id(ds)] = (key, ds)  # holds ds: its id is not reused this epoch
+        return key

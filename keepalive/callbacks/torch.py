@@ -31,7 +31,7 @@ Loops as people write them (the README's "What resumes exactly" table has each s
 steps are counted by a step hook, so ``every=N`` counts them and nothing is saved while gradients are
 accumulated; ``ckpt.save()`` in the loop body is made at the end of that batch (or epoch); loaders
 passed through :meth:`DriveCheckpoint.batches` restart at the saved sample of the epoch's order without
-loading the skipped ones (:mod:`keepalive.callbacks._torch_data`); the code between ``for epoch`` and
+loading the skipped ones (:mod:`keepalive.callbacks._torch_replay`); the code between ``for epoch`` and
 ``for batch`` replays with the epoch's starting random state; ``ckpt.enumerate(loader)`` gives the
 true batch index in a resumed epoch.
 
@@ -51,8 +51,7 @@ from ..adapter import CheckpointAdapter
 from ..config import CheckpointConfig
 from ..core import Checkpointer
 from ..statetree import Captured, StateTree
-from ._torch_data import DatasetKeys
-from ._torch_replay import ForeignIterators, LoaderReplay
+from ._torch_replay import DatasetKeys, ForeignIterators, LoaderReplay
 from .torchstate import (
     RandomState,
     changed_hyperparameters,

@@ -16,7 +16,7 @@ from ..adapter import check_fits
 from ..errors import StateMismatchError
 
 __all__ = ["RandomState", "watch_steps", "changed_hyperparameters", "check_module", "check_objects", "check_optimizer",
-           "gradients", "gradients_pending", "hyperparameters", "restore_gradients", "seed_worker_rngs",
+           "gradients", "gradients_pending", "hyperparameters", "restore_gradients",
            "without_lazy"]
 
 
@@ -136,14 +136,6 @@ def without_lazy(tree: Dict[str, Any]) -> Dict[str, Any]:
         if isinstance(sd, dict):
             objects[name] = {k: v for k, v in sd.items() if not is_lazy(v)}
     return tree
-
-
-def seed_worker_rngs(seed: int) -> None:
-    """Seed python, numpy and torch in a DataLoader worker (per batch: independent of which worker
-    fetched which batch before, which a resume changes)."""
-    random.seed(seed)
-    np.random.seed(seed % (1 << 32))
-    torch.manual_seed(seed)
 
 
 def hyperparameters(opt: torch.optim.Optimizer) -> List[Dict[str, Any]]:

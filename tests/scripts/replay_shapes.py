@@ -56,6 +56,20 @@ class ShuffledFromOwnRng(Sampler):
         return iter(self.rng.permutation(self.n).tolist())
 
 
+class CountingEpochs(Sampler):
+    """A custom sampler that counts its passes and shuffles from the count (as Accelerate's does)."""
+
+    def __init__(self, n):
+        self.n, self.passes = n, 0
+
+    def __len__(self):
+        return self.n
+
+    def __iter__(self):
+        self.passes += 1
+        return iter(torch.randperm(self.n, generator=torch.Generator().manual_seed(self.passes)).tolist())
+
+
 class Doubling(DataLoader):
     """A DataLoader subclass that post-processes its batches (what device / collate helpers do)."""
 
@@ -76,6 +90,8 @@ def loader_for(shape):
                           generator=torch.Generator().manual_seed(5))
     if shape == "custom":
         return DataLoader(ds, batch_size=BATCH, sampler=ShuffledFromOwnRng(N))
+    if shape == "counting":
+        return DataLoader(ds, batch_size=BATCH, sampler=CountingEpochs(N))
     if shape == "stateful":
         from torchdata.stateful_dataloader import StatefulDataLoader
 
