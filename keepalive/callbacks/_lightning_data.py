@@ -40,23 +40,12 @@ from __future__ import annotations
 import itertools
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
-import torch
 from torch.utils.data import DataLoader
 
 from .. import rng
-from ._torch_replay import LoaderReplay
+from ._torch_replay import LoaderReplay, samples_in
 
 __all__ = ["TrainData", "install", "uninstall"]
-
-
-def _size_of(batch: Any, default: Optional[int]) -> int:
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0]) if batch.dim() else 1
-    if isinstance(batch, (list, tuple)) and batch:
-        return _size_of(batch[0], default)
-    if isinstance(batch, dict) and batch:
-        return _size_of(next(iter(batch.values())), default)
-    return int(default or 1)
 
 
 class _Replay(LoaderReplay):
@@ -76,15 +65,15 @@ class _Replay(LoaderReplay):
             holder = self._stateful()
             self.start_state = None
             if not (start and start.get("state") is not None and holder is not None):
-                return ((b, _size_of(b, loader.batch_size)) for b in iter(loader))
+                return ((b, samples_in(b, loader.batch_size)) for b in iter(loader))
             now = rng.capture()  # what loading the state and creating the iterator draw is not the step's
             holder.load_state_dict(start["state"])
             batches = iter(loader)
             rng.restore(now)
-            return ((b, _size_of(b, loader.batch_size)) for b in batches)
+            return ((b, samples_in(b, loader.batch_size)) for b in batches)
         pos = self._positioned
         if self.mode == "epoch" or pos is None:
-            return ((b, _size_of(b, loader.batch_size)) for b in iter(loader))
+            return ((b, samples_in(b, loader.batch_size)) for b in iter(loader))
         resume = None
         at = (start or {}).get("at_iter") or {}
         if start:
@@ -106,7 +95,7 @@ class _Replay(LoaderReplay):
             self.why_not = (f"{type(loader).__name__} does not iterate through its batch_sampler when iter() "
                             "is called: checkpoints at epoch ends only")
             self.mode = "epoch"
-            return ((b, _size_of(b, loader.batch_size)) for b in it)
+            return ((b, samples_in(b, loader.batch_size)) for b in it)
         if loader.num_workers == 0:
             if at.get("rng_next") is not None:
                 # what drew from the global RNGs between the epoch's iter() and its first batch
@@ -161,7 +150,7 @@ class _Replay(LoaderReplay):
                 self.mode, self.why_not = "epoch", (
                     f"{type(self.loader).__name__} overrides DataLoader.__iter__ and yields other batches "
                     "than its batch sampler's, which keepalive cannot position: checkpoints at epoch ends only")
-                yield batch, _size_of(batch, self.loader.batch_size)
+                yield batch, samples_in(batch, self.loader.batch_size)
                 continue
             yield batch, pos.generated.popleft()
 

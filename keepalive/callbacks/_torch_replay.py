@@ -57,7 +57,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, get_work
 from .. import rng
 from .torchstate import RandomState
 
-__all__ = ["LoaderReplay", "ForeignIterators", "DatasetKeys", "batch_len"]
+__all__ = ["LoaderReplay", "ForeignIterators", "DatasetKeys", "batch_len", "samples_in"]
 
 _GENERATOR_TYPES = (torch.Generator, np.random.Generator, np.random.RandomState, random.Random)
 _KNOWN_SAMPLERS = frozenset({
@@ -461,7 +461,7 @@ class LoaderReplay:
             return
         if self.mode == "epoch" or self._positioned is None:
             for batch in _ours(iter(self.loader)):
-                yield batch, _batch_size_of(batch, self.loader.batch_size)
+                yield batch, samples_in(batch, self.loader.batch_size)
             return
         pos = self._positioned
         resume = None
@@ -487,7 +487,7 @@ class LoaderReplay:
                 self.mode, self.why_not = "epoch", (
                     f"{type(self.loader).__name__} overrides DataLoader.__iter__ and yields other batches "
                     "than its batch sampler's, which keepalive cannot position: checkpoints at epoch ends only")
-                yield batch, _batch_size_of(batch, self.loader.batch_size)
+                yield batch, samples_in(batch, self.loader.batch_size)
                 continue
             pos.last_noted = pos.noted.popleft()
             if len(pos.generated) > 1:  # a batch made ahead of this one: note states from now on
@@ -529,7 +529,7 @@ class LoaderReplay:
         if on_positioned is not None and start:
             on_positioned()
         for batch in _ours(it):
-            yield batch, _batch_size_of(batch, self.loader.batch_size)
+            yield batch, samples_in(batch, self.loader.batch_size)
 
     # --------------------------------------------------------------------------------- states
     def _record(self) -> Dict[str, Any]:
@@ -685,13 +685,14 @@ def _as_list(b: Any) -> Any:
     return b
 
 
-def _batch_size_of(batch: Any, default: Optional[int]) -> int:
+def samples_in(batch: Any, default: Optional[int]) -> int:
+    """Samples in a collated batch: the first dimension of its first tensor (``default`` if none)."""
     if isinstance(batch, torch.Tensor):
         return int(batch.shape[0]) if batch.dim() else 1
     if isinstance(batch, (list, tuple)) and batch:
-        return _batch_size_of(batch[0], default)
+        return samples_in(batch[0], default)
     if isinstance(batch, dict) and batch:
-        return _batch_size_of(next(iter(batch.values())), default)
+        return samples_in(next(iter(batch.values())), default)
     return int(default or 1)
 
 
