@@ -83,7 +83,7 @@ def _redone(report):
 
 @pytest.mark.parametrize("backend,data,every,kills", [
     ("tensorflow", "arrays", "epoch", 3), ("tensorflow", "resumable", "7", 4),
-    ("jax", "arrays", "epoch", 2), ("jax", "resumable", "7", 2)])
+    ("jax", "arrays", "epoch", 2)])  # JAX mid-epoch: tests/test_keras_position.py (fashion_mnist_cnn)
 def test_sigkill_resume_is_bit_exact(tmp_path, tmp_path_factory, backend, data, every, kills):
     pytest.importorskip(backend)
     ref = _reference(tmp_path_factory, data, backend)
