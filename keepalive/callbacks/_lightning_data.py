@@ -147,10 +147,7 @@ class _Replay(LoaderReplay):
         assert pos is not None
         for batch in it:
             if not pos.generated:  # a subclass yields more batches than its batch sampler gives
-                self.mode, self.why_not = "epoch", (
-                    f"{type(self.loader).__name__} overrides DataLoader.__iter__ and yields other batches "
-                    "than its batch sampler's, which keepalive cannot position: checkpoints at epoch ends only")
-                yield batch, samples_in(batch, self.loader.batch_size)
+                yield self._unpositioned(batch)
                 continue
             yield batch, pos.generated.popleft()
 

@@ -483,16 +483,21 @@ class LoaderReplay:
                             "checkpoints at epoch ends only")
             self.mode = "epoch"
         for batch in itertools.chain(first, _ours(it)):
-            if not pos.generated:  # a subclass yields more batches than its batch sampler gives
-                self.mode, self.why_not = "epoch", (
-                    f"{type(self.loader).__name__} overrides DataLoader.__iter__ and yields other batches "
-                    "than its batch sampler's, which keepalive cannot position: checkpoints at epoch ends only")
-                yield batch, samples_in(batch, self.loader.batch_size)
+            if not pos.generated:
+                yield self._unpositioned(batch)
                 continue
             pos.last_noted = pos.noted.popleft()
             if len(pos.generated) > 1:  # a batch made ahead of this one: note states from now on
                 pos.noting = True
             yield batch, pos.generated.popleft()
+
+    def _unpositioned(self, batch: Any) -> Tuple[Any, int]:
+        """A batch that no batch of indices stands for: a subclass yields more batches than its batch
+        sampler gives, so this loader cannot be positioned (from now on: epoch ends)."""
+        self.mode, self.why_not = "epoch", (
+            f"{type(self.loader).__name__} overrides DataLoader.__iter__ and yields other batches "
+            "than its batch sampler's, which keepalive cannot position: checkpoints at epoch ends only")
+        return batch, samples_in(batch, self.loader.batch_size)
 
     def _iter_with(self, pos: _Positioned, resume: Optional[Dict[int, Any]]) -> Tuple[Iterator[Any], List[Any]]:
         """``iter(loader)`` and its first batch (a subclass whose ``__iter__`` is a generator creates
