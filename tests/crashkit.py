@@ -49,9 +49,13 @@ def _reader(stream, q):
 def run_to_completion(cmd: List[str], *, total_steps: int, kills: int, rng: random.Random,
                       run_dir: Optional[str] = None, env: Optional[dict] = None,
                       max_substep_delay: float = 0.03, timeout: float = 120.0,
-                      kill_after_commit: Optional[int] = None) -> CrashReport:
+                      kill_after_commit: Optional[int] = None,
+                      mid_epoch_of: Optional[int] = None) -> CrashReport:
     """``kill_after_commit``: the first kill also waits until that step's checkpoint is committed
-    (writes are asynchronous: without it, how far back a kill sends the run depends on the load)."""
+    (writes are asynchronous: without it, how far back a kill sends the run depends on the load).
+    ``mid_epoch_of``: the epoch's length in steps; the first kill also waits until the last commit
+    printed is inside an epoch and is sent at once, so a test of a resume inside an epoch gets one
+    whatever the load (a random kill after an epoch-end save resumes at the boundary)."""
     report = CrashReport()
     env = dict(os.environ if env is None else env, PYTHONUNBUFFERED="1")
     resumed_prev: Optional[int] = None
@@ -60,6 +64,8 @@ def run_to_completion(cmd: List[str], *, total_steps: int, kills: int, rng: rand
         if attempt < kills:
             low = (resumed_prev or 0) + 1
             kill_at = rng.randint(min(low, total_steps), total_steps)
+            if attempt == 0 and mid_epoch_of:  # an epoch with saves inside it must be left to run
+                kill_at = min(kill_at, max(1, total_steps - mid_epoch_of))
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         q: "queue.Queue[Optional[str]]" = queue.Queue()
         threading.Thread(target=_reader, args=(proc.stdout, q), daemon=True).start()
@@ -88,9 +94,13 @@ def run_to_completion(cmd: List[str], *, total_steps: int, kills: int, rng: rand
                 if m:
                     last_step = int(m.group(1))
                 wait_for = kill_after_commit if attempt == 0 else None
+                mid_epoch = mid_epoch_of if attempt == 0 else None
                 if (kill_at is not None and last_step is not None and last_step >= kill_at
-                        and (wait_for is None or (committed is not None and committed >= wait_for))):
-                    time.sleep(rng.uniform(0, max_substep_delay))
+                        and (wait_for is None or (committed is not None and committed >= wait_for))
+                        and (mid_epoch is None or (committed is not None and committed % mid_epoch
+                                                   and COMMITTED_RE.match(line)))):
+                    if mid_epoch is None:
+                        time.sleep(rng.uniform(0, max_substep_delay))
                     proc.send_signal(signal.SIGKILL)
                     killed = True
                     break

@@ -123,7 +123,8 @@ def _result(tmp_path):
 def test_sigkill_mid_epoch_is_bit_exact(tmp_path, plain, shape, seed):
     n_iter = SCENARIOS[shape][2]
     report = run_to_completion(_cmd(tmp_path, shape), total_steps=EPOCHS * n_iter, kills=2,
-                               rng=random.Random(seed), run_dir=str(tmp_path / "run"), timeout=180)
+                               rng=random.Random(seed), run_dir=str(tmp_path / "run"), timeout=180,
+                               mid_epoch_of=n_iter)
     assert report.kills == 2 and "DONE" in report.final_output
     resumed = [t.resumed_step for t in report.trials[1:]]
     assert any(r and r % n_iter for r in resumed), f"no resume inside an epoch: {resumed}"

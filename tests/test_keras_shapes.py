@@ -55,10 +55,10 @@ def _reference(tmp_path, env, *extra):
     return tmp_path / "ref.npz", stage_ends
 
 
-def _crash(tmp_path, env, total, kills, seed, *extra):
+def _crash(tmp_path, env, total, kills, seed, *extra, mid_epoch_of=None):
     report = run_to_completion(_cmd(tmp_path / "crash", tmp_path / "crash.npz", *extra), total_steps=total,
                                kills=kills, rng=random.Random(seed), run_dir=str(tmp_path / "crash"),
-                               env=env, timeout=120)
+                               env=env, timeout=120, mid_epoch_of=mid_epoch_of)
     assert report.kills == kills and "DONE" in report.final_output, report.final_output[-3000:]
     return report
 
@@ -79,7 +79,7 @@ def test_unbuilt_model_resumes_mid_epoch_with_its_running_metrics(tmp_path, back
     env = dict(ENV, KERAS_BACKEND=backend)
     extra = ["--model", "subclassed", "--epochs", "3", "--every", "5"]
     ref, (total,) = _reference(tmp_path, env, *extra)
-    report = _crash(tmp_path, env, total, 2, 7, *extra)
+    report = _crash(tmp_path, env, total, 2, 7, *extra, mid_epoch_of=SPE)
     _assert_same(ref, tmp_path / "crash.npz")
     resumed = [t.resumed_step for t in report.trials[1:] if t.resumed_step]
     assert any(r % SPE for r in resumed), f"no resume inside an epoch: {resumed}"
