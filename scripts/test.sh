@@ -19,4 +19,12 @@ echo "ruff check keepalive tests benchmarks"
 .venv/bin/python -m ruff check --no-cache keepalive tests benchmarks
 echo "mypy keepalive"
 .venv/bin/python -m mypy keepalive
+# The files run on one process per core (2 on CI), each file whole on one process (--dist loadfile:
+# a file's module fixtures, such as its uninterrupted reference trainings, are computed once).
+# KEEPALIVE_TEST_PROCESSES=1 (or passing -p no:xdist) runs them in this process, one after another.
+procs="${KEEPALIVE_TEST_PROCESSES:-$(nproc 2>/dev/null || echo 2)}"
+[ "$procs" -gt 4 ] && procs=4
+if [ "$procs" -gt 1 ]; then
+  exec .venv/bin/python -m pytest -q -rs -n "$procs" --dist loadfile "$@"
+fi
 exec .venv/bin/python -m pytest -q -rs "$@"

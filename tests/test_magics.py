@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import pytest
 
@@ -264,6 +265,8 @@ def test_epoch_bar_shows_session_time_left(tmp_path, monkeypatch, capsys):
     pytest.importorskip("tqdm")
     monkeypatch.delenv("KEEPALIVE_PROGRESS", raising=False)
     monkeypatch.setenv("KEEPALIVE_BUDGET", "2h")
+    # the budget counts from now, not from this machine's start (a host up for hours has none left)
+    monkeypatch.setenv("KEEPALIVE_SESSION_START", str(int(time.time())))
     session.detect(refresh=True)
     try:
         _train(str(tmp_path / "eta"), epochs=3)
@@ -273,6 +276,7 @@ def test_epoch_bar_shows_session_time_left(tmp_path, monkeypatch, capsys):
         assert "session left" not in capsys.readouterr().err
     finally:
         monkeypatch.delenv("KEEPALIVE_BUDGET")
+        monkeypatch.delenv("KEEPALIVE_SESSION_START")
         session.detect(refresh=True)
     _train(str(tmp_path / "nobudget"), epochs=3)    # no session limit: no bar
     assert "session left" not in capsys.readouterr().err
