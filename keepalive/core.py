@@ -51,6 +51,9 @@ Capture = Callable[[], Captured]
 Decision = bd.Decision
 
 _ACTIVE: "weakref.WeakSet[Checkpointer]" = weakref.WeakSet()
+#: per run URL, the plans of the fits (stages) this process trained to their end, in order: a new
+#: callback on the path of a fit this process just finished starts the next stage, not a resume
+_TRAINED_HERE: Dict[str, List[Dict[str, Any]]] = {}
 
 
 def active_checkpointers() -> List["Checkpointer"]:
@@ -96,6 +99,10 @@ class Checkpointer:
         self.extras: Dict[str, Any] = {}
         self.metadata: Dict[str, Any] = {"framework": framework}
         self.resumed_from: Optional[CheckpointInfo] = None
+        #: what the training code asks for (:mod:`keepalive.plan`), set by the adapter; saved with
+        #: every checkpoint; ``saved_plan`` is the loaded checkpoint's (None: a new run, or an older one)
+        self.plan: Dict[str, Any] = {}
+        self.saved_plan: Optional[Dict[str, Any]] = None
         #: objects whose state DCP saves in pieces, one per rank (set by the torch adapter before use)
         self.dcp_objects: Any = None
         self._path: Optional[SavePath] = None
@@ -197,6 +204,7 @@ class Checkpointer:
                 self.resumed_from = None
                 raise
         self.resumed_from = info
+        self.saved_plan = dict(tree.get("plan") or {}) or None
         self._feed(bd.Restored(bd.Counters.of(tree.get("counters") or {})))
         self.extras.update(tree.get("extras") or {})
         self.trigger.saved()
@@ -242,6 +250,8 @@ class Checkpointer:
                            "counters": {"epoch": c.epoch, "step": c.step, "batch": c.batch, "samples": c.samples},
                            "extras": dict(self.extras)}
         tree.update(capture())
+        if self.plan:
+            tree["plan"] = dict(self.plan)
         tree["rng"] = rng.capture()
         return tree
 
@@ -280,6 +290,16 @@ class Checkpointer:
         end states start over (``keep_counters``: a further stage of the same run, the counters go on)."""
         self._feed(bd.NewFit(keep_counters))
         self.trigger.deadline_hit = False
+
+    @property
+    def trained_here(self) -> List[Dict[str, Any]]:
+        """The plans of the fits this process trained to their end on this run, in order (whatever
+        checkpointer trained them): one callback per ``fit`` on the same path is the next stage."""
+        return [dict(p) for p in _TRAINED_HERE.get(self.url, [])]
+
+    def fit_trained(self, plan: Optional[Mapping[str, Any]] = None) -> None:
+        """The adapter's fit (stage) ran to its end in this process (trained, or found complete)."""
+        _TRAINED_HERE.setdefault(self.url, []).append(dict(plan if plan is not None else self.plan))
 
     def start_epoch(self) -> None:
         """An epoch begins (for the trigger's epoch timing and the deadline prediction)."""

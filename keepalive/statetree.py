@@ -56,3 +56,5 @@ class StateTree(Captured, total=False):
     ranks: List[Dict[str, Any]]
     #: FSDP2: what DCP saved in the checkpoint's folder (:mod:`keepalive.dcp`)
     dcp: Dict[str, Any]
+    #: what the training code asked for (epochs, a scheduler's settings...): :mod:`keepalive.plan`
+    plan: Dict[str, Any]

@@ -34,7 +34,7 @@ PACKAGE = os.path.join(ROOT, "keepalive")
 #: top-level module or package of keepalive -> layer (0: imports nothing of keepalive above it)
 LAYERS: Dict[str, int] = {
     # 0 base
-    "_version": 0, "units": 0, "errors": 0, "settings": 0, "report": 0, "statetree": 0,
+    "_version": 0, "units": 0, "errors": 0, "settings": 0, "report": 0, "statetree": 0, "plan": 0,
     # 1 storage
     "backends": 1, "state": 1, "store": 1, "rng": 1, "dataorder": 1,
     # 2 runs
