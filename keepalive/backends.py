@@ -12,7 +12,7 @@ import errno
 import os
 import shutil
 from dataclasses import dataclass
-from typing import BinaryIO, Iterator, List, Optional
+from typing import BinaryIO, Iterator, List, Mapping, Optional
 
 
 @dataclass
@@ -266,6 +266,58 @@ def local_path(url: str) -> Optional[str]:
     return os.path.abspath(os.path.expanduser(path))
 
 
+#: what tells gcsfs where to find Google Cloud credentials, or another server than Google's
+_GOOGLE_ENV = ("GOOGLE_APPLICATION_CREDENTIALS", "STORAGE_EMULATOR_HOST", "GCE_METADATA_HOST",
+               "GCE_METADATA_IP", "GCE_METADATA_ROOT")
+
+
+def _on_google_cloud() -> bool:
+    """Whether this machine is a Google Compute Engine VM (Colab and Kaggle are): its metadata
+    server may hand out credentials, so only gcsfs can tell."""
+    for name in ("product_name", "bios_vendor", "sys_vendor"):
+        try:
+            with open(f"/sys/class/dmi/id/{name}", encoding="utf-8", errors="replace") as f:
+                if "google" in f.read().lower():
+                    return True
+        except OSError:
+            continue
+    return False
+
+
+def missing_google_credentials(storage_options: Optional[dict] = None,
+                               env: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """Why gcsfs would find no credentials for a ``gs://`` URL (what was looked for), or None when
+    it may find some (a token or endpoint given, a credentials file, a metadata server, an emulator).
+
+    Without this check gcsfs falls back to anonymous access after probing for a metadata server,
+    and the first request then waits for its connect timeout on a machine without network: the user
+    hears "no answer" after 15 s instead of "no credentials" at once."""
+    environ = os.environ if env is None else env
+    options = storage_options or {}
+    if any(k in options for k in ("token", "endpoint_url", "credentials")):
+        return None
+    if any(environ.get(k) for k in _GOOGLE_ENV):
+        return None
+    if any(k.startswith(("FSSPEC_GCS", "FSSPEC_GS")) for k in environ):
+        return None  # fsspec's own configuration passes options from the environment
+    try:
+        import fsspec.config
+
+        if any((fsspec.config.conf.get(p) or {}).get("token") for p in ("gcs", "gs")):
+            return None
+    except Exception:  # noqa: BLE001 - no fsspec configuration to read
+        pass
+    config = environ.get("CLOUDSDK_CONFIG") or os.path.join(os.path.expanduser("~"), ".config", "gcloud")
+    candidates = [os.path.join(config, "application_default_credentials.json"),
+                  os.path.join(os.path.expanduser("~"), ".gcs_tokens")]  # gcsfs's own token cache
+    if any(os.path.exists(c) for c in candidates):
+        return None
+    if _on_google_cloud():
+        return None
+    return (f"no GOOGLE_APPLICATION_CREDENTIALS, no {candidates[0]}, no token in storage_options, "
+            "not a Google Cloud VM")
+
+
 def backend_for(url: str, storage_options: Optional[dict] = None) -> "tuple[Backend, str]":
     """The backend for ``url`` and the backend-native path of it."""
     url = os.fspath(url)
@@ -274,8 +326,18 @@ def backend_for(url: str, storage_options: Optional[dict] = None) -> "tuple[Back
         return LocalBackend(), path
     import fsspec.core
 
-    fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
     protocol = url.split("://", 1)[0]
+    if protocol in ("gs", "gcs"):
+        missing = missing_google_credentials(storage_options)
+        if missing:
+            from .errors import StorageError
+
+            raise StorageError(f"no Google Cloud credentials for {url} ({missing}): on "
+                               "Colab run google.colab.auth.authenticate_user(); elsewhere set "
+                               "GOOGLE_APPLICATION_CREDENTIALS=/path/key.json or run `gcloud auth "
+                               "application-default login`, or pass storage_options={'token': "
+                               "'/path/key.json'} ({'token': 'anon'} for a public bucket)")
+    fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
     if protocol == "memory" and not path.startswith("/"):
         path = "/" + path
     return FsspecBackend(fs, protocol), path.rstrip("/")
@@ -289,4 +351,5 @@ def read_chunks(f: BinaryIO, chunk: int = 16 << 20) -> Iterator[bytes]:
         yield block
 
 
-__all__ = ["Backend", "LocalBackend", "FsspecBackend", "Entry", "backend_for", "local_path", "read_chunks"]
+__all__ = ["Backend", "LocalBackend", "FsspecBackend", "Entry", "backend_for", "local_path", "read_chunks",
+           "missing_google_credentials"]

@@ -116,7 +116,8 @@ def describe_error(exc: BaseException, url: Optional[str] = None) -> str:
     if "NoCredentialsError" in names or "Unable to locate credentials" in texts:
         return (f"no AWS credentials{where}: pass --storage-options '{{\"key\": \"...\", \"secret\": "
                 "\"...\"}', or set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)")
-    if names & {"DefaultCredentialsError", "RefreshError"} or "credentials were not found" in texts:
+    if names & {"DefaultCredentialsError", "RefreshError"} or "credentials were not found" in texts \
+            or "no Google Cloud credentials" in texts:
         return (f"no Google Cloud credentials{where}: on Colab run google.colab.auth.authenticate_user(); "
                 "elsewhere set GOOGLE_APPLICATION_CREDENTIALS or pass --storage-options "
                 "'{\"token\": \"/path/key.json\"}' ('{\"token\": \"anon\"}' for a public bucket)")
@@ -155,7 +156,6 @@ def add_ls(sub) -> None:
 
 def cmd_ls(args) -> int:
     from .runs import checkpoints_at
-    from .units import format_bytes
 
     options = storage_options(args)
     if args.path is None:
@@ -170,6 +170,15 @@ def cmd_ls(args) -> int:
     if not rows:
         print(f"no checkpoints under {where}")
         return 0
+    print_checkpoint_table(rows)
+    return 0
+
+
+def print_checkpoint_table(rows: list) -> None:
+    """``keepalive ls``'s table (also ``%keepalive ls``'s): one checkpoint per line with its status
+    (``ok`` when re-read, ``unverified`` without ``--verify``, ``INVALID: why``)."""
+    from .units import format_bytes
+
     print(f"{'run':<20} {'checkpoint':<28} {'step':>9} {'epoch':>6} {'size':>11}  created (UTC)        status")
     for c in rows:
         j = c.to_json()
@@ -177,7 +186,6 @@ def cmd_ls(args) -> int:
         ranks = f" ({c.processes})" if c.processes else ""  # written by several torch.distributed ranks
         print(f"{c.run:<20} {c.name:<28} {str(c.step):>9} {str(c.epoch):>6} "
               f"{format_bytes(c.size_bytes):>11}  {j['created'] or '-':<20} {status}{ranks}")
-    return 0
 
 
 def _known_checkpoints(args, options: Optional[dict]) -> list:

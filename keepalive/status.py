@@ -21,7 +21,7 @@ from .session.clock import CLOCK_MEANING, ancestor_kernel, clock_starts, iso_tim
 from .store import describe_processes
 from .units import format_duration
 
-__all__ = ["status_report", "format_status", "format_settings"]
+__all__ = ["status_report", "format_status", "format_settings", "other_run_state"]
 
 
 # ----------------------------------------------------------------------------------------- runs
@@ -109,8 +109,7 @@ def status_report(checkpoint_dir: Optional[str] = None) -> Dict[str, Any]:
     idle = session.idle_seconds()
     if remaining is not None:
         if remaining <= 0:
-            warnings.append(f"the session budget ({format_duration(info.budget_seconds)}) is used up "
-                            f"by {format_duration(-remaining)}: the runtime may stop at any moment")
+            warnings.append(session.budget_used_up(info, now) or "the session budget is used up")
         elif remaining < 30 * 60:
             warnings.append(f"only {format_duration(remaining)} of the session budget left")
     if info.idle_timeout_seconds is not None:
@@ -238,6 +237,19 @@ def _processes(run: Mapping[str, Any]) -> str:
     return f", {said}" if said else ""
 
 
+def other_run_state(run: Mapping[str, Any]) -> str:
+    """What a run recorded in the index of runs (an entry of the report's ``other_runs``) holds:
+    ``UNFINISHED, 2 checkpoint(s), newest step 40 epoch 1``; the text panel and the widget both
+    show it."""
+    if run.get("error"):
+        return f"unreadable ({run['error']})"
+    if run.get("checkpoints"):
+        return (f"{'finished' if run.get('finished') else 'UNFINISHED'}, {run['checkpoints']} "
+                f"checkpoint(s), newest step {run.get('newest_step')} epoch {run.get('newest_epoch')}"
+                f"{_processes(run)}")
+    return "no committed checkpoint"
+
+
 def _run_lines(r: Mapping[str, Any]) -> List[str]:
     lines = [f"  checkpoints in {r.get('checkpoint_dir')}:"]
     entries = r.get("runs") or []
@@ -256,15 +268,7 @@ def _run_lines(r: Mapping[str, Any]) -> List[str]:
     if others:
         lines.append("  elsewhere (runs recorded in the index of runs):")
     for run in others:
-        if run.get("error"):
-            state = f"unreadable ({run['error']})"
-        elif run.get("checkpoints"):
-            state = (f"{'finished' if run.get('finished') else 'UNFINISHED'}, {run['checkpoints']} "
-                     f"checkpoint(s), newest step {run.get('newest_step')} epoch {run.get('newest_epoch')}"
-                     f"{_processes(run)}")
-        else:
-            state = "no committed checkpoint"
-        lines.append(f"            {run['run']}: {state} in {run['url']}")
+        lines.append(f"            {run['run']}: {other_run_state(run)} in {run['url']}")
     pending = r.get("pending_uploads")
     if pending is not None:
         lines.append(f"  uploads   {runs.format_pending(pending)}")

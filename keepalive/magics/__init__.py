@@ -185,6 +185,31 @@ def unfinished_notice(root: Optional[str] = None) -> Optional[str]:
 _MAX_NAMED = 8  # unfinished runs named one per line by the notice
 
 
+def _run_state(r: Run, listed: Sequence[Any], verified: bool, known: Sequence[Run], root: str) -> str:
+    """A run's state in ``%keepalive ls``'s header, from the same listing as the table below it
+    (``listed``: the run's checkpoints, newest first, re-read when ``verified``)."""
+    if r.error and not listed:
+        return f"unreadable: {r.error}"
+    committed = [c for c in listed if c.committed and c.error is None]
+    if not committed:
+        return "no committed checkpoint"
+    usable = [c for c in committed if c.valid is not False] if verified else committed
+    finished = bool((((committed[0].manifest or {}).get("metadata")) or {}).get("finished"))
+    newest = committed[0]
+    if not usable:
+        return (f"{'finished' if finished else 'UNFINISHED'}, but none of its {len(committed)} checkpoint(s) "
+                f"verifies (newest {newest.name}: INVALID, {newest.error})")
+    best = usable[0]
+    skipped = "" if best is newest else (f" (the newer {newest.name} is INVALID: {newest.error}; "
+                                         "a resume falls back past it)")
+    if finished and best is newest:
+        return f"finished at {r.where(best)}"
+    if finished:
+        return f"finished, but its last checkpoint is INVALID; newest valid: {r.where(best)}{skipped}"
+    return (f"UNFINISHED at {r.where(best)}{skipped}  ->  %resume_training "
+            f"{resume_argument(r, known, root)}")
+
+
 # ---------------------------------------------------------------------------------- parsing
 class _Exit(Exception):
     pass
@@ -332,44 +357,60 @@ class KeepaliveMagics(Magics):
             print(f"keepalive: WARNING {warning}")
 
     def _ls(self, args) -> None:
+        """The runs (unfinished or not, how to resume them), then the table of their checkpoints,
+        both from ONE listing (verified once with ``--verify``), so the two always agree: a run the
+        header names is in the table, and a checkpoint the table calls INVALID is not where the
+        header says the run would resume."""
         import argparse as _ap
 
-        from ..cli import cmd_ls
-        from ..errors import NoCheckpointError
+        from ..cli import cmd_ls, print_checkpoint_table
 
         path = args.path or session.default_checkpoint_dir()
-        if not args.json:
-            try:
-                runs = scan_runs(path)
-            except Exception:  # noqa: BLE001 - the table below says what is wrong
-                runs = []
-            elsewhere: List[Run] = []
-            silent: List[Run] = []
-            if args.path is None:  # the default dir: also the runs its index records elsewhere
-                known, silent = known_runs(path)
-                here = {r.url for r in runs}
-                elsewhere = [r for r in known if r.url not in here]
-            for title, group in ((f"runs under {path}:", runs),
-                                 (f"runs elsewhere (recorded in {path.rstrip('/')}/{RUN_INDEX}):", elsewhere)):
-                if not group:
-                    continue
-                print(title)
-                for r in group:
-                    if r.error:
-                        state = f"unreadable: {r.error}"
-                    elif r.newest is None:
-                        state = "no committed checkpoint"
-                    elif r.finished:
-                        state = f"finished at {r.where()}"
-                    else:
-                        state = (f"UNFINISHED at {r.where()}  ->  %resume_training "
-                                 f"{resume_argument(r, runs + elsewhere, path)}")
-                    print(f"  {r.run:<20} {state}" + ("" if group is runs else f"\n  {'':<20} in {r.url}"))
-                print()
+        if args.json:
+            # cmd_ls without a path: the default dir and the runs its index of runs records elsewhere
+            return self._cmd_ls(cmd_ls, _ap.Namespace(path=args.path, json=True, verify=args.verify))
+        try:
+            runs = scan_runs(path)
+        except Exception:  # noqa: BLE001 - the default dir may not exist yet: the index may name runs
+            runs = []
+        elsewhere: List[Run] = []
+        silent: List[Run] = []
+        if args.path is None:  # the default dir: also the runs its index records elsewhere
+            known, silent = known_runs(path)
+            here = {r.url for r in runs}
+            elsewhere = [r for r in known if r.url not in here]
+        if not runs and not elsewhere:
+            # one checkpoint folder, or nothing at all: the table says which
             if silent:
                 print(_silent_line(silent, path))
+            return self._cmd_ls(cmd_ls, _ap.Namespace(path=args.path, json=False, verify=args.verify))
+        listed: Dict[str, list] = {}
+        for r in runs + elsewhere:
+            try:
+                listed[r.url] = r.checkpoints(verify=args.verify, include_uncommitted=True)
+            except Exception:  # noqa: BLE001 - its header line says it is unreadable
+                listed[r.url] = []
+        for title, group in ((f"runs under {path}:", runs),
+                             (f"runs elsewhere (recorded in {path.rstrip('/')}/{RUN_INDEX}):", elsewhere)):
+            if not group:
+                continue
+            print(title)
+            for r in group:
+                state = _run_state(r, listed[r.url], args.verify, runs + elsewhere, path)
+                print(f"  {r.run:<20} {state}" + ("" if group is runs else f"\n  {'':<20} in {r.url}"))
+            print()
+        if silent:
+            print(_silent_line(silent, path))
+        rows = [info for r in runs + elsewhere for info in reversed(listed[r.url])]
+        print_checkpoint_table(rows)
+        return None
+
+    @staticmethod
+    def _cmd_ls(cmd_ls, namespace) -> None:
+        from ..errors import NoCheckpointError
+
         try:
-            cmd_ls(_ap.Namespace(path=path, json=args.json, verify=args.verify))
+            cmd_ls(namespace)
         except NoCheckpointError as exc:
             print(f"keepalive: no checkpoints: {exc}")
 
@@ -672,6 +713,12 @@ def load_ipython_extension(ip: Any) -> None:
     warning = _storage_warning(root)
     if warning:
         print(f"keepalive: WARNING {warning}")
+    try:
+        used_up = session.budget_used_up()
+    except Exception:  # noqa: BLE001 - loading must never fail over the session's facts
+        used_up = None
+    if used_up:
+        print(f"keepalive: WARNING {used_up}")
     try:
         notice = unfinished_notice(root)
     except Exception as exc:  # noqa: BLE001 - loading must never fail over a listing

@@ -103,10 +103,26 @@ def hardware_html(report: Dict[str, Any]) -> str:
 
 
 def runs_html(report: Dict[str, Any]) -> str:
+    """The runs under the checkpoint dir, then those the index of runs records elsewhere (runs
+    opened with an explicit path, ``DriveCheckpoint("/content/drive/MyDrive/runs/x")``)."""
+    return _dir_runs_html(report) + _other_runs_html(report)
+
+
+def _other_runs_html(report: Dict[str, Any]) -> str:
+    others = report.get("other_runs") or []
+    if not others:
+        return ""
+    items = [f"<b>{_esc(run['run'])}</b>: {_esc(status.other_run_state(run))} in <code>{_esc(run['url'])}</code>"
+             for run in others]
+    return ("<b>elsewhere</b> (runs recorded in the index of runs)<ul style='margin:0'>"
+            + "".join(f"<li>{i}</li>" for i in items) + "</ul>")
+
+
+def _dir_runs_html(report: Dict[str, Any]) -> str:
     runs = report.get("runs") or []
     head = f"<b>checkpoints</b> in <code>{_esc(report.get('checkpoint_dir'))}</code>"
     if not runs:
-        return head + ": no runs yet"
+        return head + ": no runs yet<br>"
     items = []
     for run in runs:
         if run.get("error"):

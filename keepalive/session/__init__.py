@@ -42,6 +42,7 @@ from .platforms import (
     PROFILES,
     PlatformProfile,
     SessionInfo,
+    budget_used_up,
     configure,
     default_checkpoint_dir,
     detect,
@@ -56,7 +57,7 @@ _storage_warning = storage_warning  # the name the magics look up
 
 __all__ = [
     "PLATFORMS", "CLOCKS", "PROFILES", "PlatformProfile", "get_profile", "SessionInfo", "detect",
-    "configure", "remaining_seconds", "elapsed_seconds", "idle_seconds", "note_activity",
+    "configure", "budget_used_up", "remaining_seconds", "elapsed_seconds", "idle_seconds", "note_activity",
     "IdleTracker", "IdleCallback", "tracker", "track_ipython", "check_idle_warning",
     "idle_warning_callbacks", "hardware", "gpus", "shm_warning", "both_units", "GIB", "SHM_WARN_BYTES",
     "vm_disk_path", "default_checkpoint_dir", "storage_warning", "parse_start", "iso_time",

@@ -29,12 +29,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from .. import report, settings
-from ..units import parse_duration
+from ..units import format_duration, parse_duration
 from .clock import ancestor_kernel, iso_time, parse_start, read_clock
 from .frontend import frontend_name, in_kernel
 
 __all__ = ["PLATFORMS", "PROFILES", "PlatformProfile", "get_profile", "SessionInfo", "detect",
-           "configure", "remaining_seconds", "elapsed_seconds", "default_checkpoint_dir",
+           "configure", "remaining_seconds", "elapsed_seconds", "default_checkpoint_dir", "budget_used_up",
            "storage_warning", "vm_disk_path", "run_index_dir"]
 
 PLATFORMS = ("colab", "kaggle", "paperspace", "databricks", "jupyter", "local")
@@ -332,6 +332,15 @@ def _detect(env: Mapping[str, str], overrides: Mapping[str, Any]) -> SessionInfo
     start, clock_source = pick("start", "KEEPALIVE_SESSION_START", None, "", parse_start)
     if start is not None:
         clock, clock_reason = "override", f"the session start is given ({clock_source})"
+        now = time.time()
+        if start > now + FUTURE_START_TOLERANCE:
+            # a start in the future makes every elapsed time negative and the budget larger than
+            # it is; the usual cause is a local time read as UTC
+            warnings.append(f"{clock_source} is {format_duration(start - now)} in the future "
+                            f"({iso_time(start)}); the session is counted from now ({iso_time(now)}) "
+                            "instead. Give unix seconds, or ISO-8601 with its offset (a time without "
+                            "one is UTC), e.g. 2025-01-31T08:00:00+02:00")
+            start, clock_source = now, f"{clock_source}, in the future: now instead"
     else:
         clock, start, clock_source = read_clock(wanted, kernel, kernel_pid)
         if clock != wanted:
@@ -345,6 +354,35 @@ def _detect(env: Mapping[str, str], overrides: Mapping[str, Any]) -> SessionInfo
         run_type=run_type if platform == "kaggle" else None, accelerator=accelerator,
         in_kernel=kernel, kernel_pid=kernel_pid if clock == "kernel" else None,
         warnings=warnings)
+
+
+#: seconds a given session start may lie ahead of this machine's clock (clock skew) unremarked
+FUTURE_START_TOLERANCE = 60.0
+
+
+def budget_used_up(info: Optional[SessionInfo] = None, now: Optional[float] = None) -> Optional[str]:
+    """A line saying that the session budget is already used up, from which clock it counts and
+    how to change that (None while some of it is left, or without a budget). On Colab the budget
+    counts from the VM's start: a ``KEEPALIVE_BUDGET=2min`` set in a notebook whose VM started 34
+    minutes earlier is used up before the first cell trains, and a training then saves and stops
+    at its first chance."""
+    info = info or detect()
+    now = time.time() if now is None else now
+    remaining = info.remaining_seconds(now)
+    if remaining is None or remaining > 0:
+        return None
+    budget = format_duration(info.budget_seconds)
+    elapsed = format_duration(info.elapsed_seconds(now))
+    if info.clock == "override":
+        start = f"the given session start ({info.clock_source}), {elapsed} ago"
+        change = " (or a later KEEPALIVE_SESSION_START)"
+    else:
+        start = (f"the start of the {info.clock} clock, {elapsed} ago ({iso_time(info.start_time)}; "
+                 f"{info.clock_source})")
+        change = " (or KEEPALIVE_CLOCK=kernel to count from this kernel's start)" if info.clock == "vm" else ""
+    return (f"the session budget of {budget} ({info.budget_source}) is already used up: it counts from "
+            f"{start}. A training saves and stops at its first chance; to train, set a larger "
+            f"KEEPALIVE_BUDGET{change}.")
 
 
 _INFO: Optional[SessionInfo] = None
