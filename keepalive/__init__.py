@@ -32,6 +32,28 @@ __all__ = [
 ]
 
 
+def _short_tracebacks_in_ipython() -> None:
+    """Inside a running IPython (a notebook importing a callback, before or without
+    ``%load_ext keepalive``), keepalive's own errors get a one-line traceback
+    (:mod:`keepalive.magics.tracebacks`). Only where IPython is imported already: a plain script
+    never imports it."""
+    import sys
+
+    module = sys.modules.get("IPython")
+    try:
+        shell = module.get_ipython() if module is not None else None
+    except Exception:  # noqa: BLE001 - a half-imported IPython: nothing to hook
+        shell = None
+    if shell is None:
+        return
+    try:
+        from .magics import tracebacks
+
+        tracebacks.install(shell)
+    except Exception as exc:  # noqa: BLE001 - tracebacks stay long; importing keepalive never fails
+        logging.getLogger("keepalive").debug("no short tracebacks: %r", exc)
+
+
 def load_ipython_extension(ipython) -> None:  # pragma: no cover - exercised in a real kernel
     """``%load_ext keepalive``."""
     from .magics import load_ipython_extension as _load
@@ -43,3 +65,6 @@ def unload_ipython_extension(ipython) -> None:  # pragma: no cover
     from .magics import unload_ipython_extension as _unload
 
     _unload(ipython)
+
+
+_short_tracebacks_in_ipython()

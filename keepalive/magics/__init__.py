@@ -44,7 +44,7 @@ from .. import (
 )
 from .._version import __version__
 from ..runs import RUN_INDEX, Run, answered_within, find_runs, indexed_runs, locate
-from . import cells
+from . import cells, tracebacks
 
 MAGIC_NAMES = ("keepalive", "resume_training")
 # setup-cell lines a replay leaves out: they only load keepalive or show something
@@ -700,6 +700,7 @@ def load_ipython_extension(ip: Any) -> None:
     """``%load_ext keepalive``: magics, cell recording, idle tracking, the unfinished-run notice."""
     again = any(s is ip for s in _loaded)
     ip.register_magics(KeepaliveMagics)
+    tracebacks.install(ip)
     notebook.register(ip)
     try:
         session.tracker().register(ip)
@@ -732,6 +733,7 @@ def unload_ipython_extension(ip: Any) -> None:
     from . import widget
 
     notebook.unregister(ip)
+    tracebacks.uninstall(ip)
     try:
         session.tracker().unregister(ip)
     except Exception:  # noqa: BLE001
@@ -744,6 +746,10 @@ def unload_ipython_extension(ip: Any) -> None:
         mm.registry.pop(KeepaliveMagics.__name__, None)
     _loaded[:] = [s for s in _loaded if s is not ip]
 
+
+# Loaded inside a running IPython (``import keepalive`` in a notebook, before or without
+# ``%load_ext``): keepalive's own errors are shown short from now on.
+tracebacks.install(session.ipython_shell())
 
 __all__ = ["load_ipython_extension", "unload_ipython_extension", "KeepaliveMagics", "scan_runs",
            "known_runs", "resume_argument", "RunState", "unfinished_notice", "keepalive_parser",
