@@ -479,3 +479,63 @@ def test_a_name_shared_by_two_unfinished_runs_asks_for_a_folder(shell, ka_dir, t
 
     notice = unfinished_notice()
     assert f"%resume_training {tmp_path / 'one' / 'same'}" in notice, notice
+
+
+def test_ls_header_and_table_agree(shell, ka_dir, tmp_path, capsys):
+    """%keepalive ls names the runs and lists their checkpoints from one listing: a run recorded
+    elsewhere (the default dir itself holds nothing) is in both, never followed by "no checkpoints";
+    with --verify a damaged newest checkpoint is INVALID in the table and not where the header says
+    the run resumes (control: without --verify the header names it, unverified)."""
+    from keepalive.store import CheckpointStore
+
+    run(shell, "%load_ext keepalive")
+    away = tmp_path / "drive" / "runs" / "gamma"
+    _crashing_path_run(shell, away, crash_at=4)          # checkpoints at steps 1, 2, 3
+    assert not ka_dir.exists() or not any(p.name.startswith("ckpt-") for p in ka_dir.rglob("*"))
+    capsys.readouterr()
+    assert run(shell, "%keepalive ls").success
+    out = capsys.readouterr().out
+    assert "runs elsewhere" in out and "gamma" in out and "no checkpoints" not in out, out
+    table = [ln for ln in out.splitlines() if ln.startswith("gamma ")]
+    assert len(table) == 3 and all(ln.rstrip().endswith("unverified") for ln in table), out
+
+    store = CheckpointStore(str(away), keep=None)
+    newest = store.list()[-1]
+    data = next(p for p in (away / newest.name).iterdir() if p.name != "MANIFEST.json" and p.stat().st_size)
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    data.write_bytes(bytes(raw))
+
+    assert run(shell, "%keepalive ls").success                      # control: not re-read
+    out = capsys.readouterr().out
+    assert f"UNFINISHED at epoch {newest.epoch}, step {newest.step} ({newest.name}" in out, out
+    assert run(shell, "%keepalive ls --verify").success
+    out = capsys.readouterr().out
+    rows = {ln.split()[1]: ln for ln in out.splitlines() if ln.startswith("gamma ")}
+    assert "INVALID" in rows[newest.name], out
+    header = next(ln for ln in out.splitlines() if "UNFINISHED" in ln)
+    assert f"({newest.name}" not in header.split("(the newer")[0], header
+    assert f"the newer {newest.name} is INVALID" in header and "falls back past it" in header, header
+    older = store.list()[-2]
+    assert f"step {older.step} ({older.name}" in header and rows[older.name].rstrip().endswith("ok"), out
+
+
+def test_status_panel_lists_runs_opened_with_a_path(shell, ka_dir, tmp_path):
+    """The README's own form, DriveCheckpoint("/content/drive/MyDrive/runs/x"): the run lies outside
+    the checkpoint dir; the panel (widget and text) lists it from the index of runs."""
+    pytest.importorskip("ipywidgets")
+    from keepalive import status
+    from keepalive.magics.widget import StatusPanel, runs_html
+
+    run(shell, "%load_ext keepalive")
+    away = tmp_path / "MyDrive" / "runs" / "delta"
+    _crashing_path_run(shell, away)
+    panel = StatusPanel(interval=1, full_every=1)
+    try:
+        html = panel.runs.value
+    finally:
+        panel.stop()
+    assert "delta" in html and str(away) in html and "UNFINISHED" in html, html
+    assert "delta" in status.format_status(status.status_report()) and "UNFINISHED" in html
+    # control: a report without runs elsewhere shows no such section
+    assert "elsewhere" not in runs_html({"checkpoint_dir": "/d", "runs": [], "other_runs": []})

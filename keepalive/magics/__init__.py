@@ -190,7 +190,8 @@ def _run_state(r: Run, listed: Sequence[Any], verified: bool, known: Sequence[Ru
     (``listed``: the run's checkpoints, newest first, re-read when ``verified``)."""
     if r.error and not listed:
         return f"unreadable: {r.error}"
-    committed = [c for c in listed if c.committed and c.error is None]
+    # committed with a readable manifest (an error set by verifying them is a failed check)
+    committed = [c for c in listed if c.committed and (c.error is None or c.valid is False)]
     if not committed:
         return "no committed checkpoint"
     usable = [c for c in committed if c.valid is not False] if verified else committed
