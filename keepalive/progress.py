@@ -3,7 +3,9 @@ time left next to the training's ETA.
 
 * :func:`upload_progress` gives :class:`keepalive.writer.AsyncWriter` a factory that opens a tqdm bar
   (``tqdm.auto``: a widget in a notebook, text elsewhere) for checkpoints of at least
-  ``KEEPALIVE_PROGRESS_MIN_BYTES`` (default 256 MiB) and feeds it the bytes written per chunk.
+  ``KEEPALIVE_PROGRESS_MIN_BYTES`` (default 256 MiB) and feeds it the bytes written per chunk; once
+  the write is complete one line confirms it (size, time, rate, where). Labels are the run's name,
+  shortened (:func:`label`): in JupyterLab a long label squeezes the bar and cuts off the rate.
 * :class:`TrainingProgress` shows an epoch bar whose postfix is the session time left (and a warning
   when the ETA lies beyond the session's end). It appears only where the session has a time limit
   (Colab, Kaggle, ``KEEPALIVE_BUDGET``) and the adapter knows the number of epochs, so local runs and
@@ -15,7 +17,8 @@ tqdm is imported only when a bar is actually opened; without tqdm nothing is sho
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable, Mapping, Optional
+import time
+from typing import Any, Callable, Dict, Mapping, Optional
 
 from . import report, settings
 from .units import format_bytes, format_duration
@@ -55,23 +58,76 @@ def _tqdm():
     return tqdm
 
 
-class _Bar:
-    """A tqdm bar that never raises into the writer thread."""
+#: characters of a run name a bar's label shows: in JupyterLab the label, the bar and tqdm's text
+#: (counts, times, rate, postfix) share one line, and a long label squeezes the bar to a stub and
+#: cuts the rate off
+LABEL_WIDTH = 24
 
-    def __init__(self, bar: Any):
+
+def label(run: str, width: int = LABEL_WIDTH) -> str:
+    """A bar's label: the run's name (never its URL), shortened in the middle to ``width``."""
+    if len(run) <= width:
+        return run
+    keep = width - 3
+    return run[:(keep + 1) // 2] + "..." + run[len(run) - keep // 2:]
+
+
+def run_name(url: str) -> str:
+    """The run's name, the last folder of its URL or path."""
+    return url.rstrip("/").rsplit("/", 1)[-1] or url
+
+
+def _layout(tqdm: Any) -> Dict[str, Any]:
+    """Width options for a bar: a notebook widget spans the output's width, its text wrapping below
+    the bar rather than being cut; a terminal bar follows the terminal's width."""
+    if any(c.__name__ == "tqdm_notebook" for c in getattr(tqdm, "__mro__", ())):
+        return {"ncols": "100%"}
+    return {"dynamic_ncols": True}
+
+
+class _Bar:
+    """The bar of one checkpoint write: short label, the step as its postfix, and once the last
+    byte is written one line saying so (the bar itself disappears)."""
+
+    def __init__(self, bar: Any, *, url: str, step: int, total: int):
         self.bar = bar
+        self.url, self.step, self.total = url, step, total
+        self.done = 0
+        self.started = time.monotonic()
 
     def update(self, n: int) -> None:
+        self.done += n
         try:
             self.bar.update(n)
         except Exception:  # noqa: BLE001 - a display problem must not fail a checkpoint
             pass
 
-    def close(self) -> None:
+    def close(self, result: Any = None) -> None:
+        """Close the bar; a write complete in full is confirmed in one line (a failed one is
+        reported by the writer). With the write's ``WriteResult`` the line also says where it went:
+        the destination, or the local spool that uploads it next (the writer does not pass it yet,
+        so the line names no place rather than a wrong one)."""
         try:
             self.bar.close()
         except Exception:  # noqa: BLE001
             pass
+        if self.done < self.total:
+            return
+        where = None
+        info = getattr(result, "info", None)
+        if info is not None:
+            where = (f"the local spool (uploading to {self.url} next)" if getattr(info, "source", None) == "spool"
+                     else self.url)
+        report.say(confirmation("wrote", self.step, run_name(self.url), self.total,
+                                time.monotonic() - self.started, where))
+
+
+def confirmation(verb: str, step: int, run: str, size: int, seconds: float, where: Optional[str] = None) -> str:
+    """The line that confirms a write or an upload a bar showed: ``wrote step 120 of 'pets'
+    (267.0 MiB in 12.1 s, 22.1 MiB/s) to gs://bucket/runs/pets``."""
+    rate = f", {format_bytes(size / seconds)}/s" if seconds > 0 else ""
+    return (f"{verb} step {step} of '{run}' ({format_bytes(size)} in {seconds:.1f} s{rate})"
+            + (f" to {where}" if where else ""))
 
 
 def upload_progress(url: str) -> Optional[Callable[[Mapping[str, Any], int], Optional[_Bar]]]:
@@ -88,10 +144,10 @@ def upload_progress(url: str) -> Optional[Callable[[Mapping[str, Any], int], Opt
             tqdm = _tqdm()
             if tqdm is None:
                 return None
-            target = url if len(url) <= 48 else "..." + url[-45:]
-            return _Bar(tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, leave=False,
-                             desc=f"keepalive: saving step {step} ({format_bytes(total)}) to {target}",
-                             file=sys.stderr, mininterval=0.5))
+            bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, leave=False,
+                       desc=f"saving {label(run_name(url))}", postfix=f"step {step}", file=sys.stderr,
+                       mininterval=0.5, **_layout(tqdm))
+            return _Bar(bar, url=url, step=step, total=total)
         except Exception as exc:  # noqa: BLE001
             report.debug(f"no upload progress bar: {exc!r}")
             return None
@@ -118,6 +174,8 @@ class TrainingProgress:
         return on is True or self.core.trigger.remaining() is not None
 
     def postfix(self) -> str:
+        """Short, so the rate stays in view: ``session left 1 h 59 min``, and ``(ETA past it)``
+        when the epochs left need longer (said once in full, :meth:`_warn_eta`)."""
         remaining = self.core.trigger.remaining()
         if remaining is None:
             return "no session limit"
@@ -127,8 +185,17 @@ class TrainingProgress:
         if total and per_epoch:
             eta = (total - self.core.counters["epoch"]) * per_epoch
             if eta > remaining:
-                text += " (ETA beyond the session's end: keepalive saves and stops before it)"
+                text += " (ETA past it)"
+                self._warn_eta(eta, remaining)
         return text
+
+    def _warn_eta(self, eta: float, remaining: float) -> None:
+        if self.warned:
+            return
+        self.warned = True
+        report.warn(f"run '{self.core.store.run}': the epochs left need about {format_duration(eta)}, the "
+                    f"session has {format_duration(max(0.0, remaining))} left; keepalive saves and stops "
+                    "before its end (run the cell again in a new session to continue)")
 
     def epoch_end(self, last: bool = False) -> None:
         try:
@@ -140,8 +207,7 @@ class TrainingProgress:
                     return
                 done = self.core.counters["epoch"]
                 self.bar = tqdm(total=self.core.total_epochs, initial=max(0, done - 1), unit="epoch",
-                                desc=f"keepalive: {self.core.store.run}", file=sys.stderr,
-                                dynamic_ncols=True)
+                                desc=label(self.core.store.run), file=sys.stderr, **_layout(tqdm))
                 per_epoch = self.core.trigger.epoch_seconds
                 if per_epoch:  # the epoch that just ended counts for tqdm's rate / ETA
                     self.bar.start_t -= per_epoch
@@ -162,4 +228,5 @@ class TrainingProgress:
                 pass
 
 
-__all__ = ["upload_progress", "TrainingProgress", "total_bytes", "setting", "min_upload_bytes"]
+__all__ = ["upload_progress", "TrainingProgress", "total_bytes", "setting", "min_upload_bytes", "label",
+           "run_name", "confirmation", "LABEL_WIDTH"]

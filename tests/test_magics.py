@@ -249,16 +249,38 @@ def test_upload_bar_for_large_saves(tmp_path, monkeypatch, capsys):
     pytest.importorskip("tqdm")
     monkeypatch.delenv("KEEPALIVE_PROGRESS", raising=False)   # automatic (other modules turn it off)
     monkeypatch.setenv("KEEPALIVE_PROGRESS_MIN_BYTES", "1000")   # the test's 16 KiB state is "large"
-    _train(str(tmp_path / "big"))
-    err = capsys.readouterr().err
-    assert "keepalive: saving step" in err and "B/s" in err
+    long_name = "a-run-name-much-longer-than-any-label-should-be"
+    _train(str(tmp_path / "runs" / long_name))
+    captured = capsys.readouterr()
+    err, out = captured.err, captured.out
+    # the label is the run's name, shortened; the step is the postfix; never the URL in the label
+    label = "saving a-run-name-...-should-be"
+    assert label in err and "step 2" in err and "B/s" in err, err
+    assert str(tmp_path) not in err, err
+    # each complete write is confirmed once, in one line, with where it went
+    wrote = [ln for ln in out.splitlines() if ln.startswith("keepalive: wrote step")]
+    assert len(wrote) == 2, out
+    assert wrote[-1].startswith(f"keepalive: wrote step 4 of '{long_name}' (") and "/s)" in wrote[-1]
     monkeypatch.setenv("KEEPALIVE_PROGRESS_MIN_BYTES", str(1 << 30))
     _train(str(tmp_path / "small"))
-    assert "keepalive: saving step" not in capsys.readouterr().err
+    captured = capsys.readouterr()
+    assert "saving small" not in captured.err and "wrote step" not in captured.out
     monkeypatch.setenv("KEEPALIVE_PROGRESS_MIN_BYTES", "1000")
     monkeypatch.setenv("KEEPALIVE_PROGRESS", "0")
     _train(str(tmp_path / "off"))
-    assert "keepalive: saving step" not in capsys.readouterr().err
+    captured = capsys.readouterr()
+    assert "saving off" not in captured.err and "wrote step" not in captured.out
+
+
+def test_bar_labels_are_short():
+    from keepalive import progress
+
+    assert progress.label("pets") == "pets"
+    shortened = progress.label("x" * 10 + "-middle-" + "y" * 30)
+    assert len(shortened) == progress.LABEL_WIDTH and shortened.startswith("xxxxxxxxxx") and "..." in shortened
+    assert progress.run_name("gs://bucket/runs/pets/") == "pets"
+    assert progress.confirmation("wrote", 7, "pets", 2 << 20, 2.0, "gs://b/pets") == (
+        "wrote step 7 of 'pets' (2.00 MiB in 2.0 s, 1.00 MiB/s) to gs://b/pets")
 
 
 def test_epoch_bar_shows_session_time_left(tmp_path, monkeypatch, capsys):
@@ -539,3 +561,22 @@ def test_status_panel_lists_runs_opened_with_a_path(shell, ka_dir, tmp_path):
     assert "delta" in status.format_status(status.status_report()) and "UNFINISHED" in html
     # control: a report without runs elsewhere shows no such section
     assert "elsewhere" not in runs_html({"checkpoint_dir": "/d", "runs": [], "other_runs": []})
+
+
+def test_epoch_bar_postfix_is_short_and_the_eta_is_said_once(capsys):
+    """The epoch bar's postfix stays short (the rate must stay in view in JupyterLab); an ETA past
+    the session's end is marked there and said once in full."""
+    from types import SimpleNamespace
+
+    from keepalive.progress import TrainingProgress
+
+    core = SimpleNamespace(total_epochs=5, counters={"epoch": 1}, store=SimpleNamespace(run="pets"),
+                           trigger=SimpleNamespace(remaining=lambda: 100.0, epoch_seconds=60.0))
+    bar = TrainingProgress(core)
+    assert bar.postfix() == "session left 1 min 40 s (ETA past it)"
+    assert bar.postfix() == "session left 1 min 40 s (ETA past it)"
+    err = capsys.readouterr().err
+    assert err.count("keepalive: warning: run 'pets': the epochs left need about 4 min 00 s") == 1, err
+    core.trigger.epoch_seconds = 10.0    # control: it fits
+    assert TrainingProgress(core).postfix() == "session left 1 min 40 s"
+    assert "warning" not in capsys.readouterr().err
