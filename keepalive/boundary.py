@@ -18,7 +18,8 @@ The rules it encodes:
   save, a stop before the deadline, a save asked for by hand, a signal) is owed and done at the next
   consistent boundary, never lost.
 * A save is made only when the counters moved since the last one, unless it ends the training or a
-  stage (code that ran since may have changed the state).
+  stage (code that ran since may have changed the state). A save that comes due at the training's
+  last batch is made by the end of training right after it: the last step is written once.
 * A signal (Ctrl-C, SIGTERM) is saved at the next consistent boundary, then re-raised; a second one
   acts at once; in a loop that cannot be saved inside an epoch it acts at the next batch end without
   a save.
@@ -190,7 +191,8 @@ class BatchEnd:
     (else the :class:`OptimizerStep` events since the previous boundary count); ``batch``: the batch
     index reached in the epoch, when known absolutely (else it moves by the batch's steps); ``positionable``: the
     loop can be resumed here; ``grads_pending``: gradients are being accumulated; ``requested``: the
-    user asked for a save during the batch."""
+    user asked for a save during the batch; ``last``: the training's last batch, as far as the core
+    can tell (its end-of-training save follows)."""
 
     steps: Optional[int] = None
     batch: Optional[int] = None
@@ -198,6 +200,7 @@ class BatchEnd:
     positionable: bool = True
     grads_pending: bool = False
     requested: bool = False
+    last: bool = False
     due: Due = Due()
 
 
@@ -361,6 +364,11 @@ def _owe(pending: Pending, due: Due, requested: bool) -> Pending:
 def _batch_end(state: BoundaryState, ev: BatchEnd) -> Tuple[BoundaryState, Decision]:
     pending = _owe(state.pending, ev.due, ev.requested)
     state = evolve(state, counters=_counted(state, ev), pending=pending, steps_seen=())
+    if ev.last and pending.stop is None and pending.signal is None:
+        # the training's last batch: the save of its end follows at once and pays what is owed here
+        # (the same step written once, not twice); were this not the last batch after all, the next
+        # boundary pays it
+        return state, NOTHING
     if ev.positionable and not ev.grads_pending:
         return _act(state)
     if not ev.positionable and pending.signal is not None:

@@ -35,13 +35,15 @@ from . import progress as _progress
 from . import session as _session
 from . import spool as _spool
 from .config import CheckpointConfig
+from .errors import TrainingStopped
 from .interrupts import DeferredSignals, raise_for, signal_name
 from .notebook import default_dir, resolve_run_url
-from .runs import Run, record_run, resuming_line
+from .runs import Run, position, record_run, resuming_line
 from .savepath import Found, SavePath, choose
-from .statetree import Captured, StateTree
+from .statetree import Captured, Header, StateTree
 from .store import CheckpointInfo, CheckpointStore, WriteResult
 from .trigger import SaveTrigger
+from .units import format_duration
 from .writer import AsyncWriter
 
 log = logging.getLogger("keepalive")
@@ -73,7 +75,8 @@ class Checkpointer:
                  **options: Any):
         cfg = CheckpointConfig.strict(path, config, options, "Checkpointer")
         self.config = cfg
-        self.url = resolve_run_url(cfg.path, cfg.run)
+        self.url = resolve_run_url(cfg.path, cfg.run, say=lambda line: report.say(
+            line, quiet=cfg.quiet or not _distributed.GROUP.is_main))
         self.store = CheckpointStore(self.url, keep=cfg.keep, keep_every=cfg.keep_every,
                                      storage_options=cfg.storage_options)
         self.trigger = SaveTrigger(cfg.every, on_deadline=cfg.on_deadline, margin=cfg.deadline_margin,
@@ -120,6 +123,13 @@ class Checkpointer:
         self.optimizer_steps = 0
         self.watched = 0
         self.steps_paused = False  # while state is saved or restored: optimizer steps are not training
+        #: batches in one epoch (the batch counter at an epoch's end), learned at the first epoch end
+        #: and kept in the checkpoint; an adapter that knows it may set it. With ``total_epochs`` it
+        #: tells the training's last batch, whose scheduled save the end-of-training save makes.
+        self.epoch_batches: Optional[int] = None
+        #: in a notebook, the stop before the deadline the end of the training call raises (once)
+        self._stop_to_raise: Optional[str] = None
+        self._budget_told = False
         notebook.record_context(self.metadata)  # the notebook cell, or the script, that made the run
         _ACTIVE.add(self)
 
@@ -192,6 +202,7 @@ class Checkpointer:
         # Take the writer lease now, at the start of training: a second session on the same run
         # learns it at once instead of after its first epoch.
         self._open()
+        self._tell_budget_used_up()
         found = self.path.localize(found, self.url, lambda text: self.warn(text, key="world-size"))
         if found is None:
             return None
@@ -206,6 +217,9 @@ class Checkpointer:
         self.resumed_from = info
         self.saved_plan = dict(tree.get("plan") or {}) or None
         self._feed(bd.Restored(bd.Counters.of(tree.get("counters") or {})))
+        saved_length = cast(Dict[str, Any], tree.get("keepalive") or {}).get("epoch_batches")
+        if self.epoch_batches is None and isinstance(saved_length, int) and saved_length > 0:
+            self.epoch_batches = saved_length
         self.extras.update(tree.get("extras") or {})
         self.trigger.saved()
         if not self.quiet:
@@ -227,12 +241,49 @@ class Checkpointer:
         others = [o for o in list(_ACTIVE) if o is not self and o._opened and o.store.url == self.store.url]
         for other in others:
             if not other._in_loop:
-                other.close()
+                other._stop_to_raise = None  # its training call is over: nothing to raise there now
+                other._close()
         orphaned = (not self.spooled.spooling and not any(o._opened for o in others)
                     and self.store.lease.names_this_process())
         self.spooled.open_for_writing(takeover=self.takeover or orphaned)
-        record_run(self.url, _session.platforms.run_index_dir)  # found after a reset (RUNS.json)
+        # found after a reset (RUNS.json), by its absolute location: a relative path means nothing
+        # to another process, and the magics compare it with the run a cell wrote
+        record_run(self.store.url, _session.platforms.run_index_dir)
         self._opened = True
+
+    def _give_back_lease(self) -> None:
+        """The training is over (finished, stopped, its loop left): after the write in flight is
+        durable, release the writer lease, so that another session (a second notebook on the same
+        run) may open the run while this kernel idles. A later save of this checkpointer takes the
+        lease again."""
+        if not self._opened:
+            return
+        if self._path is not None:
+            self._path.wait()
+        self.writer.wait()
+        self.spooled.close()  # uploads go on; the destination's lease is released after the last
+        self._opened = False
+
+    def _tell_budget_used_up(self) -> None:
+        """At the start of training: when the session's time is already (nearly) used up, say so and
+        from which clock it counts, before a training that stops at its first chance surprises."""
+        if self._budget_told or self.trigger.on_deadline == "ignore":
+            return
+        remaining = self.trigger.remaining()
+        if remaining is None or remaining > self.trigger.margin:
+            return
+        self._budget_told = True
+        self.warn(self._budget_words(remaining), key="budget-used-up")
+
+    def _budget_words(self, remaining: float) -> str:
+        """Why the session's time is up: the session module's account (the budget, its clock), or,
+        with the checkpointer's own ``remaining_fn``, what it answered."""
+        line = _session.budget_used_up() if self.config.remaining_fn is None else None
+        if line:
+            return line
+        return (f"the session has {format_duration(max(0.0, remaining))} left, less than the "
+                f"{format_duration(self.trigger.margin)} kept before its end: a training saves and stops at "
+                "its first chance")
 
     def _committed(self, result: WriteResult) -> None:
         self.trigger.record_save(result.seconds)
@@ -246,7 +297,10 @@ class Checkpointer:
 
     def build_tree(self, capture: Capture) -> StateTree:
         c = self.state.counters
-        tree: StateTree = {"keepalive": {"format": STATE_FORMAT, "framework": self.framework},
+        header: Dict[str, Any] = {"format": STATE_FORMAT, "framework": self.framework}
+        if self.epoch_batches:
+            header["epoch_batches"] = int(self.epoch_batches)
+        tree: StateTree = {"keepalive": cast(Header, header),  # with the core's optional epoch_batches
                            "counters": {"epoch": c.epoch, "step": c.step, "batch": c.batch, "samples": c.samples},
                            "extras": dict(self.extras)}
         tree.update(capture())
@@ -280,6 +334,9 @@ class Checkpointer:
             self._path.wait(timeout)
         self.writer.wait(timeout)
         self.spooled.flush(timeout, end_of_run=self.finished or self.stopped)
+        if not self._in_loop:  # the training loop is over (ended, stopped, left): the run is free
+            self._give_back_lease()
+            self._raise_stop()
 
     # ------------------------------------------------------------------------------ lifecycle
     # An adapter calls these at its framework's boundaries. Counters mean the same for every
@@ -290,6 +347,7 @@ class Checkpointer:
         end states start over (``keep_counters``: a further stage of the same run, the counters go on)."""
         self._feed(bd.NewFit(keep_counters))
         self.trigger.deadline_hit = False
+        self._stop_to_raise = None
 
     @property
     def trained_here(self) -> List[Dict[str, Any]]:
@@ -318,6 +376,7 @@ class Checkpointer:
         self.state, event = bd.count(self.state, bd.BatchEnd(
             steps=n, batch=batch, samples=int(samples), positionable=can_save, grads_pending=pending,
             requested=requested))
+        event = bd.evolve(event, last=self._last_batch())
         due = self.trigger.after_step(n, consistent=consistent)  # sees the counters moved
         decision = self._feed(bd.evolve(event, due=due))
         if consistent:
@@ -332,6 +391,8 @@ class Checkpointer:
         without an epoch end, e.g. stopped by another callback)."""
         self._before_boundary(capture)
         steps = self.state.counted_steps
+        if count and self.state.counters.batch > 0:
+            self.epoch_batches = self.state.counters.batch  # this epoch's length, in the batch counter
         self.state, event = bd.count(self.state, bd.EpochEnd(epoch=epoch, last=last, requested=requested,
                                                              count=count))
         due = self.trigger.after_step(steps) if steps else bd.Due()  # see the counters moved
@@ -342,6 +403,13 @@ class Checkpointer:
         if self.training_progress is not None:
             self.training_progress.epoch_end(last)
         return self._carry_out(decision, capture)
+
+    def _last_batch(self) -> bool:
+        """Whether the batch just counted is, as far as the core can tell, the training's last: the
+        last planned epoch has reached the length of the epochs before it. A guess that is wrong
+        only delays a scheduled save to the next boundary."""
+        c, total = self.state.counters, self.total_epochs
+        return bool(total and self.epoch_batches and c.epoch + 1 >= total and c.batch >= self.epoch_batches)
 
     def count_epoch(self) -> None:
         """An epoch ended whose boundary is acted on later (fastai saves a fit's last epoch in
@@ -356,6 +424,7 @@ class Checkpointer:
         report.say(message or f"run '{self.store.run}' already completed {self.state.counters.epoch} "
                    f"epoch(s){of}; nothing to do{detail}")
         self._feed(bd.Finish(True))
+        self._give_back_lease()  # nothing to train: another session may open the run
 
     def end_stage(self, capture: Capture, *, reason: str, epoch_end: bool = True,
                   finished: bool = False) -> Decision:
@@ -417,15 +486,42 @@ class Checkpointer:
             self.save(capture, sync=decision.sync, reason=decision.reason, finished=decision.finished)
         elif decision.flush:
             self.flush()
+        where = position(c.as_dict())
         if decision.signal is not None:
             self.uninstall_signal_handlers()
+            self._give_back_lease()  # the save above is durable (sync); the process stops or idles
             had = "training had finished; " if decision.signal_note == "finished" else ""
-            self.say(f"{signal_name(decision.signal)}: {had}saved epoch {c.epoch}, step {c.step} to {self.url}")
+            self.say(f"{signal_name(decision.signal)}: {had}saved {where} to {self.url}")
             raise_for(decision.signal)
         if decision.stop:
-            self.say(f"stopping before the session ends: saved epoch {c.epoch}, step {c.step} to {self.url}. "
-                     "In a new session run the same code again (or %resume_training) to continue from here.")
+            why = self._stop_words(decision.reason)
+            self.say(f"stopping before the session ends: saved {where} to {self.url}. Why: {why}. In a new "
+                     "session run the same code again (or %resume_training) to continue from here.")
+            if _session.in_notebook():
+                # "Run all" must not go on into the cells that use the model as if it were trained:
+                # the end of the training call raises, after the save is durable
+                self._stop_to_raise = (
+                    f"training stopped before the session ends ({why}); saved {where} to {self.url}. The "
+                    "cells after this one did not run. In a new session run the same code again (or "
+                    "%resume_training) to continue; on_deadline='save' saves and trains on instead.")
+        if decision.finished or decision.stop:
+            self._give_back_lease()  # the training is over (the save is durable: sync)
         return decision
+
+    def _stop_words(self, reason: str) -> str:
+        """Why the training stops, in words: the deadline's arithmetic, and when the session's time
+        was used up before, its budget and the clock it counts from."""
+        why = reason[len("deadline: "):] if reason.startswith("deadline: ") else reason
+        remaining = self.trigger.remaining()
+        if remaining is not None and remaining <= 0:
+            why = self._budget_words(remaining)
+        return why.rstrip(".")
+
+    def _raise_stop(self) -> None:
+        """In a notebook, end the training call with :class:`TrainingStopped` after a stop (once)."""
+        message, self._stop_to_raise = self._stop_to_raise, None
+        if message is not None:
+            raise TrainingStopped(message)
 
     # -------------------------------------------------------------------------------- signals
     def install_signal_handlers(self) -> None:
@@ -442,7 +538,12 @@ class Checkpointer:
 
     # ---------------------------------------------------------------------------------- close
     def close(self) -> None:
-        """Finish the in-flight write and release the writer lease."""
+        """Finish the in-flight write and release the writer lease. In a notebook, after a stop before
+        the session's deadline, then raises :class:`~keepalive.errors.TrainingStopped` (once)."""
+        self._close()
+        self._raise_stop()
+
+    def _close(self) -> None:
         try:
             self.flush()
         finally:
@@ -459,7 +560,8 @@ class Checkpointer:
 def _flush_all_at_exit() -> None:
     for ckpt in list(_ACTIVE):
         try:
-            ckpt.close()
+            ckpt._stop_to_raise = None  # exiting: nothing left to stop
+            ckpt._close()
         except Exception as exc:  # noqa: BLE001 - exiting anyway
             log.error("could not finish the last checkpoint of %s: %s", ckpt.url, exc)
 

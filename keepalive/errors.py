@@ -41,6 +41,12 @@ class UnsupportedStateError(KeepaliveError, TypeError):
     """A value in the training state cannot be stored without pickling (loading never runs code)."""
 
 
+class TrainingStopped(KeepaliveError):
+    """In a notebook, the training stopped before the session's deadline after a durable save: the
+    cell ends with this error so that "Run all" does not go on into cells that use the model (an
+    evaluation, a ``torch.save``) as if the training had completed."""
+
+
 class IncompatibleFrameworkError(KeepaliveError, RuntimeError):
     """The installed framework lacks an internal an adapter relies on (raised when the callback is
     created, never mid-training); the message is one line naming it, the version, the tested range."""

@@ -31,16 +31,18 @@ Nothing here imports a framework; everything is cheap (no parsing at record time
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import itertools
 import logging
 import os
 import sys
 import time
 import uuid
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Union
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Union
 
 from . import report, settings
 from . import session as _session
+from .runs import open_run
 from .session import ipython_shell as _session_shell
 
 log = logging.getLogger("keepalive")
@@ -279,29 +281,83 @@ def default_dir() -> str:
 
 #: unnamed checkpointers (no path, no run=) created so far per (cell execution or script, folder)
 _UNNAMED: Dict[tuple, int] = {}
+#: the run name an older keepalive gave every unnamed checkpointer (still a script's)
+LEGACY_RUN = "default"
 
 
-def resolve_run_url(path: Union[str, "os.PathLike[str]", None], run: Optional[str] = None) -> str:
-    """The run folder: ``path`` itself, or ``<default dir>/<run or 'default'>`` without a path.
+def normalized_source(source: str) -> str:
+    """A cell's code without what an edit that changes nothing leaves behind: trailing spaces, blank
+    lines around it, Windows line ends."""
+    lines = [line.rstrip() for line in source.replace("\r\n", "\n").split("\n")]
+    return "\n".join(lines).strip("\n")
 
-    Without a path and a name, the n-th checkpointer created by one notebook cell execution (or one
-    script) gets ``default-<n>`` from the second on: a K-fold loop gets one run per fold, and running
-    the same cell again after a reset finds each fold's own run in the same order.
+
+def cell_run_name(source: str) -> str:
+    """The run name of an unnamed checkpointer created by the cell ``source``: ``cell-`` and a hash
+    of its code, the same in every kernel (a restart, ``%resume_training``) and for every execution of
+    that cell, different for another training cell.
+
+    >>> cell_run_name("fit(model)  ") == cell_run_name("fit(model)"), cell_run_name("fit(model)")[:5]
+    (True, 'cell-')
+    >>> cell_run_name("a = 1") != cell_run_name("a = 2")
+    True
     """
-    if path is None:
-        base = default_dir().rstrip("/")
-        if run is None:
-            key = (current_cell_key() or "script", base)
-            n = _UNNAMED[key] = _UNNAMED.get(key, 0) + 1
-            run = "default" if n == 1 else f"default-{n}"
-            if n == 2:
-                report.warn("a second DriveCheckpoint() without a path or run= in this cell: it writes "
-                            "run 'default-2' (then default-3, ...), one per training, in creation order. "
-                            "Name each one, e.g. run=f'fold{k}', to make that explicit.")
-        return f"{base}/{run}"
-    return os.fspath(path)
+    return "cell-" + hashlib.sha256(normalized_source(source).encode()).hexdigest()[:8]
 
-__all__ = ["capture_context", "default_dir", "record_context", "resolve_run_url",
+
+def _legacy_run_of_this_cell(base: str, source: str, name: str) -> bool:
+    """Whether an unfinished run ``default`` made by an older keepalive from this very cell is the one
+    to continue: the cell's own run ``name`` does not exist yet and ``default``'s newest checkpoint
+    records this cell's code. Never raises (a slow or failing store: no)."""
+    try:
+        if open_run(f"{base}/{name}").newest is not None:
+            return False
+        legacy = open_run(f"{base}/{LEGACY_RUN}")
+        if legacy.newest is None or legacy.finished:
+            return False
+        recorded = ((legacy.metadata.get("context") or {}).get("cell") or {}).get("source")
+        return isinstance(recorded, str) and normalized_source(recorded) == normalized_source(source)
+    except Exception as exc:  # noqa: BLE001 - a convenience for runs of older versions
+        log.debug("could not look at the run %s/%s: %s", base, LEGACY_RUN, exc)
+        return False
+
+
+def resolve_run_url(path: Union[str, "os.PathLike[str]", None], run: Optional[str] = None,
+                    say: Optional[Callable[[str], None]] = None) -> str:
+    """The run folder: ``path`` itself, or ``<default dir>/<run>`` without a path.
+
+    Without a path and a name, a notebook cell's checkpointer writes the run named after the cell's
+    code (:func:`cell_run_name`): two trainings in two cells never share a run, and the same cell run
+    again (after a restart too) finds its own; ``say`` is told in one line which run that is. A
+    script's writes ``default``. The n-th checkpointer created by one cell execution (or one script)
+    gets ``-<n>`` from the second on: a K-fold loop gets one run per fold, and running the same cell
+    again after a reset finds each fold's own run in the same order.
+    """
+    if path is not None:
+        return os.fspath(path)
+    base = default_dir().rstrip("/")
+    if run is not None:
+        return f"{base}/{run}"
+    source = current_cell_source()
+    key = (current_cell_key() or "script", base)
+    n = _UNNAMED[key] = _UNNAMED.get(key, 0) + 1
+    if source is None or not source.strip():
+        stem, why = LEGACY_RUN, ""
+    else:
+        stem, why = cell_run_name(source), "named after this cell's code: running this cell again resumes it"
+        if n == 1 and _legacy_run_of_this_cell(base, source, stem):
+            stem, why = LEGACY_RUN, "the unfinished run an older keepalive made from this cell"
+    run = stem if n == 1 else f"{stem}-{n}"
+    if n == 2:
+        report.warn(f"a second DriveCheckpoint() without a path or run= in this cell: it writes run '{run}' "
+                    f"(then {stem}-3, ...), one per training, in creation order. Name each one, e.g. "
+                    "run=f'fold{k}', to make that explicit.")
+    if why and say is not None:
+        say(f"DriveCheckpoint() without a path or run= writes run '{run}' in {base} ({why}; "
+            "run='name' names it)")
+    return f"{base}/{run}"
+
+__all__ = ["capture_context", "cell_run_name", "normalized_source", "default_dir", "record_context", "resolve_run_url",
            "current_cell_key", "current_cell_source", "script_context", "pre_run_cell",
            "post_run_cell", "register", "unregister", "is_registered", "resuming", "ipython_shell", "MAX_SETUP_CHARS",
            "MAX_SETUP_CELLS"]

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple, Union
 
 from . import report
+from .backends import local_path
 from .errors import NoCheckpointError
 from .spool import Spool, list_spools
 from .state import STATE_FILE, TENSOR_FILE, from_files
@@ -54,9 +55,9 @@ from .store import (
 )
 from .units import format_bytes, format_duration
 
-__all__ = ["Run", "Location", "resuming_line", "open_run", "find_runs", "spooled_runs", "locate", "checkpoints_at",
-           "read_state", "pending_summary", "format_pending", "RUN_INDEX", "record_run", "read_run_index",
-           "indexed_runs", "answered_within", "RUN_RECORDS"]
+__all__ = ["Run", "Location", "resuming_line", "position", "open_run", "find_runs", "spooled_runs", "locate",
+           "checkpoints_at", "read_state", "pending_summary", "format_pending", "RUN_INDEX", "record_run",
+           "read_run_index", "indexed_runs", "answered_within", "RUN_RECORDS"]
 
 log = logging.getLogger("keepalive.runs")
 
@@ -517,10 +518,19 @@ def read_run_index(index_dir: Union[str, "os.PathLike[str]"]) -> Dict[str, Dict[
     merged: Dict[str, Dict[str, Any]] = {}
     for raw in raws:
         for entry in _parse_index(raw) or []:
+            # an older keepalive recorded a relative path as given: read it from this folder, where
+            # a notebook's kernel starts again after a reset
+            entry = dict(entry, url=_absolute(entry["url"]))
             old = merged.get(entry["url"])
             if old is None or float(entry.get("opened") or 0) > float(old.get("opened") or 0):
                 merged[entry["url"]] = entry
     return merged
+
+
+def _absolute(url: str) -> str:
+    """A local run's absolute path (what a store names it by; a relative path in the index would name
+    another folder in a process started elsewhere); a URL as it is."""
+    return local_path(url) or url
 
 
 def _gone(entry: Mapping[str, Any]) -> bool:
@@ -541,6 +551,7 @@ def record_run(url: str, index_dir: Union[str, "os.PathLike[str]", Callable[[], 
     """
     if url.startswith("memory://"):
         return False
+    url = _absolute(url)
     try:
         if callable(index_dir):
             index_dir = index_dir()
@@ -677,7 +688,23 @@ def resuming_line(run: str, info: Any, counters: Mapping[str, int], previous: Op
     step = counters.get("step", 0)
     redone = ""
     if previous and previous.get("step") is not None and previous["step"] > step:
-        redone = f"; about {previous['step'] - step} step(s) will be redone"
+        # the last writer's lease notes its counters at each heartbeat (every 30 s or so): it got at
+        # least that far, likely further; those steps are trained again
+        redone = f"; the last session got to step {previous['step']} or further: the steps after {step} are redone"
     finished = " (this run had finished)" if (info.manifest or {}).get("metadata", {}).get("finished") else ""
-    return (f"resuming run '{run}' from {info.name}: epoch {counters.get('epoch', 0)}, step {step}, saved "
+    return (f"resuming run '{run}' from {info.name}: {position(counters)}, saved "
             f"{format_duration(age)} ago{redone}{finished}{'; ' + detail if detail else ''}")
+
+
+def position(counters: Mapping[str, int]) -> str:
+    """Where a checkpoint lies, in the words of a loop that prints its epoch counting from 1: at an
+    epoch end ``epoch 2, step 80`` (2 completed); inside an epoch ``in epoch 2 (1 completed, batch
+    40), step 80``, as a loop printing ``[2, 40]`` there sees it.
+
+    >>> position({"epoch": 1, "batch": 40, "step": 80}), position({"epoch": 2, "batch": 0, "step": 80})
+    ('in epoch 2 (1 completed, batch 40), step 80', 'epoch 2, step 80')
+    """
+    epoch, batch, step = (int(counters.get(k, 0) or 0) for k in ("epoch", "batch", "step"))
+    if batch:
+        return f"in epoch {epoch + 1} ({epoch} completed, batch {batch}), step {step}"
+    return f"epoch {epoch}, step {step}"

@@ -704,13 +704,20 @@ class CheckpointStore:
         self.retry.call(lambda: self.backend.remove_tree(info.path), f"remove {info.name}")
 
     def apply_retention(self) -> List[str]:
-        """Delete committed checkpoints beyond the newest ``keep`` (sparing every ``keep_every``-th)."""
+        """Delete committed checkpoints beyond the newest ``keep`` (sparing every ``keep_every``-th).
+        A checkpoint at the same step as a newer one that ends the training (``finished``) holds the
+        same training and is superseded by it: it goes first and is not counted (the last step
+        saved by the schedule, then by the end of training, must not push out the checkpoint before)."""
         if self.keep is None:
             return []
         checkpoints = [c for c in self.list() if c.error is None]
+        ends = {c.step for c in checkpoints if _finished(c)}
+        superseded = [c for i, c in enumerate(checkpoints) if c.step in ends and not _finished(c)
+                      and any(later.step == c.step and _finished(later) for later in checkpoints[i + 1:])]
+        checkpoints = [c for c in checkpoints if c not in superseded]
         removed = []
-        for info in checkpoints[:-self.keep]:
-            if self.keep_every and info.seq and info.seq % self.keep_every == 0:
+        for info in superseded + checkpoints[:-self.keep]:
+            if info not in superseded and self.keep_every and info.seq and info.seq % self.keep_every == 0:
                 continue
             try:
                 self._remove_checkpoint(info)
@@ -743,6 +750,11 @@ class CheckpointStore:
 
     def remove(self, info: CheckpointInfo) -> None:
         self._remove_checkpoint(info)
+
+
+def _finished(info: CheckpointInfo) -> bool:
+    """Whether the checkpoint ends its training (the writer's ``finished`` metadata)."""
+    return bool(((info.manifest or {}).get("metadata") or {}).get("finished"))
 
 
 def parse_manifest(raw: bytes, where: str = "?") -> Dict[str, Any]:

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
-RESUME_RE = re.compile(r"resuming run .* epoch (\d+), step (\d+)")
+RESUME_RE = re.compile(r"resuming run .*?epoch (\d+)\b.*?, step (\d+)")
 STEP_RE = re.compile(r"^STEP (\d+)\b")
 COMMITTED_RE = re.compile(r"^COMMITTED (\d+)\s*$")
 

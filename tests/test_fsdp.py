@@ -218,7 +218,7 @@ def test_sigterm_on_one_rank_saves_once_globally_then_all_stop_and_the_run_resum
     job = run_job(tmp_path, "term", env={"FSDP_SIGTERM": "1:16", "FSDP_EVERY": "100"})
     text = job.text()
     assert job.proc.returncode != 0 and "DONE" not in text, text  # every rank stopped
-    assert "SIGTERM: saved epoch 1, step 16" in text, text
+    assert "SIGTERM: saved in epoch 2 (1 completed, batch 4), step 16" in text, text
     infos = CheckpointStore(job.run_dir).list()
     assert [i.step for i in infos] == [16] and infos[0].manifest["metadata"]["reason"] == "SIGTERM received"
     assert shard_names(infos[0]) == ["__0_0.distcp", "__1_0.distcp"]

@@ -176,7 +176,7 @@ def test_sigkill_then_resume_training_in_a_fresh_kernel_is_bit_exact(tmp_path, r
         k.run_ok(SETUP + params(out))
         res = k.run_ok("%resume_training", timeout=240)
         assert "re-running training cell" in res.stdout
-        m = re.search(r"resuming run 'story' from ckpt-\d+-\w+: epoch (\d+), step (\d+)", res.stdout)
+        m = re.search(r"resuming run 'story' from ckpt-\d+-\w+: (?:in )?epoch (\d+)[^;]*?, step (\d+)", res.stdout)
         assert m, res.text
         resumed_step = int(m.group(2))
         assert 0 < resumed_step <= kill_after
@@ -288,7 +288,7 @@ def test_a_run_at_an_explicit_drive_path_is_named_and_resumed_after_a_kill(tmp_p
         k.run_ok(SETUP + params(out))
         res = k.run_ok("%resume_training", timeout=240)
         assert f"run 'story' ({drive_run})" in res.stdout and "re-running training cell" in res.stdout
-        m = re.search(r"resuming run 'story' from ckpt-\d+-\w+: epoch (\d+), step (\d+)", res.stdout)
+        m = re.search(r"resuming run 'story' from ckpt-\d+-\w+: (?:in )?epoch (\d+)[^;]*?, step (\d+)", res.stdout)
         assert m, res.text
         assert 0 < int(m.group(2)) <= kill_after
         assert "DONE" in res.stdout

@@ -35,7 +35,7 @@ pytest.importorskip("jupyter_client")
 from kernelkit import Kernel, kernel_env  # noqa: E402
 from servers import free_port  # noqa: E402
 
-RESUMED_RE = re.compile(r"resuming run '[^']+' from ckpt-\d+-\w+: epoch \d+, step (\d+)")
+RESUMED_RE = re.compile(r"resuming run '[^']+' from ckpt-\d+-\w+: [^;]*?step (\d+)")
 
 #: the setup cell: a DDP training in a function, as the notebook launchers want it. ``launched`` is
 #: the entry point for torch.multiprocessing (which passes the process index first).

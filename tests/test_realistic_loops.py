@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from crashkit import assert_differs, assert_same, run_to_completion
+from keepalive.runs import position  # the words a resume line uses for a position
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "loop_train.py")
 EPOCHS, SAMPLES, BATCH, ACC = 3, 80, 8, 3
@@ -168,13 +169,13 @@ def test_accumulation_every_2_steps(root, accum_ref, kill_at, grads, resumed):
     assert t.last_commit_before_kill() == resumed
     assert t.first_epoch_line(1) == resumed
     assert f"resuming run '{name}'" in t.outputs[1]
-    assert f"epoch {resumed[0]}, step {resumed[2]}" in t.outputs[1]
+    assert position(dict(zip(("epoch", "batch", "step"), resumed))) in t.outputs[1]
     assert pending_commits(t) == []
     assert_same(accum_ref.state(), t.state())
 
 
 @pytest.mark.parametrize("signame,returncode,says", [
-    ("TERM", 128 + signal.SIGTERM, "SIGTERM: saved epoch 1, step 7"),
+    ("TERM", 128 + signal.SIGTERM, "SIGTERM: saved in epoch 2 (1 completed, batch 9), step 7"),
     ("INT", -signal.SIGINT, "KeyboardInterrupt"),  # uncaught: python ends by SIGINT
 ])
 def test_accumulation_signal_between_two_steps(root, accum_ref, signame, returncode, says):
