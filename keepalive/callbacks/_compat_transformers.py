@@ -18,12 +18,18 @@ from transformers.trainer_callback import CallbackHandler
 
 from ._compat import Framework, Internal, Package, code_names, field, given, has, local, param, uses
 
-__all__ = ["COMPAT", "RUN_EPOCH", "GET_BATCH_SAMPLES", "STATE_FIELDS"]
+__all__ = ["COMPAT", "RUN_EPOCH", "GET_BATCH_SAMPLES", "LOAD_BEST_MODEL", "INNER_LOOP", "LOOP_LOCALS",
+           "STATE_FIELDS"]
 
 #: the Trainer method that runs one epoch: replaced on the instance for one ``train()`` call
 RUN_EPOCH = "_run_epoch"
 #: the Trainer method that fetches one optimizer step's micro-batches: replaced likewise
 GET_BATCH_SAMPLES = "get_batch_samples"
+#: the Trainer method that loads the best checkpoint at the end (load_best_model_at_end): replaced likewise
+LOAD_BEST_MODEL = "_load_best_model"
+#: the Trainer's training loop, and its local variables that say where its own resume starts the epoch loop
+INNER_LOOP = "_inner_training_loop"
+LOOP_LOCALS = ("resume_from_checkpoint", "epochs_trained", "steps_trained_in_current_epoch")
 #: TrainerState fields that are training progress (the others are settings the Trainer recomputes)
 STATE_FIELDS = ("epoch", "global_step", "num_input_tokens_seen", "total_flos", "log_history", "best_metric",
                 "best_global_step", "best_model_checkpoint", "trial_name", "trial_params")
@@ -72,6 +78,20 @@ def _internals() -> List[Internal]:
                  lambda: local(lambda: Trainer._inner_training_loop, "self")()
                  and "on_train_begin" in code_names(Trainer._inner_training_loop),
                  token='f_locals.get("self")'),
+        Internal(f"Trainer.{INNER_LOOP} locals {', '.join(LOOP_LOCALS)}", "where the Trainer's own resume "
+                 "(train(resume_from_checkpoint=...)) starts its epoch loop, read at on_train_begin",
+                 f"{T}: DriveCheckpoint._find_trainer, _TrainersResume",
+                 lambda: INNER_LOOP == Trainer._inner_training_loop.__name__
+                 and local(lambda: Trainer._inner_training_loop, *LOOP_LOCALS)(), token="LOOP_LOCALS"),
+        Internal(f"Trainer.{LOAD_BEST_MODEL}", "replaced on the instance for one train() call: the best model "
+                 "comes from keepalive's checkpoint when its folder is gone", f"{T}: _BestModelLoader",
+                 lambda: has(lambda: Trainer, LOAD_BEST_MODEL)()
+                 and LOAD_BEST_MODEL in code_names(Trainer._finalize_training), token="LOAD_BEST_MODEL"),
+        Internal("Trainer._initial_global_step / _initial_num_input_tokens_seen", "set to a whole run's when "
+                 "keepalive's checkpoint replaces the Trainer's own resume",
+                 f"{T}: DriveCheckpoint._replace_trainers_resume",
+                 uses(lambda: Trainer, "_initial_global_step", "_initial_num_input_tokens_seen"),
+                 token="_initial_global_step"),
         Internal("CallbackHandler.callbacks", "the callback list the found Trainer must hold this callback in",
                  f"{T}: DriveCheckpoint._find_trainer, _exportable", uses(lambda: CallbackHandler, "callbacks"),
                  token="callback_handler.callbacks"),

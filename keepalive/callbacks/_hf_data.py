@@ -112,6 +112,12 @@ class PositionedBatchSampler(BatchSampler):
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)
 
+    def unposition(self) -> None:
+        """Forget a resume position no pass consumed (a resume after an epoch's last step fetches no
+        batch of that epoch: the next epoch starts at its beginning)."""
+        self.start = self.placeholders = self.empties = 0
+        self.plan = {}
+
     def order(self, epoch: int) -> torch.Tensor:
         """The epoch's sample order, as the replaced sampler would have drawn it."""
         if self.kind == "sequential":

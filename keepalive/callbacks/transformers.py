@@ -58,12 +58,13 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Tuple, Union
 
 import torch
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_callback import ExportableState
 
+from .. import plan as plans
 from ..adapter import CheckpointAdapter, check_fits
 from ..config import CheckpointConfig
 from ..core import Checkpointer
@@ -114,6 +115,11 @@ class DriveCheckpoint(CheckpointAdapter, TrainerCallback):
         self._finishing = False
         self._complete = False          # the run had finished before this train() call
         self._restored = False          # this train() call continues a keepalive checkpoint
+        self._from_trainer: Optional[_TrainersResume] = None  # the Trainer's own checkpoint won: its position
+        self._put_back: List[Any] = []  # (object, attribute, value) changed for this train() call only
+        #: the best model's trainable weights (load_best_model_at_end): (its Trainer folder, weights), kept
+        #: in keepalive's checkpoint so the best model survives the loss of a local output_dir
+        self._best: Optional[Tuple[str, Dict[str, Any]]] = None
 
     def __repr__(self) -> str:
         return f"DriveCheckpoint({self.core.url!r})"
@@ -121,10 +127,15 @@ class DriveCheckpoint(CheckpointAdapter, TrainerCallback):
     # ------------------------------------------------------------------------------ train begin
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        **kwargs: Any) -> None:
-        trainer = self._find_trainer()
+        trainer, loop = self._find_trainer()
         self._trainer = trainer
         core = self.core
         core.new_fit()
+        self._put_back_args()
+        self._best, self._from_trainer = None, None
+        # the Trainer loaded its own checkpoint (train(resume_from_checkpoint=...)): its epoch loop starts
+        # at that checkpoint's epoch, whichever checkpoint is restored below
+        own = _TrainersResume.of(loop, state)
         self._active, self._finishing, self._complete = False, False, False
         self._pending_step, self._pending_epoch, self._resume, self._rng_tree = False, None, None, None
         self._epoch = self._batches = self._epochs_begun = 0
@@ -147,15 +158,38 @@ class DriveCheckpoint(CheckpointAdapter, TrainerCallback):
         core.trigger.mid_epoch, core.mid_epoch_obstacle = self._positionable, why or None
         if why:
             core.warn(why, key="hf-positionable")
-        tree = core.load(describe=self._describe, check=self._check_fits)  # may refuse: nothing changed
+        core.plan = _plan(args, state)
+        newer: List[int] = []  # the step of keepalive's checkpoint the Trainer's own is newer than
+
+        def check(tree: StateTree) -> None:
+            saved_step = _saved_step(tree)
+            if own is not None and own.step > saved_step:
+                newer.append(saved_step)
+                raise _TrainersIsNewer()
+            self._check_fits(tree)
+
+        self._epochs_begun = own.epoch if own is not None else 0  # the Trainer's loop variable starts there
+        try:
+            tree = core.load(describe=self._describe, check=check)  # may refuse: nothing changed
+        except _TrainersIsNewer:
+            tree = None
         self._restored = tree is not None
         if tree is not None:
+            self._tell_plan(state)
             self.restore(tree)
+            if own is not None:
+                self._replace_trainers_resume(trainer, own, tree)
+        elif own is not None:
+            self._continue_trainers_resume(own, newer[0] if newer else None)
+        if (tree is not None or own is not None) and args.eval_on_start:
+            # the run evaluated when it started: its entry is in the restored log history already
+            self._change(args, "eval_on_start", False)
         self._active = True
         core.total_epochs = int(state.num_train_epochs or 0) or None
         # The instance attribute comes before the class's method: this train() call only (see module)
         setattr(trainer, hfc.RUN_EPOCH, _EpochRunner(self, trainer))
         setattr(trainer, hfc.GET_BATCH_SAMPLES, _BatchFetcher(self, trainer))
+        setattr(trainer, hfc.LOAD_BEST_MODEL, _BestModelLoader(self, trainer))
         if self._complete:
             control.should_training_stop = True
             return
@@ -166,13 +200,15 @@ class DriveCheckpoint(CheckpointAdapter, TrainerCallback):
     def _positionable(self) -> bool:
         return self._sampler is not None or bool(self._stream)
 
-    def _find_trainer(self) -> Trainer:
-        """The Trainer whose callback handler is calling us (callbacks are given no reference to it)."""
+    def _find_trainer(self) -> Tuple[Trainer, Dict[str, Any]]:
+        """The Trainer whose callback handler is calling us (callbacks are given no reference to it), and
+        the local variables of its training loop's frame (where its own resume starts the epoch loop)."""
         frame = sys._getframe(1)
         while frame is not None:
             obj = frame.f_locals.get("self")
             if isinstance(obj, Trainer) and any(cb is self for cb in obj.callback_handler.callbacks):
-                return obj
+                loop = frame.f_locals if frame.f_code.co_name == hfc.INNER_LOOP else {}
+                return obj, {k: loop.get(k) for k in hfc.LOOP_LOCALS}
             frame = frame.f_back  # type: ignore[assignment]
         raise RuntimeError("keepalive's DriveCheckpoint works inside transformers.Trainer.train(); "
                            "pass it as Trainer(..., callbacks=[DriveCheckpoint(path)])")
@@ -182,6 +218,7 @@ class DriveCheckpoint(CheckpointAdapter, TrainerCallback):
                        **kwargs: Any) -> None:
         if not self._active:
             return
+        self._put_back_args()  # read before the first epoch only (eval_on_start)
         epoch, self._epochs_begun = self._epochs_begun, self._epochs_begun + 1  # the Trainer's loop variable
         if self._resume is not None and epoch < self._resume["epoch"]:
             return  # completed before the restart: the runner skips it
@@ -194,6 +231,9 @@ class DriveCheckpoint(CheckpointAdapter, TrainerCallback):
         resume = self._resume
         if resume is not None and epoch == resume["epoch"]:
             self._batches = int(resume["batch"])
+        own, self._from_trainer = self._from_trainer, None
+        if own is not None and epoch == own.epoch:
+            self._batches = own.batches  # the Trainer skips them itself (its own resume)
         self._batches_counted = self._batches
         if resume is not None and epoch == resume["epoch"]:
             if not self._batches:
@@ -253,10 +293,87 @@ class DriveCheckpoint(CheckpointAdapter, TrainerCallback):
                 core.end_epoch(self.capture, last=True, epoch=epochs)
         finally:
             self._active = False
+            self._put_back_args()
             if self._replay is not None:
                 self._replay.end_pass()
             core.uninstall_signal_handlers()
             core.close()
+
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                **kwargs: Any) -> None:
+        """The Trainer saved its own checkpoint: when it is the new best one (``load_best_model_at_end``),
+        keep its weights, so that the best model outlives a lost ``output_dir`` (a VM reset)."""
+        trainer = self._trainer
+        if not self._active or trainer is None or not args.load_best_model_at_end:
+            return
+        best = state.best_model_checkpoint
+        if best and state.best_global_step == state.global_step and (self._best is None or self._best[0] != best):
+            self._best = (best, {k: v.detach().to("cpu", copy=True)
+                                 for k, v in self._model_state(_model(trainer)).items()})
+
+    # ------------------------------------------------------------------------- the Trainer's resume
+    def _replace_trainers_resume(self, trainer: Trainer, own: "_TrainersResume", tree: StateTree) -> None:
+        """keepalive's checkpoint is as new as the Trainer's own, or newer: it replaced what the Trainer
+        loaded (model, optimizer, schedule, TrainerState, callbacks); the run's totals are kept whole."""
+        step = _saved_step(tree)
+        # as in a resume of keepalive's alone: the loss average and the token rate cover the whole run
+        trainer._initial_global_step = 0
+        trainer._initial_num_input_tokens_seen = 0
+        self.core.say(f"the Trainer's own checkpoint {own.path} (step {own.step}) is not newer than keepalive's "
+                      f"(step {step}): keepalive's is restored (weights, optimizer, schedule, data position, "
+                      "random states) and the Trainer's is not used.")
+
+    def _continue_trainers_resume(self, own: "_TrainersResume", keepalives: Optional[int]) -> None:
+        """The Trainer resumed from its own checkpoint and keepalive's is older (or absent): the training
+        continues from the Trainer's as the Trainer resumes it; keepalive counts (and saves) from there."""
+        core, c = self.core, self.core.counters
+        c["epoch"], c["step"], c["batch"] = own.epoch, own.step, own.batches
+        c["samples"] = self._batch_size * (own.epoch * self._steps_in_epoch + own.batches)
+        self._from_trainer = own
+        if keepalives is None:
+            core.say(f"continuing from the Trainer's own checkpoint {own.path} (epoch {own.epoch}, step "
+                     f"{own.step}); keepalive checkpoints from there.")
+            return
+        core.warn(f"the Trainer's own checkpoint {own.path} (step {own.step}) is newer than keepalive's newest "
+                  f"(step {keepalives}): training continues from the Trainer's, as the Trainer resumes it (its "
+                  "checkpoint has no running loss sum: the first loss logged may differ from an uninterrupted "
+                  "run's), and keepalive checkpoints from there. For keepalive's exact resume, leave "
+                  "resume_from_checkpoint out.", key="hf-own-resume")
+
+    def _change(self, obj: Any, name: str, value: Any) -> None:
+        """Set an attribute for this ``train()`` call only (put back by :meth:`_put_back_args`)."""
+        self._put_back.append((obj, name, getattr(obj, name)))
+        setattr(obj, name, value)
+
+    def _put_back_args(self) -> None:
+        while self._put_back:
+            obj, name, value = self._put_back.pop()
+            setattr(obj, name, value)
+
+    def _tell_plan(self, state: TrainerState) -> None:
+        """Say once what changed in the plan since the checkpoint (its epochs, steps, learning rate,
+        schedule) and what happens."""
+        core = self.core
+        found = plans.changes(core.saved_plan, core.plan)
+        if not found:
+            return
+        done = int(core.counters["step"])
+        length = [k for k, _, _ in found if k in ("epochs", "max_steps")]
+        lines = [f"the training's plan changed since the checkpoint ({plans.describe(found)})."]
+        if length:
+            total = int(state.max_steps)
+            if done >= total:
+                lines.append(f"The checkpoint has trained {done} steps, not fewer than the {total} of this plan: "
+                             "nothing more is trained and its state is restored.")
+            else:
+                lines.append(f"Training continues from step {done} to step {total} with the schedule this code "
+                             f"builds ({core.plan.get('scheduler')} over {total} steps), so the learning rates "
+                             "from there on are the new plan's.")
+        if any(k not in ("epochs", "max_steps") for k, _, _ in found):
+            lines.append("The checkpoint's optimizer and scheduler state wins for the learning rate, warmup and "
+                         "scheduler settings (restored as saved); to train with the new ones, use another run "
+                         "(path or run=).")
+        core.warn(" ".join(lines), key="hf-plan")
 
     # ------------------------------------------------------------------------------ boundaries
     def _step_boundary(self, control: TrainerControl) -> None:
@@ -330,6 +447,8 @@ class DriveCheckpoint(CheckpointAdapter, TrainerCallback):
             "classes": {"model": type(trainer.model).__name__},
             "finished": self._finishing,
         }
+        if self._best is not None:
+            hf["best"] = {"path": self._best[0], "model": self._best[1]}
         data: Dict[str, Any] = {"epoch": self._epoch, "batch": self._batches, "steps_in_epoch": self._steps_in_epoch,
                 "batch_size": self._batch_size,
                 "gradient_accumulation_steps": int(trainer.args.gradient_accumulation_steps),
@@ -428,10 +547,20 @@ class DriveCheckpoint(CheckpointAdapter, TrainerCallback):
             trainer._globalstep_last_logged = int(acc["globalstep_last_logged"])
             trainer.current_flos = float(acc["current_flos"])  # type: ignore[assignment]
         _restore_callback_states(trainer, hf.get("callbacks") or {})
+        best = hf.get("best")
+        self._best = (best["path"], frozen_copy(best["model"])) if best else None
         data = tree.get("data") or {}
         if data.get("order") and self._sampler is not None:
             self._sampler.kind, self._sampler.seed = data["order"][0], int(data["order"][1])
-        if hf.get("finished"):
+        if hf.get("finished") and state.global_step < state.max_steps and plans.changes(
+                self.core.saved_plan, self.core.plan, keys=("epochs", "max_steps")):
+            # a longer plan than the finished run's ("one more epoch"): continue from its final state, as
+            # the Trainer continues its own end-of-training checkpoint; the loss the Trainer's summary
+            # added at the end is not counted twice
+            trainer._total_loss_scalar -= float(trainer._tr_loss.item())
+            # a longer run logs one summary, at its end
+            state.log_history = [e for e in state.log_history if "train_runtime" not in e]
+        elif hf.get("finished"):
             self._complete = True
             self.core.already_complete(message=f"run '{self.core.store.run}' already completed (global step "
                                                f"{state.global_step}); its final state is restored and "
@@ -441,6 +570,60 @@ class DriveCheckpoint(CheckpointAdapter, TrainerCallback):
         self._resume = {"epoch": int(data.get("epoch", 0)), "batch": int(data.get("batch", 0)),
                         "replay": data.get("replay") or {}}
         self._rng_tree = {"rng": tree.get("rng")}  # only the RNGs: the tensors are loaded already
+
+
+class _TrainersIsNewer(Exception):
+    """Raised by the load check: the Trainer's own checkpoint is newer than keepalive's (nothing loaded)."""
+
+
+class _TrainersResume(NamedTuple):
+    """Where the Trainer's own resume (``train(resume_from_checkpoint=...)``) starts its epoch loop."""
+
+    path: str
+    step: int     # its global step
+    epoch: int    # epochs completed: the loop's first epoch
+    batches: int  # batches of that epoch the Trainer skips
+
+    @staticmethod
+    def of(loop: Mapping[str, Any], state: TrainerState) -> Optional["_TrainersResume"]:
+        """From the training loop's local variables, when the Trainer loaded its own ``TrainerState``."""
+        path = loop.get("resume_from_checkpoint")
+        if not isinstance(path, str) or path == _NO_CHECKPOINT or not state.global_step:
+            return None
+        return _TrainersResume(path, int(state.global_step), int(loop.get("epochs_trained") or 0),
+                               int(loop.get("steps_trained_in_current_epoch") or 0))
+
+
+class _BestModelLoader:
+    """Stands in for ``trainer._load_best_model`` (``hfc.LOAD_BEST_MODEL``) during one ``train()`` call: when
+    the best checkpoint's folder is gone (a local ``output_dir`` lost with the VM), the best weights come
+    from keepalive's checkpoint, or the user reads that the run ends with the last model."""
+
+    def __init__(self, cb: DriveCheckpoint, trainer: Trainer):
+        self.cb, self.trainer = cb, trainer
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        cb, trainer = self.cb, self.trainer
+        load = getattr(type(trainer), hfc.LOAD_BEST_MODEL).__get__(trainer)
+        path = trainer.state.best_model_checkpoint
+        if (not cb._active or getattr(trainer, hfc.LOAD_BEST_MODEL) is not self or not path
+                or os.path.isdir(path)):
+            return load(*args, **kwargs)
+        state = trainer.state
+        held = cb._best
+        if held is not None and held[0] == path:
+            model = _model(trainer)
+            model.load_state_dict({k: v.to(device=_device_of(model, k), copy=True) for k, v in held[1].items()},
+                                  strict=False)
+            cb.core.say(f"loaded the best model (step {state.best_global_step}, "
+                        f"{trainer.args.metric_for_best_model} {state.best_metric}) from keepalive's checkpoint: "
+                        f"the Trainer's folder {path} no longer exists.")
+            return None
+        cb.core.warn(f"the best model's folder {path} no longer exists (a local output_dir is lost with the VM) "
+                     "and keepalive's checkpoint does not hold its weights: the training ends with the last "
+                     "model, not the best one. Put output_dir on persistent storage (e.g. Drive) to keep it.",
+                     key="hf-best-lost")
+        return None
 
 
 class _BatchFetcher:
@@ -524,6 +707,8 @@ class _EpochRunner:
             finally:
                 trainer.args.ignore_data_skip = ignore
                 cb._resume = None
+                if sampler is not None:
+                    sampler.unposition()
         if resume is not None and epoch >= resume["epoch"]:
             cb._resume = None
         if cb._restored:
@@ -541,6 +726,18 @@ class _EpochRunner:
 
 
 # ------------------------------------------------------------------------------------ helpers
+def _plan(args: TrainingArguments, state: TrainerState) -> Dict[str, Any]:
+    """What the code asks for: the training's length and its learning-rate schedule."""
+    return {"epochs": int(state.num_train_epochs or 0), "max_steps": int(state.max_steps or 0),
+            "scheduler": str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)),
+            "learning_rate": plans.plain(args.learning_rate), "warmup_steps": plans.plain(args.warmup_steps)}
+
+
+def _saved_step(tree: StateTree) -> int:
+    counters: Mapping[str, Any] = tree.get("counters") or {}
+    return int(counters.get("step", 0))
+
+
 def _length(loader: Any) -> int:
     try:
         return len(loader)
