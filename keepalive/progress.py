@@ -77,12 +77,31 @@ def run_name(url: str) -> str:
     return url.rstrip("/").rsplit("/", 1)[-1] or url
 
 
+def _is_notebook_bar(tqdm: Any) -> bool:
+    return any(c.__name__ == "tqdm_notebook" for c in getattr(tqdm, "__mro__", ()))
+
+
 def _layout(tqdm: Any) -> Dict[str, Any]:
-    """Width options for a bar: a notebook widget spans the output's width, its text wrapping below
-    the bar rather than being cut; a terminal bar follows the terminal's width."""
-    if any(c.__name__ == "tqdm_notebook" for c in getattr(tqdm, "__mro__", ())):
-        return {"ncols": "100%"}
-    return {"dynamic_ncols": True}
+    """Width options for a terminal bar: it follows the terminal's width (a notebook bar gets its
+    layout from :func:`_widen`)."""
+    return {} if _is_notebook_bar(tqdm) else {"dynamic_ncols": True}
+
+
+def _widen(bar: Any) -> Any:
+    """A notebook bar spans the output's width, the bar taking the room the label and the text
+    leave, and the text wraps below it rather than being cut off. (What tqdm's ``ncols="100%"``
+    does, without ``ncols``: tqdm's plain-text form of the widget fails on a text ``ncols``.)"""
+    container = getattr(bar, "container", None)
+    if container is None:
+        return bar
+    try:
+        container.layout.width = "100%"
+        container.layout.display = "inline-flex"
+        container.layout.flex_flow = "row wrap"
+        container.children[1].layout.flex = "2"
+    except Exception as exc:  # noqa: BLE001 - another widget layout: tqdm's own
+        report.debug(f"progress bar layout unchanged: {exc!r}")
+    return bar
 
 
 class _Bar:
@@ -144,9 +163,9 @@ def upload_progress(url: str) -> Optional[Callable[[Mapping[str, Any], int], Opt
             tqdm = _tqdm()
             if tqdm is None:
                 return None
-            bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, leave=False,
-                       desc=f"saving {label(run_name(url))}", postfix=f"step {step}", file=sys.stderr,
-                       mininterval=0.5, **_layout(tqdm))
+            bar = _widen(tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, leave=False,
+                              desc=f"saving {label(run_name(url))}", postfix=f"step {step}",
+                              file=sys.stderr, mininterval=0.5, **_layout(tqdm)))
             return _Bar(bar, url=url, step=step, total=total)
         except Exception as exc:  # noqa: BLE001
             report.debug(f"no upload progress bar: {exc!r}")
@@ -206,8 +225,8 @@ class TrainingProgress:
                 if tqdm is None:
                     return
                 done = self.core.counters["epoch"]
-                self.bar = tqdm(total=self.core.total_epochs, initial=max(0, done - 1), unit="epoch",
-                                desc=label(self.core.store.run), file=sys.stderr, **_layout(tqdm))
+                self.bar = _widen(tqdm(total=self.core.total_epochs, initial=max(0, done - 1), unit="epoch",
+                                       desc=label(self.core.store.run), file=sys.stderr, **_layout(tqdm)))
                 per_epoch = self.core.trigger.epoch_seconds
                 if per_epoch:  # the epoch that just ended counts for tqdm's rate / ETA
                     self.bar.start_t -= per_epoch

@@ -6,13 +6,17 @@ copy of ``examples/torch_quickstart.ipynb``) and drives Debian's ``chromium`` th
 
 1. open the notebook and *Run > Run All Cells*;
 2. the ``%keepalive status`` widget renders, with its two bars, and its numbers change (the DOM is
-   read twice, one refresh apart) while the training cell runs;
+   read twice, one refresh apart) while the training cell runs; the training's epoch bar fits its
+   cell (a short label, a bar of real width, its rate not cut off);
 3. once the run has a committed checkpoint, the kernel process (found through the server's
    ``/api/sessions`` and the kernel's connection file) is SIGKILLed mid-training; JupyterLab says the
    kernel died and restarts it;
 4. the user selects the training cell, *Run > Run All Above Selected Cell* (install, Drive,
    ``%load_ext keepalive`` + the panel, setup), types ``%resume_training`` into a new cell at the end
    and runs it: the page shows ``resuming run 'torch-quickstart' from ...`` and the remaining epochs.
+   The run is written to an explicit folder outside the checkpoint dir (the README's form): the
+   panel shown after the restart lists it, found through the index of runs, and
+   ``%resume_training`` finds it there too.
 
 Screenshots of the panel and of the resumed run are written to the test's temporary folder, and also
 to ``$SCREENSHOTS_DIR`` when that is set (``SCREENSHOTS_DIR=docs bash scripts/test.sh
@@ -86,11 +90,13 @@ def wait_for(what: str, probe: Callable[[], Optional[T]], timeout: float = 60.0,
 
 
 # ------------------------------------------------------------------------------------- notebook
-def quickstart_notebook(path: Path) -> None:
+def quickstart_notebook(path: Path, run_dir: Path) -> None:
     """The quick-start example, slowed down so that a person (and this test) can watch it train.
 
-    Two edits, each checked: more epochs, and a short sleep after each optimizer step. The kernel is
-    the test interpreter's (``tests/kernelkit.py``)."""
+    Three edits, each checked: more epochs, a short sleep after each optimizer step, and the run
+    written to the folder ``run_dir`` outside the checkpoint dir (the README's own form,
+    ``DriveCheckpoint("/content/drive/MyDrive/runs/x", ...)``: the status panel must find it through
+    the index of runs). The kernel is the test interpreter's (``tests/kernelkit.py``)."""
     nb = json.loads(EXAMPLE.read_text())
     sources = ["".join(c["source"]) if isinstance(c["source"], list) else c["source"] for c in nb["cells"]]
     setup = [i for i, s in enumerate(sources) if re.search(r"^EPOCHS = \d+$", s, re.M)]
@@ -103,6 +109,9 @@ def quickstart_notebook(path: Path) -> None:
     sources[train[0]] = re.sub(
         r"^(\s*)opt\.step\(\)\n", r"\g<0>\1time.sleep(0.25)  # slow enough to watch (browser test)\n",
         sources[train[0]], count=1, flags=re.M)
+    named = f'DriveCheckpoint(run="{RUN}",'
+    assert sources[train[0]].count(named) == 1, f"{EXAMPLE.name}: the training cell no longer has {named}"
+    sources[train[0]] = sources[train[0]].replace(named, f"DriveCheckpoint({str(run_dir)!r},")
     for cell, source in zip(nb["cells"], sources):
         cell["source"] = source
         if cell["cell_type"] == "code":
@@ -161,6 +170,7 @@ class Lab:
     def __init__(self, base: Path):
         self.root = base / "root"
         self.checkpoints = base / "checkpoints"
+        self.drive = base / "drive" / "runs"  # runs opened with an explicit path
         self.runtime = base / "runtime"
         self.port = free_port()
         self.token = secrets.token_hex(16)
@@ -185,6 +195,8 @@ class Lab:
             "KEEPALIVE_DIR": str(self.checkpoints), "KEEPALIVE_SPOOL": str(base / "spool"),
             "KEEPALIVE_BUDGET": "45min", "KEEPALIVE_IDLE": "30min",
             "KEEPALIVE_SESSION_START": str(int(time.time() - 12 * 60)),
+            # the epoch bar (it shows where a session limit is set; the tests' environment turns bars off)
+            "KEEPALIVE_PROGRESS": "1",
             "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "MPLBACKEND": "Agg",
         })
         self.proc: Optional[subprocess.Popen] = None
@@ -407,6 +419,26 @@ class Page:
         panels = [p for p in panels if "keepalive" in p.text and p.find_elements(By.CSS_SELECTOR, ".progress")]
         return panels[-1] if panels else None
 
+    def progress_bar(self, cell, unit: str) -> Optional[Dict[str, object]]:
+        """The newest tqdm bar in ``cell``'s output whose text names ``unit`` (tqdm's widget: a label,
+        the bar, a text), measured as drawn: widths in pixels, whether its text is cut off."""
+        found = self.driver.execute_script("""
+            const bars = [...arguments[0].querySelectorAll('.jp-OutputArea-output .widget-hprogress')];
+            const out = [];
+            for (const bar of bars) {
+              const box = bar.parentElement, parts = [...box.children];
+              const i = parts.indexOf(bar), label = parts[i - 1], text = parts[i + 1];
+              if (!label || !text || !text.textContent.includes(arguments[1])) continue;
+              const area = bar.closest('.jp-OutputArea-output').getBoundingClientRect();
+              const inner = text.querySelector('*') || text;
+              out.push({label: label.textContent.trim(), text: text.textContent.trim(),
+                        bar: bar.getBoundingClientRect().width, area: area.width, area_right: area.right,
+                        right: text.getBoundingClientRect().right,
+                        clipped: inner.scrollWidth > inner.clientWidth + 1 || text.scrollWidth > text.clientWidth + 1});
+            }
+            return out.length ? out[out.length - 1] : null;""", cell, unit)
+        return found or None
+
     def read_panel(self) -> Dict[str, object]:
         """The panel's bars (fill in %) and captions, as the page shows them now."""
         panel = self.status_panel()
@@ -470,7 +502,7 @@ def _story(lab: Lab, browser, tmp_path: Path) -> None:
         timeline.append(f"{what} {time.monotonic() - started:.0f} s")
 
     name = "torch_quickstart.ipynb"
-    quickstart_notebook(lab.root / name)
+    quickstart_notebook(lab.root / name, lab.drive / RUN)
     browser.get(f"{lab.url}/lab/tree/{name}?token={lab.token}")
     page = Page(browser, name)
     wait_for("the notebook and its kernel", lambda: len(page.code_cells()) >= 6 and page.kernel_status() == "idle",
@@ -499,12 +531,17 @@ def _story(lab: Lab, browser, tmp_path: Path) -> None:
         lambda now: now if session_left(now) < session_left(first) else None)(page.read_panel()), timeout=30)
     assert second["fills"][0] <= first["fills"][0], (first, second)  # and so does its bar
     mark("panel refreshed")
+    # the epoch bar fits its cell: a short label (the run's name), a bar of real width, the rate shown
+    bar = wait_for("the epoch bar", lambda: page.progress_bar(train_cell, "epoch"), timeout=60)
+    assert bar["label"].startswith(RUN) and len(bar["label"]) < 40, bar
+    assert bar["bar"] >= 0.25 * bar["area"], bar
+    assert not bar["clipped"] and bar["right"] <= bar["area_right"] + 1, bar
 
     # 3. a committed checkpoint, the run not finished: kill the kernel process
     from keepalive.runs import find_runs
 
     def unfinished_run():
-        runs = [r for r in find_runs(str(lab.checkpoints)) if r.run == RUN and r.newest is not None]
+        runs = [r for r in find_runs(str(lab.drive)) if r.run == RUN and r.newest is not None]
         return runs[0] if runs and runs[0].unfinished else None
 
     run = wait_for("a committed checkpoint", unfinished_run, timeout=60)
@@ -551,7 +588,10 @@ def _story(lab: Lab, browser, tmp_path: Path) -> None:
     announce = page.output_text(status_cell)
     assert RUN in announce, announce  # %load_ext names the unfinished run
     panel = page.status_panel()
+    # the run lies outside the checkpoint dir: the panel lists it from the index of runs
     assert panel is not None and RUN in panel.text, "the panel lists the run's checkpoints"
+    assert "elsewhere" in panel.text and "UNFINISHED" in panel.text and str(lab.drive / RUN) in panel.text, \
+        panel.text
     panel_png = shoot(status_cell.find_element(By.CSS_SELECTOR, ".jp-Cell-outputArea"), "status-panel.png",
                       tmp_path)
 
@@ -580,6 +620,6 @@ def _story(lab: Lab, browser, tmp_path: Path) -> None:
 
     for png in (panel_png, resume_png):
         assert png.stat().st_size > 2000, f"{png.name} looks empty"
-    final = [r for r in find_runs(str(lab.checkpoints)) if r.run == RUN]
+    final = [r for r in find_runs(str(lab.drive)) if r.run == RUN]
     assert final and final[0].finished, f"run not finished after the resume (killed at {killed_at})"
     print(f"browser test: killed at {killed_at}; " + ", ".join(timeline))
