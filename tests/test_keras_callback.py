@@ -233,15 +233,19 @@ def test_finished_and_early_stopped_runs_do_nothing_again(tmp_path, capsys):
     assert "ended early at epoch 2" in out and "nothing to do" in out
     assert h2.epoch == [0, 1] and _same(_state(m2), want)
 
-    m3 = _model()
-    m3.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, callbacks=[DriveCheckpoint(tmp_path / "done")])
+    _model().fit(x, y, batch_size=BATCH, epochs=2, verbose=0, callbacks=[DriveCheckpoint(tmp_path / "done")])
     n_ckpts = len(CheckpointStore(str(tmp_path / "done")).list())
+    # the same code run again (a model built anew; the same model's next fit is a next stage:
+    # test_keras_stages.py)
+    m3 = _model()
     m3.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, callbacks=[DriveCheckpoint(tmp_path / "done")])
     assert "already completed 2 epoch(s) of 2; nothing to do" in capsys.readouterr().out
     assert len(CheckpointStore(str(tmp_path / "done")).list()) == n_ckpts  # nothing new written
-    # more epochs asked: the finished run goes on from where it ended
-    h4 = m3.fit(x, y, batch_size=BATCH, epochs=3, verbose=0, callbacks=[DriveCheckpoint(tmp_path / "done")])
-    assert h4.epoch == [0, 1, 2] and m3.optimizer.iterations.numpy() == 3 * STEPS_PER_EPOCH
+    # run again asking for more epochs: the finished run goes on from where it ended
+    m4 = _model()
+    h4 = m4.fit(x, y, batch_size=BATCH, epochs=3, verbose=0, callbacks=[DriveCheckpoint(tmp_path / "done")])
+    assert h4.epoch == [0, 1, 2] and m4.optimizer.iterations.numpy() == 3 * STEPS_PER_EPOCH
+    assert "epochs 2 -> 3: this code's 3 wins" in capsys.readouterr().err
 
 
 def test_a_different_model_is_refused_and_left_untouched(tmp_path):

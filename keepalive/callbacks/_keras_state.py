@@ -18,15 +18,15 @@ from typing import Any, Dict, Mapping, Optional, Sequence
 import keras
 import numpy as np
 
-from .. import rng
+from .. import plan, rng
 from ..adapter import check_fits
 from ..errors import StateMismatchError
 from . import _compat_keras as kc
 
 __all__ = ["CALLBACK_STATE", "assign", "assign_if_fits", "callback_state", "callback_states", "capture_tree",
            "describe",
-           "ensure_built", "fit_locals", "history_state", "keyed_callbacks", "load_start",
-           "load_variables",
+           "ensure_built", "fit_locals", "history_state", "keyed_callbacks", "learning_rate_plan", "load_start",
+           "load_variables", "set_learning_rate",
            "restore_callback_states", "restore_history", "restore_metrics", "seed_mismatch",
            "set_callback_state", "set_torch_rng", "stage_of", "tf_global_seed", "variable_array"]
 
@@ -199,13 +199,42 @@ def assign_if_fits(variables: Sequence[Any], saved: Any) -> bool:
     return True
 
 
-def load_start(model: Any, tree: Mapping[str, Any]) -> None:
-    """An earlier stage's end state as the start of a new one: the model's variables, and the
-    optimizer's when it is the same (not recompiled), each only where it fits."""
+def load_start(model: Any, tree: Mapping[str, Any], optimizer: bool) -> None:
+    """An earlier stage's end state as the start of a new one: the model's variables, and with
+    ``optimizer`` (the stage goes on with the same optimizer: not recompiled) the optimizer's, each
+    only where it fits. A recompiled optimizer keeps its fresh state, as in a run never interrupted."""
     objects = tree.get("objects") or {}
     assign_if_fits(model.variables, objects.get("model"))
-    if model.optimizer is not None:
+    if optimizer and model.optimizer is not None:
         assign_if_fits(model.optimizer.variables, objects.get("optimizer"))
+
+
+def learning_rate_plan(optimizer: Any) -> Any:
+    """The learning rate an optimizer was built with, as a plan value (:mod:`keepalive.plan`): a number
+    (7 significant digits: the float32 variable's 0.009999999776 is the code's 0.01), a schedule's class
+    and config, or a callable's name (its ``repr`` names an address that differs in every process)."""
+    lr = getattr(optimizer, "_learning_rate", None)
+    if isinstance(lr, keras.optimizers.schedules.LearningRateSchedule):
+        try:
+            config = lr.get_config()
+        except Exception:  # noqa: BLE001 - a user schedule without get_config: its class alone
+            config = {}
+        return {"schedule": type(lr).__name__, **plan.plain(config)}
+    if callable(lr) and not hasattr(lr, "assign"):
+        return f"callable {getattr(lr, '__qualname__', type(lr).__name__)}"
+    try:
+        return float(f"{float(keras.ops.convert_to_numpy(optimizer.learning_rate)):.7g}")
+    except (TypeError, ValueError):
+        return None
+
+
+def set_learning_rate(optimizer: Any, value: Any) -> bool:
+    """Set a number as the optimizer's learning rate (held in a variable the checkpoint restored);
+    False when the optimizer's learning rate is a schedule or a callable (the code's is used anyway)."""
+    if not isinstance(value, (int, float)) or not hasattr(getattr(optimizer, "_learning_rate", None), "assign"):
+        return False
+    optimizer.learning_rate = float(value)
+    return True
 
 
 def _unbuilt(model: Any) -> bool:

@@ -29,11 +29,17 @@ Models without input shapes (no ``keras.Input``, subclassed) and compiled metric
 start of ``fit`` from a peeked batch, so a checkpoint (with a resumed epoch's running metrics) loads
 before the first step. ``CSVLogger``'s file is saved with the checkpoint and continues after a resume.
 
-Several fits with one callback (transfer learning: freeze, fit, unfreeze, recompile, fit) are stages
-of one run: the n-th ``fit`` that completes is stage n (one that raised or stopped is the same stage
-run again); counters go on across stages. Re-running the whole script after a kill in stage n skips
-each earlier ``fit`` (no epoch runs; its History and the newest weights are loaded) and resumes stage
-n exactly; a kill before stage n's first save restores stage n-1's end. Create the callback once.
+Several fits (transfer learning: freeze, fit, unfreeze, recompile, fit) are stages of one run, with
+one callback for all or a new ``DriveCheckpoint(path)`` in each: a fit of a model that completed a fit
+on this run in this process is its next stage, from the state in memory (one that raised or stopped is
+the same stage run again, from its checkpoint); counters go on across stages. A model built anew (the
+script or cell run again) resumes the run: each fit is matched with the checkpoint's stages by its
+position and its plan (``epochs``, the optimizer and its learning rate or schedule, stored with every
+checkpoint), so a fit whose earlier fits were commented out is still recognised. Earlier completed
+fits are skipped (no epoch runs; their History and the newest weights are loaded) and the stage of the
+checkpoint resumes exactly; a kill before a stage's first save starts it from the previous stage's end.
+A resumed fit whose plan changed (a stale ``epochs`` cell, another learning rate) follows the code,
+said once with how to get the checkpoint's instead.
 
 Put it anywhere in ``callbacks=[...]`` (it saves after all other callbacks' epoch ends). Options:
 :class:`keepalive.config.CheckpointConfig`. Before the session's time limit it saves and sets
@@ -45,6 +51,7 @@ from __future__ import annotations
 
 import os
 import weakref
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Union, cast
 
 import keras
@@ -52,6 +59,7 @@ import keras
 from ..adapter import CheckpointAdapter
 from ..config import CheckpointConfig
 from ..core import Checkpointer
+from ..plan import changes, describe
 from ..statetree import Captured, StateTree
 from . import _compat_keras as kc
 from . import _keras_state as kstate
@@ -79,6 +87,29 @@ _LIVE: "weakref.WeakSet[DriveCheckpoint]" = weakref.WeakSet()
 #: the next fit must still find it to release its writer lease (else: RunLockedError, depending on GC)
 _RUNNING: List["DriveCheckpoint"] = []
 Logs = Optional[Dict[str, Any]]
+
+
+@dataclass
+class _Fits:
+    """What this process knows of one model's fits on one run, whichever callback object ran them
+    (one per ``fit`` or one for all): module docstring, "Several fits"."""
+
+    next: int = 0  # the stage the model's next fit is
+    done: List[Dict[str, Any]] = field(default_factory=list)  # completed stages: {"epochs", "plan", "history"}
+    loaded: bool = False  # the run's newest checkpoint was read; False: the next fit reads it (again)
+    tree: Optional[StateTree] = None  # that checkpoint, when it belongs to a later fit than the one that read it
+    reader: Optional[Checkpointer] = None  # the checkpointer that read it (another one reads it again)
+    counters: Optional[Dict[str, int]] = None  # where the last completed fit ended: the next one goes on
+    optimizer: Any = None  # a weak reference to the optimizer the last completed fit trained with
+
+
+#: per model, per run URL: a model that completed a fit here continues the run with its next fit (a new
+#: stage); a model built anew (the script or cell run again) resumes the run from its checkpoint
+_FITS: "weakref.WeakKeyDictionary[Any, Dict[str, _Fits]]" = weakref.WeakKeyDictionary()
+
+
+def _fits_of(model: Any, url: str) -> _Fits:
+    return _FITS.setdefault(model, {}).setdefault(url, _Fits())
 
 
 class _EpochEnd(keras.callbacks.Callback):
@@ -126,9 +157,7 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
         self.data: Optional[ResumableData] = None
         self._active = False
         self._stage = 0  # this fit's stage: module docstring, "Several fits"
-        self._stages: List[Dict[str, Any]] = []  # completed stages: {"epochs", "history"}
-        self._loaded = False  # the run's newest checkpoint was read (once, at the first fit)
-        self._tree: Optional[StateTree] = None  # it, kept for a later stage it belongs to
+        self._fits = _Fits()  # this model's fits on this run (set at the start of each fit)
         self._base = {"epoch": 0, "step": 0}  # the counters where this stage began
         self._reset_fit_state()
         _LIVE.add(self)
@@ -166,7 +195,7 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
         if self in _RUNNING:
             _RUNNING.remove(self)
         self._tail = None
-        self._loaded, self._tree = False, None  # run again: from the newest checkpoint, same stage
+        self._fits.loaded, self._fits.tree = False, None  # run again: from the newest checkpoint, same stage
         try:
             self.core.close()
         except Exception as exc:  # noqa: BLE001 - cleaning up after someone else's failure
@@ -188,13 +217,10 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
         problem = kstate.ensure_built(model, sample_batch(it, self.data))
         if problem:
             core.warn(problem, key="build")
-        if self._loaded:
-            core.new_fit(keep_counters=True)  # a further stage: the counters go on
-        else:
-            core.new_fit()
-            self._tree, self._loaded = core.load(describe=kstate.describe), True
-        tree, self._tree = self._tree, None
-        self._begin_stage(tree, epochs)
+        fits = self._fits = _fits_of(model, core.url)
+        core.plan = self._code_plan(epochs, fits)
+        tree = self._read(fits)
+        self._begin_stage(tree, epochs, fits)
         core.total_epochs = (self._base["epoch"] + epochs) or None
         self._install_tail()
         core.install_signal_handlers()
@@ -210,26 +236,102 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
                                    else why or f"fit {k + 1} of run '{self.core.store.run}' already completed "
                                    f"{done} epoch(s) of {epochs}; nothing to do (its end state restored)")
 
-    def _begin_stage(self, tree: Optional[StateTree], epochs: int) -> None:
+    def _code_plan(self, epochs: int, fits: _Fits) -> Dict[str, Any]:
+        """What this fit's code asks for (:mod:`keepalive.plan`), read before anything is restored: the
+        epochs, and the optimizer's class and learning rate when the optimizer is new to this model's
+        fits here (compiled for this fit; one that goes on from the last fit carries its rate, which
+        ReduceLROnPlateau may have lowered, and is no part of the code's plan)."""
+        found: Dict[str, Any] = {"epochs": epochs}
+        optimizer = self.model.optimizer
+        if optimizer is not None and (fits.optimizer is None or fits.optimizer() is not optimizer):
+            found["optimizer"] = type(optimizer).__name__
+            found["optimizer.learning_rate"] = kstate.learning_rate_plan(optimizer)
+        return found
+
+    def _read(self, fits: _Fits) -> Optional[StateTree]:
+        """The checkpoint this fit starts from: the run's newest, read at the model's first fit here
+        (or again after a fit that raised or stopped), or kept by an earlier fit for this one; None
+        when the fit goes on from the state in memory (the model's next stage)."""
+        core = self.core
+        if not fits.loaded:
+            core.new_fit()
+            fits.loaded, fits.tree = True, None
+            return core.load(describe=kstate.describe)
+        core.new_fit(keep_counters=True)  # a further stage: the counters go on
+        if fits.tree is not None:  # read by an earlier fit (skipped): it belongs to this one or a later
+            tree, reader, fits.tree, fits.reader = fits.tree, fits.reader, None, None
+            return tree if reader is core else core.load(describe=kstate.describe)
+        if core.resumed_from is None and fits.counters:  # a new callback: go on from the last fit's end
+            for name, value in fits.counters.items():
+                core.counters[name] = value
+        return None
+
+    def _which_stage(self, saved: Dict[str, Any], tree: StateTree, fits: _Fits) -> int:
+        """The stage of the run this fit is: by position (the model's n-th fit here), unless its plan
+        says otherwise (an earlier fit commented out on a re-run: the fit whose plan this one has)."""
+        k, index, now = fits.next, saved["index"], self.core.plan
+        if k > index:  # fits completed here that the checkpoint is behind (one raised before a save)
+            return k
+        stages = list((tree.get("keras") or {}).get("stages") or [])
+        plans = [(stages[j] if j < len(stages) else {}).get("plan") for j in range(k, index)]
+        plans.append(tree.get("plan"))
+        for j, planned in enumerate(plans, start=k):
+            if planned and not changes(planned, now):
+                return j
+        last = plans[-1]
+        if k == index and saved["done"] and last and any(key != "epochs" for key, _, _ in changes(last, now)):
+            return index + 1  # the checkpoint's fit had completed, and this one is another fit
+        return k
+
+    def _other_plan(self, skipped: Optional[Dict[str, Any]], last: Optional[Dict[str, Any]], index: int) -> str:
+        """Words for a fit skipped by its position although its plan differs from the skipped fit's:
+        what differs, and how to have it recognised instead (its plan as before) or trained anew."""
+        differs = changes(skipped, self.core.plan)
+        if not differs:
+            return ""
+        other = changes(last, self.core.plan)
+        return (f". Its plan differs from this code's ({describe(differs)})"
+                + (f", and so does fit {index + 1}'s ({describe(other)})" if other else "")
+                + f": if this is fit {index + 1} (the fits before it left out), set its epochs and learning rate "
+                "as before to resume it; to train this fit anew, use another path or run=")
+
+    def _begin_stage(self, tree: Optional[StateTree], epochs: int, fits: _Fits) -> None:
         """Match this fit with the checkpoint's stage (module docstring, "Several fits")."""
-        core, k, saved = self.core, self._stage, kstate.stage_of(tree)
+        core, saved = self.core, kstate.stage_of(tree)
+        self._stage = fits.next
         if tree is not None:
-            self._stages = list(((tree.get("keras") or {}).get("stages") or [])[:saved["index"]])
+            index = saved["index"]
+            fits.done = list(((tree.get("keras") or {}).get("stages") or [])[:index])
+            if saved["done"]:  # the checkpoint's own fit had completed: it is a completed stage too
+                keras_part = tree.get("keras") or {}
+                fits.done.append({"epochs": keras_part.get("epochs"), "plan": tree.get("plan"),
+                                  "history": keras_part.get("history")})
+            self._stage = self._which_stage(saved, tree, fits)
+        k = self._stage
         if tree is not None and saved["index"] > k:  # completed before the restart: skipped
-            self._tree, self._nothing_to_do = tree, True
-            self._pending = {"history": (self._stages[k] if k < len(self._stages) else {}).get("history")}
+            fits.tree, fits.reader, self._nothing_to_do = tree, core, True
+            planned = (fits.done[k] if k < len(fits.done) else {})
+            self._pending = {"history": planned.get("history")}
             kstate.assign_if_fits(self.model.variables, (tree.get("objects") or {}).get("model"))
             self.model._initial_epoch = max(epochs, int(self._fit.get("initial_epoch") or 0))
             self._already_complete(epochs, epochs, why=(
                 f"fit {k + 1} of run '{core.store.run}' had completed before the restart (the checkpoint "
-                f"is in fit {saved['index'] + 1}): skipped, the newest weights loaded"))
+                f"is in fit {saved['index'] + 1}): skipped, the newest weights loaded"
+                + self._other_plan(planned.get("plan"), tree.get("plan"), saved["index"])))
         elif tree is not None and saved["index"] == k:
             self._base = {"epoch": saved["epoch_base"], "step": saved["step_base"]}
             self.restore(tree, epochs)
         else:  # a new stage; from an earlier stage's end when this stage's fit raised before a save
             if tree is not None:
-                kstate.load_start(self.model, tree)
+                # the optimizer goes on only when the plan names none (not recompiled for this fit)
+                kstate.load_start(self.model, tree, optimizer="optimizer" not in core.plan)
                 self._pending = {"rng": tree.get("rng")}
+                if k > fits.next:
+                    differs = changes(tree.get("plan"), core.plan)
+                    core.warn(f"fit {k + 1} of run '{core.store.run}': fit {k} had completed before the restart "
+                              f"with another plan than this fit's ({describe(differs)}), so this fit is taken as "
+                              f"the next one and starts from its end state. If it is fit {k} with new settings, "
+                              "use another path or run= to train it anew.", key="plan")
             self._base = {"epoch": core.counters["epoch"], "step": core.counters["step"]}
             first = int(self._fit.get("initial_epoch") or 0)  # fit(initial_epoch=...) of the user
             self._place(epoch=first)
@@ -282,6 +384,7 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
         kstate.load_variables(model, tree, core.resumed_from.url if core.resumed_from else "?")
         saved = tree.get("keras", {}) or {}
         epoch = core.counters["epoch"] - self._base["epoch"]  # the epoch of this fit
+        self._plan_changed(changes(tree.get("plan"), core.plan), epoch)
         batch, problems = resume_at(self.data, tree.get("data") or {}, epoch, int(tree["counters"].get("batch", 0)))
         problem = self._pass.restore((tree.get("data") or {}).get("pass")) if self._pass is not None else None
         for line in problems + ([problem] if problem else []):
@@ -306,6 +409,30 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
                                   "EarlyStopping) and is complete; nothing to do (weights restored). Use "
                                   "another path or run= to train anew.")
         model._initial_epoch = start
+
+    def _plan_changed(self, found: List[Any], done: int) -> None:
+        """This code's plan differs from the checkpoint's for the fit it resumes: the code wins (its
+        epochs, its learning rate); say so once, with how to get the checkpoint's instead."""
+        if not found:
+            return
+        parts = []
+        for key, old, new in found:
+            change = describe([(key, old, new)])
+            if key == "epochs" and new < old:
+                reached = " (reached already: nothing to train)" if done >= new else ""
+                parts.append(f"{change}: this code's {new} wins, the fit ends after epoch {new}{reached} and "
+                             f"counts as complete; to train the {old} planned, run fit(epochs={old}) (it goes on "
+                             "from there)")
+            elif key == "epochs":
+                parts.append(f"{change}: this code's {new} wins, the fit goes on to epoch {new}; to end at "
+                             f"{old}, run fit(epochs={old})")
+            elif key == "optimizer.learning_rate" and kstate.set_learning_rate(self.model.optimizer, new):
+                parts.append(f"{change}: this code's {new} wins (it replaces the checkpoint's rate); to go on "
+                             f"with the checkpoint's, compile with learning_rate={old} as before")
+            else:
+                parts.append(f"{change}: this code's wins; to go on with the checkpoint's, set it as before")
+        self.core.warn(f"run '{self.core.store.run}', fit {self._stage + 1}: this code's plan differs from the "
+                       f"checkpoint's: {'; '.join(parts)}.", key=f"plan:{self._stage}:{describe(found)}")
 
     def _late_train_begin(self) -> None:
         """After every callback's on_train_begin (they reset their state there): restore theirs,
@@ -400,10 +527,18 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
                 # fit ended without our last-epoch marker (e.g. stopped by a callback after us)
                 core.end_epoch(self.capture, last=True, count=False)
         finally:
-            if core.finished:  # this fit (stage) is complete: the next fit is the next stage
-                if len(self._stages) <= self._stage:
-                    self._stages.append({"epochs": self._epochs(), "history": kstate.history_state(self.model)})
-                self._stage += 1
+            fits = self._fits
+            if core.finished:  # this fit (stage) is complete: the model's next fit is the next stage
+                if len(fits.done) <= self._stage:
+                    fits.done.append({"epochs": self._epochs(), "plan": dict(core.plan),
+                                      "history": kstate.history_state(self.model)})
+                fits.next = self._stage + 1
+                fits.counters = dict(core.counters)
+                optimizer = self.model.optimizer
+                fits.optimizer = weakref.ref(optimizer) if optimizer is not None else None
+                core.fit_trained(core.plan)
+            else:  # stopped (deadline, interrupt): the next fit resumes this stage from its checkpoint
+                fits.loaded, fits.tree = False, None
             self.model._initial_epoch = None
             if self._adapter is not None:
                 unbind_passes(self._adapter)
@@ -427,7 +562,8 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
         stage = {"index": self._stage, "epoch_base": self._base["epoch"], "step_base": self._base["step"]}
         tree = cast(Captured, kstate.capture_tree(
             self.model, self._callbacks, epochs=epochs, finished=core.finished,
-            ended_early=core.counters["epoch"] - self._base["epoch"] < epochs, stage=stage, stages=self._stages))
+            ended_early=core.counters["epoch"] - self._base["epoch"] < epochs, stage=stage,
+            stages=self._fits.done[:self._stage]))
         data: Dict[str, Any] = {"kind": "resumable" if self.data is not None else "keras"}
         if self.data is not None:
             data.update(seed=self.data.seed, batches_per_epoch=self.data.batches_per_epoch)
