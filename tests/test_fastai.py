@@ -429,11 +429,13 @@ def test_each_cell_with_its_own_callback(tmp_path):
 
 
 def test_negative_control_fits_counted_per_process(tmp_path, monkeypatch, capsys):
-    """Negative control: with fits identified by their number in the process (no cell), the story of
-    the first test leaves the model untrained: cell B alone is taken for fit 1 and skipped."""
+    """Negative control: with fits identified by their number in the process (no cell) and not by
+    their plan (cells A and B differ in epochs), the story of the first test leaves the model
+    untrained: cell B alone is taken for fit 1 and skipped."""
     import keepalive.callbacks._fastai_state as fastai_state
 
     monkeypatch.setattr(fastai_state, "cell_identity", lambda: (None, None))
+    monkeypatch.setattr(fastai_state.FitLog, "_prefer_plan", lambda self, candidates, at, plan: at)
     ref, _ = cells(tmp_path / "ref", [CELL_A, CELL_B])
     assert cells(tmp_path / "run", [CELL_A, CELL_B], crash=(1, 5))[0] is None
     got, _ = cells(tmp_path / "run", [CELL_B])

@@ -5,8 +5,9 @@ The notebook story: a setup cell builds the learner with ``DriveCheckpoint``, ce
 (after a checkpoint of B has committed). A fresh kernel runs the setup cell and ``%resume_training``
 only (cell A is not run again): cell B must be recognised as the run's second fit and continue it, so
 that weights, optimizer state and Recorder history equal, bit for bit, those of a kernel never killed.
-The negative control identifies fits by their number in the process, as keepalive did before: cell B
-alone is then taken for the first fit, skipped, and the comparison fails.
+The negative control identifies fits by their number in the process and not by their plan (A and B
+differ in epochs), as keepalive did before: cell B alone is then taken for the first fit, skipped, and
+the comparison fails.
 """
 from __future__ import annotations
 
@@ -36,9 +37,10 @@ from childio import emit
 from fastai.callback.core import Callback
 from fastai_setup import make_learner
 from keepalive.callbacks.fastai import DriveCheckpoint
-if {broken!r}:  # negative control: fits numbered per process, not recognised by their cell
+if {broken!r}:  # negative control: fits numbered per process, not recognised by their cell or plan
     import keepalive.callbacks._fastai_state as fastai_state
     fastai_state.cell_identity = lambda: (None, None)
+    fastai_state.FitLog._prefer_plan = lambda self, candidates, at, plan: at
 
 
 class Steps(Callback):

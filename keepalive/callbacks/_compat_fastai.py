@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Callable, List
 
 from fastai.callback.core import Callback
-from fastai.callback.progress import ProgressCallback
+from fastai.callback.progress import CSVLogger, ProgressCallback
 from fastai.callback.schedule import ParamScheduler
 from fastai.callback.tracker import EarlyStoppingCallback, ReduceLROnPlateau, SaveModelCallback, TrackerCallback
 from fastai.callback.training import GradientAccumulation
@@ -109,6 +109,13 @@ def _internals() -> List[Internal]:
         Internal("fastai.data.load._wif", "seeds each worker (set_seed) and sets its share of the batches: "
                  "a resumed epoch's workers get the saved states over it", f"{D}: _WorkerStates",
                  module_has("fastai.data.load", "_wif"), token="_wif"),
+        Internal("CSVLogger.file", "the open log file (its text saved; rewritten at a resume: before_fit "
+                 "truncated it)", f"{S}: capture_loggers, restore_loggers", uses(lambda: CSVLogger, "file"),
+                 token='"file"'),
+        Internal("CSVLogger.fname", "the log file's name under learn.path", f"{S}: _csv_loggers, _log_file",
+                 uses(lambda: CSVLogger, "fname"), token="cb.fname"),
+        Internal("ParamScheduler.scheds", "the fit's schedule functions, sampled for the fit's plan",
+                 f"{S}: fit_plan", uses(lambda: ParamScheduler, "scheds"), token="cb.scheds", required=False),
         Internal("ProgressCallback.mbar", "the epoch bar, shown from the resumed epoch (display only)",
                  f"{F}: DriveCheckpoint._begin", uses(lambda: ProgressCallback, "mbar"), required=False),
     ]

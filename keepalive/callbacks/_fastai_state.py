@@ -15,27 +15,32 @@ from __future__ import annotations
 
 import hashlib
 import sys
+import weakref
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 import torch
+from fastai.callback.progress import CSVLogger
 from fastai.callback.schedule import ParamScheduler
 from fastai.callback.tracker import TrackerCallback
 from fastai.learner import Learner
 from fastai.optimizer import Optimizer, OptimWrapper
 from fastcore.foundation import L
 
-from .. import notebook
+from .. import notebook, rng
 from ..errors import StateMismatchError
+from ..plan import changes, fingerprint, plain
 from ..state import frozen_copy  # loaded tensors are views on the file buffer: what is kept gets copies
 from . import _compat_fastai as fc
 from ._fastai_data import dl_rngs
 from .torchstate import check_module, check_optimizer
 
 __all__ = ["capture_objects", "check_fits", "restore", "capture_callbacks", "describe", "phase_words",
-           "fine_tune_phase", "epochs", "where_words", "cell_identity", "FitLog"]
+           "fine_tune_phase", "epochs", "where_words", "cell_identity", "FitLog", "RunHere", "run_here",
+           "fit_plan", "plan_changes", "valid_split", "restore_loggers", "write_loggers"]
 
 
 # --------------------------------------------------------------------------------- conversions
@@ -164,6 +169,9 @@ def capture_callbacks(learn: Learner) -> Dict[str, Any]:
     sched = _scheduler(learn)
     if sched is not None:
         out["scheduler_hps"] = {k: _float_array(v) for k, v in sched.hps.items()}
+    loggers = capture_loggers(learn)
+    if loggers:
+        out["loggers"] = loggers
     return out
 
 
@@ -224,6 +232,119 @@ def _restore_callbacks(learn: Learner, saved: Dict[str, Any],
             cb.hps = {k: list(v) for k, v in hps.items()}
 
 
+# ------------------------------------------------------------------------------------ loggers
+def _csv_loggers(learn: Learner) -> Dict[str, CSVLogger]:
+    """The ``CSVLogger`` callbacks by their file (``CSVLogger:history.csv``)."""
+    return {f"CSVLogger:{cb.fname}": cb for cb in learn.cbs if isinstance(cb, CSVLogger)}
+
+
+def _log_file(learn: Learner, cb: CSVLogger) -> Path:
+    return Path(learn.path) / cb.fname
+
+
+def capture_loggers(learn: Learner) -> Dict[str, str]:
+    """What each ``CSVLogger`` has written so far. Its header is written unflushed at ``before_fit``
+    (the lines are flushed one by one): flushed here, so that the text read holds it."""
+    out: Dict[str, str] = {}
+    for key, cb in _csv_loggers(learn).items():
+        f = cb.__dict__.get("file")
+        if f is not None and not f.closed:
+            f.flush()
+        path = _log_file(learn, cb)
+        out[key] = path.read_text() if path.exists() else ""
+    return out
+
+
+def restore_loggers(learn: Learner, saved: Mapping[str, Any]) -> None:
+    """Inside a resumed fit (after ``before_fit``, which truncated the file with ``append=False`` or
+    appended a header with ``append=True``): each ``CSVLogger``'s open file holds the saved text again,
+    as the uninterrupted run's did at the checkpoint; the next epochs' lines follow it."""
+    for key, text in (saved.get("loggers") or {}).items():
+        cb = _csv_loggers(learn).get(key)
+        f = cb.__dict__.get("file") if cb is not None else None
+        if f is None or f.closed:
+            continue
+        f.seek(0)
+        f.truncate()
+        f.write(str(text))
+        f.flush()
+
+
+def write_loggers(learn: Learner, saved: Mapping[str, Any]) -> None:
+    """At a fit's end restored from a checkpoint (its fit is skipped: no callback runs): each
+    ``CSVLogger``'s file as the uninterrupted run left it there (a later fit of the killed session may
+    have truncated it, or written lines that run again)."""
+    for key, text in (saved.get("loggers") or {}).items():
+        cb = _csv_loggers(learn).get(key)
+        if cb is None:
+            continue
+        path = _log_file(learn, cb)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(str(text))
+
+
+# --------------------------------------------------------------------------------------- plans
+#: where a schedule is sampled (fractions of the fit) to tell two schedules apart
+_SCHEDULE_POINTS = [i / 20 for i in range(21)]
+
+
+def _schedule_values(scheds: Mapping[str, Callable[[float], Any]]) -> List[Any]:
+    """A ``ParamScheduler``'s functions at fixed points of the fit: equal settings, equal values (the
+    settings themselves live in closures). The global RNGs are left as they were (a sampled function
+    could draw)."""
+    saved = rng.capture()
+    try:
+        return [[name, [np.asarray(f(pos), dtype=np.float64).ravel().tolist() for pos in _SCHEDULE_POINTS]]
+                for name, f in sorted(scheds.items())]
+    except Exception:  # noqa: BLE001 - a schedule that cannot be sampled is no plan value
+        return [[name, repr(f)] for name, f in sorted(scheds.items())]
+    finally:
+        rng.restore(saved)
+
+
+def fit_plan(learn: Learner, phase: Optional[int]) -> Dict[str, Any]:
+    """What the code asks of a fit starting now (before its ``before_fit``): its epochs, fine_tune's
+    phase, and its hyper-parameter schedule (the ``ParamScheduler`` of ``fit_one_cycle``,
+    ``fit_flat_cos``, ``fine_tune``..., sampled: ``lr_max``, ``div``, ``pct_start``... all change it) or,
+    without one, its learning rates. Saved with the fit (:class:`FitLog`) and in ``core.plan``."""
+    out: Dict[str, Any] = {"epochs": int(learn.n_epoch), "phase": phase}
+    scheds = [cb.scheds for cb in learn.cbs if isinstance(cb, ParamScheduler) and getattr(cb, "scheds", None)]
+    if scheds:
+        out["schedule"] = fingerprint(_schedule_values(s) for s in scheds)
+    else:
+        try:
+            out["lr"] = plain([float(h["lr"]) for h in learn.opt.hypers])
+        except (AttributeError, KeyError, TypeError):
+            pass
+    return out
+
+
+FIT_PLAN_KEYS = ("epochs", "phase", "schedule", "lr")
+
+
+def plan_changes(saved: Optional[Mapping[str, Any]], now: Mapping[str, Any]) -> List[Tuple[str, Any, Any]]:
+    """How a fit's plan differs from a saved one (none when the saved one is unknown)."""
+    return changes(saved, now, FIT_PLAN_KEYS)
+
+
+def valid_split(learn: Learner) -> Optional[str]:
+    """A fingerprint of the validation set's indices: fastai ``Datasets`` (a ``DataBlock``) keep the
+    split (``splits``), a ``TabularPandas`` keeps its rows' index; None for another dataset (its code
+    decides; nothing to compare). ``RandomSplitter()`` without a seed splits differently in each process."""
+    dls = getattr(learn, "dls", None)
+    try:
+        ds = dls.valid.dataset if dls is not None and len(dls.loaders) > 1 else None
+    except (AttributeError, IndexError, TypeError):
+        return None
+    splits = getattr(ds, "splits", None)
+    if isinstance(splits, (list, tuple, L)) and len(splits) > 1:
+        return fingerprint(int(i) for i in splits[1])
+    index = getattr(getattr(ds, "items", None), "index", None)
+    if index is not None and hasattr(index, "tolist"):
+        return fingerprint(index.tolist())
+    return None
+
+
 # --------------------------------------------------------------------------------------- fits
 def cell_identity() -> Tuple[Optional[str], Optional[str]]:
     """(a hash of the running notebook cell's source, that cell execution's key); (None, None) outside
@@ -240,22 +361,60 @@ def cell_identity() -> Tuple[Optional[str], Optional[str]]:
 _CELL_FITS: Dict[str, Any] = {"key": None, "fits": 0}
 
 
+@dataclass
+class RunHere:
+    """What this process did on one run (its URL) with one learner, whatever callback objects did it.
+
+    ``fits`` counts the fits started outside a notebook cell (since the learner began on this run or
+    an interrupted fit: a script counts them all again, and re-running it builds another learner).
+    ``live`` is set while the learner holds the state of the run's newest checkpoint, the end of a
+    fit this process trained (or whose end it restored) and nothing interrupted since: the fits then
+    recorded and the counters. A callback new to the run then starts the next stage from the learner
+    as it is (the user's ``unfreeze()`` in between included) instead of loading that end again.
+    """
+
+    learner: "weakref.ref[Learner]"
+    fits: Dict[str, Any] = field(default_factory=lambda: {"key": None, "fits": 0})
+    live: Optional[Dict[str, Any]] = None
+
+
+_RUNS_HERE: Dict[str, RunHere] = {}
+
+
+def run_here(url: str, learn: Learner) -> RunHere:
+    """This process' record of run ``url`` with ``learn`` (a new one for another learner)."""
+    here = _RUNS_HERE.get(url)
+    if here is None or here.learner() is not learn:
+        here = _RUNS_HERE[url] = RunHere(weakref.ref(learn))
+    return here
+
+
+def _same_plan(saved: Optional[Mapping[str, Any]], now: Optional[Mapping[str, Any]]) -> Optional[bool]:
+    """True / False; None when either is unknown (a checkpoint written before plans were saved)."""
+    if not saved or not now:
+        return None
+    return not plan_changes(saved, now)
+
+
 class FitLog:
     """The run's fit calls in order, each identified so that it is recognised after a restart.
 
     A fit is ``{"cell": hash of its notebook cell's source, "key": that cell execution, "index": its
-    number within the execution, "phase": fine_tune's 1 / 2 or None}``; outside a notebook cell and key
-    are None and the index counts this callback's fits (a script runs them all again). The list is
-    saved with every checkpoint: fit N of the run is its entry N. Why not count the process's fits:
-    after a restart a notebook user runs the setup cell and only the cell that was training (as
-    ``%resume_training`` does); that cell's fit must still be recognised as the run's fit N.
+    number within the execution, "phase": fine_tune's 1 / 2 or None, "plan": :func:`fit_plan`}``;
+    outside a notebook cell and key are None and the index counts the fits of this learner on this run
+    in the process (:class:`RunHere`: a script runs them all again; one callback per fit counts as
+    one callback for all). The list is saved with every checkpoint: fit N of the run is its entry N.
+    Why not count the process's fits: after a restart a notebook user runs the setup cell and only
+    the cell that was training (as ``%resume_training`` does); that cell's fit must still be
+    recognised as the run's fit N. Where the place (cell, index) names a fit whose plan differs and
+    another recorded fit has this plan, the plan wins: a script re-run with its first ``fit`` commented
+    out is the second fit, not the first one again.
     """
 
     def __init__(self) -> None:
         self.entries: List[Dict[str, Any]] = []
         self.cursor = 0             # entries before it are matched or passed in this process
-        self._own: Dict[str, Any] = {"key": None, "fits": 0}  # outside a notebook
-        self._counter = self._own   # the counter of the last fit
+        self._counter: Dict[str, Any] = {"key": None, "fits": 0}  # the counter of the last fit
 
     def load(self, saved: Optional[Dict[str, Any]]) -> None:
         """Start over from a checkpoint's ``fastai`` tree (None: a new run)."""
@@ -266,34 +425,49 @@ class FitLog:
         self.entries = [dict(e) for e in entries or []]
         self.cursor = 0
 
-    def next_id(self) -> Dict[str, Any]:
-        """The identity of a fit call starting now."""
+    def next_id(self, here: RunHere, plan: Dict[str, Any]) -> Dict[str, Any]:
+        """The identity of a fit call starting now (``here``: the process' record of the run)."""
         cell, key = cell_identity()
-        counter = self._counter = self._own if key is None else _CELL_FITS
+        counter = self._counter = here.fits if key is None else _CELL_FITS
         if counter["key"] != key:
             counter["key"], counter["fits"] = key, 0
         counter["fits"] += 1
-        return {"cell": cell, "key": key, "index": counter["fits"]}
+        return {"cell": cell, "key": key, "index": counter["fits"], "plan": dict(plan)}
 
     def restart_cell(self) -> None:
         """The fit was interrupted: running the cell again starts over from its first fit."""
         self._counter["fits"] = 0
 
+    def plan_of(self, n: int) -> Optional[Dict[str, Any]]:
+        """The plan recorded for the run's fit ``n`` (None: unknown)."""
+        return self.entries[n - 1].get("plan") if 0 < n <= len(self.entries) else None
+
+    def replan(self, n: int, plan: Dict[str, Any]) -> None:
+        """The run's fit ``n`` goes on under the code's plan (it changed between sessions)."""
+        if 0 < n <= len(self.entries):
+            self.entries[n - 1]["plan"] = dict(plan)
+
+    def _prefer_plan(self, candidates: List[int], at: Optional[int], plan: Optional[Dict[str, Any]]) -> Optional[int]:
+        """``at`` (the entry at the fit's place) unless its plan differs from ``plan`` and a candidate's
+        equals it. No candidate with this plan: ``at`` still (the plan changed: said at the resume)."""
+        if at is not None and _same_plan(self.entries[at].get("plan"), plan) is not False:
+            return at
+        return next((j for j in candidates if _same_plan(self.entries[j].get("plan"), plan)), at)
+
     def find(self, fit: Dict[str, Any]) -> Optional[int]:
         """The run's number of ``fit`` among the entries from the cursor on, or None (a new fit).
 
         The same execution first (``%resume_training`` re-runs the recorded one), then the same cell
-        source and index: the same cell run twice in a run is matched in order.
+        source and index: the same cell run twice in a run is matched in order; by plan where the fit
+        at that place has another plan.
         """
         rest = range(self.cursor, len(self.entries))
-
-        def same(j: int, field: str) -> bool:
-            e = self.entries[j]
-            return e.get(field) == fit[field] and int(e.get("index", 0)) == fit["index"]
-
-        hit = next((j for j in rest if fit["key"] is not None and same(j, "key")), None)
+        hit = next((j for j in rest if fit["key"] is not None and self.entries[j].get("key") == fit["key"]
+                    and int(self.entries[j].get("index", 0)) == fit["index"]), None)
         if hit is None:
-            hit = next((j for j in rest if same(j, "cell")), None)
+            cell = [j for j in rest if self.entries[j].get("cell") == fit["cell"]]
+            at = next((j for j in cell if int(self.entries[j].get("index", 0)) == fit["index"]), None)
+            hit = self._prefer_plan(cell, at, fit.get("plan"))
         if hit is None:
             return None
         self.cursor = hit + 1
@@ -302,15 +476,17 @@ class FitLog:
     def find_like(self, fit: Dict[str, Any], current: int, phase: Optional[int]) -> Optional[int]:
         """A fit of a cell the run has not seen (another cell, or the same one edited, e.g. a demo
         cell that interrupted itself and a plain cell that resumes): the run's fit at the same place,
-        and of the same ``fine_tune`` phase, in the cell execution of the checkpoint's fit ``current``."""
+        and of the same ``fine_tune`` phase, in the cell execution of the checkpoint's fit ``current``
+        (by plan where the fit at that place has another plan: a cell whose first fit was removed)."""
         if not 0 < current <= len(self.entries):
             return None
         e = self.entries[current - 1]
         same = [j for j, x in enumerate(self.entries)
                 if x.get("key") == e.get("key") and x.get("cell") == e.get("cell")]
-        if not 0 < fit["index"] <= len(same):
+        at = same[fit["index"] - 1] if 0 < fit["index"] <= len(same) else None
+        j = self._prefer_plan([j for j in same if j >= self.cursor], at, fit.get("plan"))
+        if j is None:
             return None
-        j = same[fit["index"] - 1]
         was = self.entries[j].get("phase")
         if j < self.cursor or (phase is not None and was is not None and was != phase):
             return None

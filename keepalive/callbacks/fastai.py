@@ -9,12 +9,17 @@ the newest valid checkpoint bit for bit as if never interrupted. Restored: model
 Recorder, schedulers, tracker callbacks (:mod:`keepalive.callbacks._fastai_state`), the loaders' and the
 global RNGs, and the position: fit call (``fine_tune`` makes two; ``lr_find`` is not counted), epoch,
 batch, ``pct_train``. A fit call is recognised by its notebook cell (the source and the fit's number in
-that cell execution; outside a notebook by its number in the process: :class:`._fastai_state.FitLog`),
-so after a restart the setup cell and the training cell alone are enough (``%resume_training``). Fits
-completed before the restart are skipped whole (no callback sees them; one whose end is the checkpoint
-has that end state restored), the fit the checkpoint is in resumes at its epoch and batch, a fit the
-run has not seen starts from the checkpoint. Every fit's end is saved after the other callbacks'
-``after_fit``. Positions in messages are counts of work done ("1 of 3 epochs done").
+that cell execution; outside a notebook by its number among the learner's fits on the run in the
+process) and by its plan (epochs, schedule: :class:`._fastai_state.FitLog`), so after a restart the
+setup cell and the training cell alone are enough (``%resume_training``). Fits completed before the
+restart are skipped whole (no callback sees them; one whose end is the checkpoint has that end state
+restored), the fit the checkpoint is in resumes at its epoch and batch (under the code's plan when it
+changed: said once), a fit the run has not seen starts from the checkpoint. A fit after one that this
+process trained on the same learner is the next stage, whether its callback is the same object or a
+new one on the same path: it trains from the learner as it is (:class:`._fastai_state.RunHere`). Every
+fit's end is saved after the other callbacks' ``after_fit``. ``CSVLogger`` files are saved with the
+state and rewritten at a resume; a validation split other than the checkpoint's is said once. Positions
+in messages are counts of work done ("1 of 3 epochs done").
 
 Transparent: the loaders are iterated as fastai iterates them (same order, same worker seeds); with the
 callback and no interruption a training is bit-identical to the same one without it
@@ -39,8 +44,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional, Union
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 from fastai.callback.core import Callback, CancelFitException
 from fastai.callback.schedule import LRFinder
@@ -52,6 +58,7 @@ from .. import rng
 from ..adapter import RunViews
 from ..config import CheckpointConfig
 from ..core import Checkpointer
+from ..plan import describe as describe_plan
 from ..statetree import Captured, StateTree
 from . import _compat_fastai as fc
 from . import _fastai_data as data
@@ -81,6 +88,7 @@ class _FitState:
     epoch_ended: bool = False      # the running epoch's work is done (after_validate reached)
     epochs_done: int = 0
     completed: bool = False        # the fit ended through fastai's own path (normally or cancelled)
+    plan: Dict[str, Any] = field(default_factory=dict)  # what the code asks of it (_fastai_state.fit_plan)
 
 
 class _EventsHook:
@@ -107,7 +115,8 @@ class DriveCheckpoint(RunViews, Callback):  # RunViews: no epoch / step (a callb
     """
 
     order = 95  # only before_train / before_batch work is done in callback events; saves run after all
-    _stateattrs = ("_core", "_fit", "_tree", "_fits", "_loaded")  # not pickled (learn.export()): rebuilt
+    # not pickled (learn.export()): rebuilt
+    _stateattrs = ("_core", "_fit", "_tree", "_fits", "_loaded", "_split_seen", "_next_stage")
 
     def __init__(self, path: Union[str, "os.PathLike[str]", None] = None, *,
                  config: Optional[CheckpointConfig] = None, **options: Any):
@@ -125,6 +134,8 @@ class DriveCheckpoint(RunViews, Callback):  # RunViews: no epoch / step (a callb
         self._tree: Optional[StateTree] = None  # loaded, not yet applied to a fit
         self._fits = state.FitLog()
         self._loaded = False  # the checkpoint (and with it the run's fits) is read at the next fit
+        self._split_seen: Optional[Tuple[Any, Optional[str]]] = None  # (the DataLoaders, their split's fingerprint)
+        self._next_stage: Optional[int] = None  # the fit this process trained before (said at the next fit)
 
     @property  # built on first use: learn.export() pickles the callback without it
     def core(self) -> Checkpointer:  # type: ignore[override]
@@ -183,7 +194,11 @@ class DriveCheckpoint(RunViews, Callback):  # RunViews: no epoch / step (a callb
             core.say("fit skipped: training stopped before the session's end. In a new session run the "
                      "same code again to continue.")
             return None
-        tree = self._load(learn)
+        here = state.run_here(core.url, learn)
+        phase = state.fine_tune_phase(learn)
+        plan_now = state.fit_plan(learn, phase)
+        core.plan = dict(plan_now, valid_split=self._valid_split(learn))
+        tree = self._load(learn, here)
         if tree is not None:
             # fastai finds the batch layout lazily, fetching (and augmenting: RNG draws) one item the
             # first time it is asked, in the first batch of the run; a resumed process asks it now,
@@ -193,8 +208,7 @@ class DriveCheckpoint(RunViews, Callback):  # RunViews: no epoch / step (a callb
                 getattr(learn.dls, "n_inp", None)
             rng.restore(saved)
         self._n_fits += 1
-        phase = state.fine_tune_phase(learn)
-        fit_id = self._fits.next_id()
+        fit_id = self._fits.next_id(here, plan_now)
         k = self._fits.find(fit_id)  # its number in the run, if the run has seen it
         pos = tree["fastai"]["position"] if tree is not None else None
         if pos is not None and k is None and not pos["done"]:  # inside a fit: at a fit's end, new fits
@@ -211,27 +225,45 @@ class DriveCheckpoint(RunViews, Callback):  # RunViews: no epoch / step (a callb
         if pos is not None and k is not None and k < pos["fit"]:
             core.say(f"fit {k}{state.phase_words(phase)} had completed before the restart (the checkpoint is "
                      f"in fit {pos['fit']}): skipped")
+            here.live = None  # the learner is behind the run: a later fit loads the checkpoint
+            core.fit_trained(plan_now)
             return None
         if pos is not None and pos["done"] and tree is not None:  # a fit's end: go on from that state
             self._tree = None
             state.restore(learn, tree)
+            state.write_loggers(learn, tree["fastai"])
             data.set_dl_rngs(learn, tree["fastai"].get("dl_rngs"))
             core.restore_rng(tree)
+            self._check_split(tree)
             if k is not None:  # this very fit
                 core.finished = pos.get("phase") != 1
                 words = state.phase_words(pos.get("phase"), state.epochs(pos["n_epoch"]))
-                core.say(f"fit {k}{words} had completed before the restart: skipped, its end state restored. "
-                         "To train again from here, use another run (path or run=).")
+                changed = state.plan_changes(self._fits.plan_of(k), plan_now)
+                if changed:
+                    core.warn(f"fit {k}{words} had completed before the restart; the code now asks another plan "
+                              f"({self._plan_words(changed)}): the checkpoint wins, the fit is skipped and its "
+                              "end state restored. To train the new plan, use another run (path or run=).",
+                              key=f"fastai-plan-done-{k}")
+                else:
+                    core.say(f"fit {k}{words} had completed before the restart: skipped, its end state "
+                             "restored. To train again from here, use another run (path or run=).")
+                here.live = {"fits": self._fits.upto(k), "counters": dict(core.counters)}
+                core.fit_trained(plan_now)
                 return None
             self._fits.pass_all()
             core.say(f"fit {len(self._fits.entries) + 1}{state.phase_words(phase)} is new to run "
                      f"'{core.store.run}': it trains from the end of fit {pos['fit']}")
+        elif tree is None and self._next_stage is not None:
+            core.say(f"fit {len(self._fits.entries) + 1}{state.phase_words(phase)} of run '{core.store.run}' is "
+                     f"the next stage after fit {self._next_stage}, which this process trained: it trains from "
+                     "the learner as it is")
+        self._next_stage = None
         resume: Optional[StateTree] = None
         if pos is not None and k == pos["fit"]:
             resume, self._tree = tree, None
         if k is None:
             k = self._fits.add(fit_id, phase)
-        st = _FitState(k, phase)
+        st = _FitState(k, phase, plan=plan_now)
         self._fit = st
 
         def do_fit():  # runs after every callback's before_fit
@@ -239,7 +271,7 @@ class DriveCheckpoint(RunViews, Callback):  # RunViews: no epoch / step (a callb
             f()
 
         try:
-            return call(do_fit, fc.FIT_EVENT, ex, _then(lambda: self._fit_end(learn, st), final))
+            return call(do_fit, fc.FIT_EVENT, ex, _then(lambda: self._fit_end(learn, st, here), final))
         finally:
             self._fit = None
             if st.positioned:
@@ -251,19 +283,69 @@ class DriveCheckpoint(RunViews, Callback):  # RunViews: no epoch / step (a callb
                 # fit, and resumes from the newest checkpoint as a new session would.
                 self._loaded, self._tree = False, None
                 self._fits.restart_cell()
+                here.live = None
 
     # ------------------------------------------------------------------------------------ resume
-    def _load(self, learn: Learner) -> Optional[StateTree]:
+    def _load(self, learn: Learner, here: state.RunHere) -> Optional[StateTree]:
         if self._loaded:
             return self._tree
         core = self.core
         core.new_fit()  # the first fit, or one run again after an interruption: from the checkpoint
+        live = here.live if core.trained_here else None
+        if live is not None:
+            # A callback new to the run after a fit that this process trained on this learner (one
+            # callback per fit call): the next stage, from the learner as it is (the newest
+            # checkpoint is that fit's end, and the user may have changed the learner since, e.g.
+            # unfreeze()); the run's fits and counters go on.
+            self._fits.load({"fits": live["fits"]})
+            self._fits.pass_all()
+            for name, value in live["counters"].items():
+                core.counters[name] = value
+            self._next_stage = len(live["fits"])
+            self._tree, self._loaded = None, True
+            return None
         tree = core.load(describe=state.describe, check=lambda t: state.check_fits(
             learn, t, core.resumed_from.url if core.resumed_from else core.url))
         self._tree = tree
         self._fits.load(tree["fastai"] if tree is not None else None)
         self._loaded = True
         return tree
+
+    def _valid_split(self, learn: Learner) -> Optional[str]:
+        """The validation split's fingerprint (computed once per DataLoaders object)."""
+        dls = getattr(learn, "dls", None)
+        if self._split_seen is None or self._split_seen[0]() is not dls:
+            try:
+                ref: Any = weakref.ref(dls)
+            except TypeError:
+                ref = lambda: None  # noqa: E731 - not weak-referenceable: computed each time
+            self._split_seen = (ref, state.valid_split(learn))
+        return self._split_seen[1]
+
+    def _check_split(self, tree: StateTree) -> None:
+        """Say once when the validation split is not the checkpoint's (an unseeded random split)."""
+        saved = (tree.get("plan") or {}).get("valid_split")
+        now = self.core.plan.get("valid_split")
+        if saved and now and saved != now:
+            self.core.warn("the validation set differs from the one before the restart (a random split made "
+                           "again in this process, e.g. RandomSplitter() without a seed): training goes on, "
+                           "but on other training samples and with metrics on another validation set than the "
+                           "uninterrupted run's. Give the splitter a seed (RandomSplitter(seed=42), "
+                           "TabularPandas(splits=RandomSplitter(seed=42)(...))) so that every session splits "
+                           "the same way.", key="fastai-valid-split")
+
+    @staticmethod
+    def _plan_words(changed: Any) -> str:
+        """A fit's plan changes in words (the schedule's fingerprint is no value to read)."""
+        words = []
+        for key, was, now in changed:
+            if key == "epochs":
+                words.append(f"epochs {was} -> {now}")
+            elif key == "schedule":
+                words.append("another hyper-parameter schedule (lr_max, div, pct_start, ...)")
+            else:
+                words.append(describe_plan([(key, was, now)]))
+        return ", ".join(words)
 
     def _begin(self, learn: Learner, st: _FitState, resume: Optional[StateTree]) -> None:
         """Start of a counted fit, after every callback's before_fit: position data, restore state."""
@@ -307,13 +389,12 @@ class DriveCheckpoint(RunViews, Callback):  # RunViews: no epoch / step (a callb
     def _restore_in_fit(self, learn: Learner, st: _FitState, tree: StateTree) -> None:
         fa = tree["fastai"]
         pos = fa["position"]
-        if pos["n_epoch"] != learn.n_epoch:
-            self.core.warn(f"the checkpoint was written by a fit of {pos['n_epoch']} epochs, this one has "
-                           f"{learn.n_epoch}; its schedule continues with "
-                           f"{state.where_words(pos['epoch'], learn.n_epoch)}", key=f"fastai-n_epoch-{st.index}")
         if pos["batch"]:  # inside an epoch: this loader must start there exactly
             data.check_resumable(pos["n_iter"], st.n_iter, st.why_not)
+        self._say_plan_changes(learn, st, tree)
         state.restore(learn, tree, warn=lambda msg, key: self.core.warn(msg, key=key))
+        state.restore_loggers(learn, fa)
+        self._check_split(tree)
         learn.train_iter = int(pos["train_iter"])
         st.skip_until = st.epochs_done = int(pos["epoch"])
         if pos["batch"]:
@@ -324,6 +405,27 @@ class DriveCheckpoint(RunViews, Callback):  # RunViews: no epoch / step (a callb
         where = state.where_words(pos["epoch"], learn.n_epoch, pos["batch"], pos["n_iter"])
         self.core.say(f"fit {st.index}{state.phase_words(st.phase)} continues: {where}")
 
+    def _say_plan_changes(self, learn: Learner, st: _FitState, tree: StateTree) -> None:
+        """The resumed fit's plan is not the checkpoint's: the code's wins (fastai runs the fit's
+        epochs and schedule as the code gives them; the position is the work done), said once."""
+        pos = tree["fastai"]["position"]
+        saved = self._fits.plan_of(st.index) or dict(tree.get("plan") or {}) or {"epochs": pos["n_epoch"]}
+        changed = state.plan_changes(saved, st.plan)
+        self._fits.replan(st.index, st.plan)
+        if not changed:
+            return
+        was = int(saved.get("epochs", pos["n_epoch"]))
+        where = state.where_words(min(pos["epoch"], learn.n_epoch), learn.n_epoch, pos["batch"], pos["n_iter"])
+        if pos["epoch"] >= learn.n_epoch:
+            outcome = f"{state.epochs(pos['epoch'])} are done, so the fit ends here"
+        else:
+            outcome = f"the fit goes on from {where} with the code's schedule at that point"
+        self.core.warn(f"fit {st.index}{state.phase_words(st.phase)} was planned otherwise before the restart "
+                       f"({self._plan_words(changed)}): the code's plan wins, {outcome}. To finish the saved "
+                       f"plan instead, run the fit as before the restart ({state.epochs(was)}, the same "
+                       "learning rates); to train the new plan from the start, use another run (path or run=).",
+                       key=f"fastai-plan-{st.index}")
+
     # ------------------------------------------------------------------------- callback events
     def before_train(self) -> None:
         st = self._fit
@@ -333,7 +435,10 @@ class DriveCheckpoint(RunViews, Callback):  # RunViews: no epoch / step (a callb
         mid = st.resume_mid
         if mid is not None and learn.epoch == mid["fastai"]["position"]["epoch"]:
             st.resume_mid, pos = None, mid["fastai"]["position"]
-            learn.pct_train = float(pos["pct_train"])
+            # the schedule's position: as saved, or (the code changed the fit's epochs) the same work
+            # done placed on the code's epochs
+            learn.pct_train = (float(pos["pct_train"]) if pos["n_epoch"] == learn.n_epoch
+                               else int(pos["train_iter"]) / (st.n_iter * learn.n_epoch))
             st.iter_offset = int(pos["batch"])
             start = mid["fastai"]["epoch_start"]
             workers = mid["fastai"].get("workers")
@@ -390,7 +495,7 @@ class DriveCheckpoint(RunViews, Callback):  # RunViews: no epoch / step (a callb
             st.stopped = True
             raise CancelFitException()
 
-    def _fit_end(self, learn: Learner, st: _FitState) -> None:
+    def _fit_end(self, learn: Learner, st: _FitState, here: state.RunHere) -> None:
         st.completed = True  # the fit ended through fastai's own path (normally or cancelled)
         if not st.begun or st.stopped:
             return
@@ -401,6 +506,9 @@ class DriveCheckpoint(RunViews, Callback):  # RunViews: no epoch / step (a callb
         decision = self.core.end_stage(lambda: self._state_tree(learn, st, "fit"), finished=st.phase != 1,
                                        reason=f"end of fit {st.index}{state.phase_words(st.phase)}")
         st.stopped = st.stopped or decision.stop
+        if not st.stopped:  # trained to its end here: a new callback on this run goes on from here
+            here.live = {"fits": self._fits.upto(st.index), "counters": dict(self.core.counters)}
+            self.core.fit_trained(st.plan)
 
     # ---------------------------------------------------------------------------------- capture
     def _state_tree(self, learn: Learner, st: _FitState, kind: str) -> Captured:
