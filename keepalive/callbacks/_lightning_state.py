@@ -14,6 +14,8 @@ Each is captured as plain values and tensors and put back before training contin
 """
 from __future__ import annotations
 
+import csv
+import os
 import sys
 from typing import Any, Callable, Dict, List, Optional
 
@@ -147,3 +149,92 @@ def restore_trainer_metrics(trainer: Any, saved: Optional[Dict[str, Any]]) -> No
 
 def _owned(v: Any) -> Any:
     return v.clone() if isinstance(v, torch.Tensor) else v
+
+
+# ------------------------------------------------------------------------------------ CSV logger
+# A CSVLogger picks a new ``version_N`` folder on every fit, and its writer keeps rows in memory until a
+# flush (every ``flush_logs_every_n_steps``): after a kill and a resume the rows would go to a new
+# folder, the old one holding the rows of redone steps and missing the unflushed ones. A checkpoint
+# keeps, per CSV logger, its version, the rows its file held, the header keys and the unflushed rows; a
+# resume writes on the same version's file, cut back to those rows, with the unflushed ones pending.
+_ROWS = "_keepalive_rows"  # an attribute of the writer: rows written to its file (counted by watch_csv)
+
+
+def csv_loggers(trainer: Any) -> List[Any]:
+    """The trainer's CSV loggers (Lightning's ``CSVLogger``, either namespace, or fabric's)."""
+    return [lg for lg in getattr(trainer, "loggers", []) if any(
+        c.__name__ == "CSVLogger" and c.__module__.endswith("csv_logs") for c in type(lg).__mro__)]
+
+
+def watch_csv(writer: Any, rows: int) -> None:
+    """Count the rows the writer's ``save()`` puts in its file from now on (``rows`` there already)."""
+    setattr(writer, _ROWS, int(rows))
+    if "save" in writer.__dict__:
+        return  # counted already (a logger used by an earlier fit of this process)
+    save = writer.save
+
+    def counting_save() -> None:
+        pending = len(writer.metrics)
+        save()
+        setattr(writer, _ROWS, getattr(writer, _ROWS, 0) + pending)
+
+    writer.save = counting_save
+
+
+def capture_csv(trainer: Any) -> List[Dict[str, Any]]:
+    out: List[Dict[str, Any]] = []
+    for logger in csv_loggers(trainer):
+        writer = logger._experiment
+        if writer is None or not hasattr(writer, _ROWS):
+            out.append({})
+            continue
+        out.append({"version": logger.version, "rows": int(getattr(writer, _ROWS)),
+                    "keys": list(writer.metrics_keys), "pending": [dict(r) for r in writer.metrics]})
+    return out
+
+
+def restore_csv(trainer: Any, saved: List[Dict[str, Any]], warn: Callable[[str, str], None]) -> None:
+    """Point each CSV logger back at the version the checkpoint's run wrote, its file cut back to the
+    rows it held at the checkpoint, the unflushed rows pending (see above). Before training starts (the
+    writers were made when the fit set up: a new version's folder, still empty, is removed)."""
+    for logger, entry in zip(csv_loggers(trainer), saved):
+        if not entry:
+            continue
+        new = logger._experiment
+        fs = new._fs
+        logger._version = entry["version"]
+        path = os.path.join(logger.log_dir, type(new).NAME_METRICS_FILE)
+        kept: List[Dict[str, str]] = []
+        if entry["rows"] and fs.isfile(path):
+            with fs.open(path, "r", newline="") as f:
+                kept = [row for _, row in zip(range(entry["rows"]), csv.DictReader(f))]
+        if new.log_dir != logger.log_dir:
+            if fs.isdir(new.log_dir) and not fs.ls(new.log_dir):
+                fs.rmdir(new.log_dir)  # made for this fit a moment ago, nothing in it
+            logger._experiment = None
+        writer = logger.experiment  # the saved version's writer (it removes the file: written again below)
+        if len(kept) < entry["rows"]:
+            warn(f"the CSV log {path} holds {len(kept)} of the {entry['rows']} rows written before the checkpoint "
+                 "(deleted or lost): the resumed run writes on from there, the missing rows stay missing", "csv-rows")
+        if kept:
+            with fs.open(path, "w", newline="") as f:
+                out = csv.DictWriter(f, fieldnames=list(entry["keys"]), extrasaction="ignore")
+                out.writeheader()
+                out.writerows(kept)
+        writer.metrics_keys = list(entry["keys"])
+        writer.metrics = [dict(r) for r in entry["pending"]]
+        watch_csv(writer, len(kept))
+
+
+def watch_new_csv(trainer: Any) -> None:
+    """A fit that resumes nothing: count what its CSV writers put in their files (rows there already
+    included: a logger an earlier fit of this process used)."""
+    for logger in csv_loggers(trainer):
+        writer = logger._experiment
+        if writer is None or hasattr(writer, _ROWS):
+            continue
+        rows = 0
+        if writer._fs.isfile(writer.metrics_file_path):
+            with writer._fs.open(writer.metrics_file_path, "r", newline="") as f:
+                rows = sum(1 for _ in csv.DictReader(f))
+        watch_csv(writer, rows)

@@ -161,6 +161,7 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
         self._pending = None
         tree = core.load(describe=self._describe, check=lambda t: self._check_fits(t, pl_module))
         if tree is None:
+            lstate.watch_new_csv(trainer)
             return
         self.restore(tree)
 
@@ -189,6 +190,9 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
         # datamodule, callbacks) and restore_training_state (precision, loops, optimizers, schedulers)
         # read the checkpoint the connector holds when no ckpt_path is given.
         trainer._checkpoint_connector._loaded_checkpoint = lt["checkpoint"]
+        # the CSV logs go on in the run's version, as they stood at the checkpoint
+        lstate.restore_csv(trainer, lt.get("loggers") or [], lambda msg, key: core.warn(msg, key=key))
+        lstate.watch_new_csv(trainer)  # those the checkpoint has no entry for (an older keepalive's)
         self._pending = {"rng": tree.get("rng"), "results": lt.get("results") or [],
                          "metrics": lt.get("metrics") or {}, "trainer_metrics": lt.get("trainer_metrics")}
         if lt.get("finished"):
@@ -386,7 +390,8 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
             "format": FORMAT, "version": pl.__version__, "checkpoint": ckpt,
             "finished": bool(self.core.finished), "should_stop": bool(trainer.should_stop),
             "metrics": lstate.capture_metrics(trainer.lightning_module),
-            "trainer_metrics": lstate.capture_trainer_metrics(trainer)}
+            "trainer_metrics": lstate.capture_trainer_metrics(trainer),
+            "loggers": lstate.capture_csv(trainer)}
         saved: Dict[str, Any] = {"positioned": self.why_not is None}
         if self.core.counters["batch"]:
             lt["results"] = lstate.capture_results(trainer.fit_loop.epoch_loop._results)
