@@ -256,11 +256,11 @@ class Checkpointer:
         durable, release the writer lease, so that another session (a second notebook on the same
         run) may open the run while this kernel idles. A later save of this checkpointer takes the
         lease again."""
-        if not self._opened:
-            return
-        if self._path is not None:
-            self._path.wait()
-        self.writer.wait()
+        if self._opened:
+            if self._path is not None:
+                self._path.wait()
+            self.writer.wait()
+        # also when given back before: waiting for uploads (flush) attaches the uploader again
         self.spooled.close()  # uploads go on; the destination's lease is released after the last
         self._opened = False
 

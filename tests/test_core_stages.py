@@ -212,3 +212,28 @@ def test_positions_and_the_resume_line_in_the_users_numbering():
     assert line.startswith("resuming run 'r' from ckpt-0000000140-ab: in epoch 2 (1 completed, batch 40), "
                            "step 140, saved "), line
     assert line.endswith("; the last session got to step 170 or further: the steps after 140 are redone"), line
+
+
+def test_a_spooled_run_is_given_back_when_its_loop_ends(tmp_path, monkeypatch):
+    """Through the local spool (a remote or Drive destination): once the loop has ended and the
+    uploads are done, neither the spool nor the destination is held by the idle process."""
+    from keepalive.callbacks.torch import DriveCheckpoint
+
+    monkeypatch.setenv("KEEPALIVE_SPOOL", str(tmp_path / "spool"))
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(16, 4)), batch_size=4)
+    ckpt = DriveCheckpoint(tmp_path / "dest", model=model, optimizer=opt, spool=True, quiet=True)
+    for _ in ckpt.epochs(2):
+        for (x,) in ckpt.batches(loader):
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+    dest = CheckpointStore(tmp_path / "dest")
+    end = time.monotonic() + 30
+    while not (dest.lease.read() or {}).get("released") and time.monotonic() < end:
+        time.sleep(0.05)  # the uploader gives the destination back after its last upload
+    assert (dest.lease.read() or {}).get("released"), dest.lease.read()
+    assert [i.step for i in dest.list()][-1] == 8
+    leases = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / "spool") for f in fs if f == "LEASE.json"]
+    assert leases and all(json.load(open(p)).get("released") for p in leases), leases
