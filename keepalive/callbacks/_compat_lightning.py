@@ -121,6 +121,18 @@ def _internals() -> List[Internal]:
                  f"{S}: capture_results", lambda: has(meta, "sync")() and uses(sync, "should", "rank_zero_only")(),
                  token="meta.sync"),
     ]
+    csv_logger = _fabric_cls("loggers.csv_logs", "CSVLogger")
+    csv_writer = _fabric_cls("loggers.csv_logs", "_ExperimentWriter")
+    rows += [
+        Internal("CSVLogger._version / _experiment", "a resume points the logger back at the version the run "
+                 "wrote and makes its writer again", f"{S}: restore_csv", uses(csv_logger, "_version", "_experiment"),
+                 token="logger._experiment", package="lightning"),
+        Internal("_ExperimentWriter.metrics / metrics_keys / metrics_file_path / _fs / save / NAME_METRICS_FILE",
+                 "the CSV rows not flushed yet, the file's header keys, its path and filesystem (saved, restored); "
+                 "save() flushes them (counted)", f"{S}: capture_csv, restore_csv, watch_csv",
+                 lambda: uses(csv_writer, "metrics", "metrics_keys", "metrics_file_path", "_fs")()
+                 and has(csv_writer, "save", "NAME_METRICS_FILE")(), token="writer.metrics_keys", package="lightning"),
+    ]
     rows += [Internal(f"_LoggerConnector.{a}", "the trainer's last metrics (saved, restored)",
                       f"{S}: capture_trainer_metrics, restore_trainer_metrics", uses(logger, a))
              for a in ("_callback_metrics", "_logged_metrics", "_progress_bar_metrics")]
@@ -138,6 +150,12 @@ def _internals() -> List[Internal]:
                       package="torchmetrics")
              for a in ("_defaults", "_update_count", "_computed")]
     return rows
+
+
+def _fabric_cls(module: str, name: str) -> Callable[[], Any]:
+    """A Lightning Fabric class (``lightning.fabric`` or ``lightning_fabric``, the namespace in use's)."""
+    fabric = "lightning.fabric" if pl.__name__.startswith("lightning.") else "lightning_fabric"
+    return lambda: getattr(importlib.import_module(f"{fabric}.{module}"), name)
 
 
 def _torchmetrics_metric() -> Any:
