@@ -40,12 +40,16 @@ then raise ``KeyboardInterrupt`` / exit; a second one acts at once.
 """
 from __future__ import annotations
 
+import dis
+import gc
 import os
 import sys
+import weakref
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union, cast
 
 import torch
 
+from .. import plan as _plan
 from .. import rng
 from ..adapter import CheckpointAdapter
 from ..config import CheckpointConfig
@@ -56,15 +60,42 @@ from .torchstate import (
     RandomState,
     changed_hyperparameters,
     check_objects,
+    frozen_parameters,
     gradients,
     gradients_pending,
     hyperparameters,
     restore_gradients,
+    restore_requires_grad,
+    schedule_lrs,
+    schedule_settings,
+    scheduler_with_settings,
+    unwrap_module,
+    unwrapped_keys,
     watch_steps,
     without_lazy,
 )
 
 __all__ = ["DriveCheckpoint"]
+
+
+_SCHEDULERS = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+
+
+def _closed_by_break(frame: Any) -> bool:
+    """Whether a generator being closed now was dropped by a ``break`` (or a ``return``) out of the
+    ``for`` loop running in ``frame``, rather than by an exception passing through it: CPython pops
+    a loop's iterator with POP_TOP when the loop is left by ``break`` / ``return``, while an
+    exception unwinds from the instruction that raised (a call, a raise). Anything else (an explicit
+    ``close()``, the garbage collector) counts as no break."""
+    try:
+        code, at = frame.f_code.co_code, frame.f_lasti
+        return at >= 0 and dis.opname[code[at]] == "POP_TOP"
+    except (AttributeError, IndexError):
+        return False
+
+
+def _num(x: Any) -> str:
+    return f"{x:.4g}" if isinstance(x, float) else str(x)
 
 
 def _holds_dtensors(obj: Any) -> bool:
@@ -107,6 +138,24 @@ class DriveCheckpoint(CheckpointAdapter):
                  config: Optional[CheckpointConfig] = None, **options: Any):
         cfg, objects = CheckpointConfig.from_arguments(path, config, options)
         self.core = Checkpointer(config=cfg, framework="torch")
+        self._resumed = False
+        #: how many times each name was registered: a stage may register a new object under a name
+        #: (the saved generation tells which object a checkpoint's state belongs to)
+        self._generation: Dict[str, int] = {}
+        self._saved_generation: Dict[str, int] = {}
+        #: the loaded checkpoint's states of names not registered (in that generation) at the resume:
+        #: restored when they are registered (a stage-2 optimizer), told at the first save otherwise
+        self._unrestored: Dict[str, Any] = {}
+        self._saved_torch: Dict[str, Any] = {}  # the loaded checkpoint's "torch" section
+        self._live_states: Dict[str, Any] = {}  # schedulers' states as the code built them
+        #: schedulers' settings as the code built them (the plan's "<name>.<setting>" values)
+        self._schedule: Dict[str, Dict[str, Any]] = {}
+        self._stage = 0                 # ckpt.epochs() loops that ended (stages of the run)
+        self._plan_compared = False     # the loaded plan was compared with the code's (once)
+        self._left_at: Optional[Dict[str, int]] = None   # a loop left by a break: {"epoch", "of"}
+        self._leaving: Optional[Dict[str, int]] = None   # saved with the checkpoint of that break
+        self._left_rng: Any = None      # the RNGs when a training pass was left at a batch's end
+        self._enumerate_told = False
         self.objects: Dict[str, Any] = {}
         self._optimizers: List[torch.optim.Optimizer] = []
         self._hparams: Dict[str, List[Dict[str, Any]]] = {}  # optimizer settings as the code set them
@@ -123,7 +172,6 @@ class DriveCheckpoint(CheckpointAdapter):
         self._unclaimed: Optional[Tuple[LoaderReplay, str, int, int]] = None
         self._passes: List[_Pass] = []   # the running epoch's open passes (ckpt.batches() loops)
         self._samples_out = 0           # training samples handed out since the last boundary
-        self._resumed = False
         self._in_epochs = False
         self._batches_done = False      # the running epoch's training pass has completed
         self._save_requested = False    # ckpt.save() in the loop body: done at the next boundary
@@ -156,10 +204,10 @@ class DriveCheckpoint(CheckpointAdapter):
             return
         if RandomState.wraps(obj):
             obj = RandomState(obj)
-        if isinstance(obj, torch.nn.parallel.DistributedDataParallel):
-            # DDP: the wrapped module's state (no "module." prefix), so a checkpoint of a
-            # DDP run resumes in a plain one (another world size) and the other way round
-            obj = obj.module
+        # DDP, torch.compile: the wrapped module's state (no "module." / "_orig_mod." prefix), so a
+        # checkpoint of a DDP run resumes in a plain one (another world size), and one written with
+        # torch.compile resumes without it, and the other way round
+        obj = unwrap_module(obj)
         if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
             if CheckpointConfig.closest(name) is not None:  # a misspelled option, not an object
                 raise CheckpointConfig.unexpected("DriveCheckpoint", name)
@@ -174,11 +222,44 @@ class DriveCheckpoint(CheckpointAdapter):
                 self.core.dcp_objects = ShardedObjects()
             self.core.dcp_objects.add(name, obj)
         else:
+            replaced = self.objects.get(name)
+            if replaced is not None and any(replaced is o for o in self._optimizers):
+                self._optimizers = [o for o in self._optimizers if o is not replaced]
             self.objects[name] = obj
+        # Registered again before the resume: the fix of an object a checkpoint did not fit, the same
+        # one; after it (a further stage): another object, whose state a later checkpoint holds
+        if self._resumed or name not in self._generation:
+            self._generation[name] = self._generation.get(name, 0) + 1
         if isinstance(obj, torch.optim.Optimizer):
             self._optimizers.append(obj)
             self._hparams[name] = hyperparameters(obj)
             watch_steps(self.core, obj)  # steps are the optimizer's steps, counted by its step hook
+        if isinstance(obj, _SCHEDULERS):  # its settings are the code's plan (compared on a resume)
+            self._schedule[name] = schedule_settings(obj)
+            for key in [k for k in self.core.plan if k.startswith(f"{name}.")]:
+                del self.core.plan[key]
+            self.core.plan.update({f"{name}.{k}": v for k, v in self._schedule[name].items()})
+        if self._resumed and name in self._unrestored and name in self.objects:
+            self._restore_late(name, obj)
+
+    def _restore_late(self, name: str, obj: Any) -> None:
+        """``name`` is registered after the resume and the loaded checkpoint holds its state (a
+        stage-2 optimizer): checked and restored now, as it would have been at the resume."""
+        if self._saved_generation.get(name, 1) != self._generation[name]:
+            return  # the checkpoint's state belongs to another object registered under this name
+        state = self._unrestored.pop(name)
+        where = self.core.resumed_from.url if self.core.resumed_from is not None else self.url
+        tree: StateTree = {"objects": {name: state}, "torch": self._saved_torch}
+        self._unwrap_saved({name: obj}, tree)
+        if isinstance(obj, _SCHEDULERS):
+            self._live_states[name] = obj.state_dict()
+        check_objects({name: obj}, tree, where)
+        self._load(name, obj, tree["objects"][name])
+        self._replan(name, obj, tree["objects"][name])
+        if isinstance(obj, torch.optim.Optimizer):
+            for _, text in changed_hyperparameters({name: self._hparams[name]}, self._saved_torch.get("hparams")):
+                self.core.warn(text, key=f"hparams:{name}")
+        self.core.say(f"{name}: registered after the resume; its state is restored from the checkpoint")
 
     # ---------------------------------------------------------------------------------- resume
     def resume(self) -> bool:
@@ -200,8 +281,14 @@ class DriveCheckpoint(CheckpointAdapter):
     def restore(self, tree: StateTree) -> None:
         """Put a loaded (and checked) tree into the registered objects, the RNGs and the data position."""
         objects = tree.get("objects", {})
-        for name, obj in self.objects.items():
-            obj.load_state_dict(objects[name])
+        self._saved_torch = dict(tree.get("torch") or {})
+        loaded = [name for name in self._current(tree) if name in objects]
+        for name in loaded:
+            self._load(name, self.objects[name], objects[name])
+        for name in loaded:  # after the optimizers: a changed schedule sets their learning rates
+            self._replan(name, self.objects[name], objects[name])
+        self._unrestored = {n: state for n, state in objects.items() if n not in loaded and
+                            self._saved_generation.get(n, 1) > self._generation.get(n, 0)}
         where = self.core.resumed_from
         if self.core.dcp_objects and where is not None:  # FSDP2: a collective, DCP reshards if needed
             self.core.steps_paused = True  # DCP steps the optimizer once to create its state
@@ -219,9 +306,78 @@ class DriveCheckpoint(CheckpointAdapter):
         if self.core.counters["batch"] and self._saved_data.get("epoch_rng") is not None:
             self._resume_rng = tree.get("rng")
 
+    def _current(self, tree: StateTree) -> Dict[str, Any]:
+        """The registered objects the checkpoint's states belong to: a name registered again by a later
+        stage holds, in the checkpoint, the state of the generation registered when it was saved."""
+        saved = tree.get("objects", {})
+        self._saved_generation = {k: int(v) for k, v in
+                                  ((tree.get("torch") or {}).get("registered") or {}).items()}
+        return {n: o for n, o in self.objects.items()
+                if n not in saved or self._saved_generation.get(n, 1) == self._generation.get(n, 1)}
+
+    @staticmethod
+    def _unwrap_saved(objects: Dict[str, Any], tree: StateTree) -> None:
+        """Modules' saved states with a DDP / torch.compile wrapper's key prefix that the live module
+        lacks (a checkpoint written before keepalive unwrapped them): the prefix goes."""
+        saved = tree.get("objects", {})
+        for name, obj in objects.items():
+            if isinstance(obj, torch.nn.Module) and isinstance(saved.get(name), dict):
+                saved[name] = unwrapped_keys(obj.state_dict(), saved[name])
+
+    def _load(self, name: str, obj: Any, state: Any) -> None:
+        """Put a checked saved state into ``obj``, with its parameters' ``requires_grad`` as saved (the
+        loop may have frozen or unfrozen them: that is state the code set, not the object's)."""
+        obj.load_state_dict(state)
+        frozen = (self._saved_torch.get("frozen") or {}).get(name)
+        if frozen is not None and isinstance(obj, torch.nn.Module):
+            changed = restore_requires_grad(obj, frozen)
+            if changed:
+                self.core.say(f"{name}: requires_grad of {changed} parameter(s) set as saved (the run had "
+                              "frozen or unfrozen them after your code set them)")
+
+    def _replan(self, name: str, obj: Any, state: Any) -> None:
+        """A scheduler that the code now builds with other settings than the run that wrote the
+        checkpoint (T_max 5 -> 8): the code's settings win, with the checkpoint's progress, and its
+        learning rates are those the new settings give at that progress; said in one line."""
+        if not isinstance(obj, _SCHEDULERS) or not self.core.saved_plan:
+            return
+        prefix = f"{name}."
+        saved = {k[len(prefix):]: v for k, v in self.core.saved_plan.items() if k.startswith(prefix)}
+        found = _plan.changes(saved, self._schedule.get(name, {}))
+        if not found:
+            return
+        live = self._live_states.get(name)
+        if live is None:
+            return
+        obj.load_state_dict(scheduler_with_settings(state, live))
+        groups = obj.optimizer.param_groups
+        before = [g["lr"] for g in groups]
+        how = ", ".join(f"{k}={a}" for k, a, _ in found)
+        try:
+            lrs = schedule_lrs(obj)
+        except ValueError as exc:  # OneCycleLR: its progress is past the new total_steps
+            self.core.warn(f"{name}: your code now builds it with {_plan.describe(found)}, but the run is "
+                           f"already at step {obj.last_epoch} of it ({exc}): build it so that it covers "
+                           f"the whole run, or as before ({how}) to keep the checkpoint's schedule.",
+                           key=f"replan:{name}")
+            return
+        if lrs is not None:
+            for g, lr in zip(groups, lrs):
+                g["lr"] = lr
+            obj._last_lr = list(lrs)
+        now = [g["lr"] for g in groups]
+        lr_text = f"; lr {_num(before[0])} -> {_num(now[0])}" if now and before and now != before else ""
+        self.core.warn(f"{name}: your code now builds it with {_plan.describe(found)}: your settings are used, "
+                       f"with the checkpoint's progress (last_epoch {obj.last_epoch}){lr_text}. To keep the "
+                       f"checkpoint's schedule, build it as before ({how}).", key=f"replan:{name}")
+
     def _check_fits(self, tree: StateTree) -> None:
         where = self.core.resumed_from.url if self.core.resumed_from is not None else self.url
-        check_objects(self.objects, tree, where)
+        current = self._current(tree)
+        self._unwrap_saved(current, tree)
+        # the code's schedulers as built, read before anything is loaded into them
+        self._live_states = {n: o.state_dict() for n, o in current.items() if isinstance(o, _SCHEDULERS)}
+        check_objects(current, tree, where)
         if self.core.dcp_objects:  # FSDP2: the checkpoint must hold their DCP part
             from ..dcp import check_saved
 
@@ -233,13 +389,17 @@ class DriveCheckpoint(CheckpointAdapter):
         self.resume()
         core = self.core
         core.total_epochs = n
-        if core.counters["epoch"] >= n:
-            core.already_complete(n)
+        core.plan.update(stage=self._stage, epochs=int(n))
+        if self._nothing_to_train(n):
+            self._stage += 1
+            core.fit_trained(core.plan)
             return
         core.check_storable(self._storable_preview)  # a value that cannot be stored fails now
         core.install_signal_handlers()
         self._in_epochs = True
         self._foreign.install()
+        if core.finished:  # a further loop of the run (a stage) after one that ended it
+            core.finished = False
         try:
             while core.counters["epoch"] < n:
                 core.start_epoch()
@@ -248,20 +408,38 @@ class DriveCheckpoint(CheckpointAdapter):
                 self._samples_out = 0  # a batch handed out but never used by the last epoch: not counted
                 self._datasets.new_epoch()
                 epoch_rng = self._saved_data.pop("epoch_rng", None) if core.counters["batch"] else None
+                if epoch_rng is None and core.counters["batch"] and self._left and self._epoch_rng is not None:
+                    # the loop run again in this process after it was left inside this epoch (Ctrl-C,
+                    # an error): as a resume from disk, its prologue replays from the epoch's start
+                    epoch_rng, self._resume_rng = self._epoch_rng, self._left_rng
+                    if self._left_rng is None:
+                        core.warn(f"the loop was left inside batch {core.counters['batch'] + 1} of epoch "
+                                  f"{core.counters['epoch']} (an error in the batch): run again, the epoch "
+                                  "continues at that batch, but with the random state of now, so its random "
+                                  "draws (dropout, augmentation) differ from an uninterrupted run's.",
+                                  key="left-inside-batch")
                 if epoch_rng is not None:
                     rng.restore(epoch_rng)  # the prologue of a resumed epoch draws what it drew then
                 self._epoch_rng = rng.capture()
-                yield core.counters["epoch"]
+                try:
+                    yield core.counters["epoch"]
+                except GeneratorExit:
+                    if _closed_by_break(sys._getframe(1)):
+                        self._leave(n)
+                    raise
                 self._resume_rng = None  # the resumed epoch's passes are positioned
                 if core.stopped:
                     return
                 self._claim_unstepped_epoch()
                 self._left.clear()
                 requested, self._save_requested = self._save_requested, False
-                decision = core.end_epoch(self.capture, last=core.counters["epoch"] + 1 >= n,
-                                          requested=requested)
+                last = core.counters["epoch"] + 1 >= n
+                self._check_schedule_end(last)
+                decision = core.end_epoch(self.capture, last=last, requested=requested)
                 if decision.stop:
                     return
+            self._stage += 1
+            core.fit_trained(core.plan)
         finally:
             self._in_epochs = False
             self._foreign.uninstall()
@@ -270,10 +448,110 @@ class DriveCheckpoint(CheckpointAdapter):
             core.uninstall_signal_handlers()
             core.flush()
 
+    def _nothing_to_train(self, n: int) -> bool:
+        """Before a loop: compare the code's plan with the loaded checkpoint's (once, for the loop that
+        wrote it) and say what wins; True when the loop has nothing to train (said why)."""
+        core = self.core
+        done = core.counters["epoch"]
+        left, self._left_at = self._left_at or self._saved_data.pop("left_loop", None), None
+        if left is not None and int(left["epoch"]) == done:
+            before = int(left["of"])
+            if before == n or done >= n:
+                core.already_complete(n, message=(
+                    f"the loop was left with a break at epoch {done} of {before} (e.g. early stopping), "
+                    "and that was saved as the end of the run: nothing to train; the model is the one it left "
+                    f"with. To train on from epoch {done}, ask for another number of epochs "
+                    f"(ckpt.epochs(n) with n > {done} and n != {before}), or start a new run."))
+                return True
+            core.say(f"the loop was left with a break at epoch {done} of {before}; your code now asks for "
+                     f"ckpt.epochs({n}): training on from epoch {done}.")
+        saved = core.saved_plan if not self._plan_compared else None
+        if saved is not None and int(saved.get("stage", 0) or 0) == self._stage and "epochs" in saved:
+            self._plan_compared = True
+            before = int(saved["epochs"])
+            if before > n and done >= n:
+                core.warn(f"epochs {before} -> {n}: this run was planned for {before} epochs (its checkpoint's "
+                          f"plan) and has completed {done}; your code's ckpt.epochs({n}) wins: nothing to "
+                          f"train. To train the {before - done} epoch(s) left, run ckpt.epochs({before}).",
+                          key="plan:epochs")
+                core.finished = True
+                return True
+            if before > n:
+                core.warn(f"epochs {before} -> {n}: this run was planned for {before} epochs (its checkpoint's "
+                          f"plan); your code's ckpt.epochs({n}) wins: it ends at epoch {n}. To train the "
+                          f"{before} planned, run ckpt.epochs({before}).", key="plan:epochs")
+            elif before < n:
+                core.say(f"epochs {before} -> {n}: the run goes on to epoch {n} (its checkpoint planned {before}).")
+        if done >= n:
+            later = saved is not None and int(saved.get("stage", 0) or 0) > self._stage
+            core.already_complete(n, message=(
+                f"ckpt.epochs({n}): run '{core.store.run}' is past this loop ({done} epochs completed, saved in a "
+                "later loop of the run): skipped") if later else None)
+            return True
+        return False
+
+    def _leave(self, n: int) -> None:
+        """The loop was left by a ``break`` (early stopping): save that as the end of the run, marked,
+        so that the next run says so instead of training on to ``n``."""
+        core = self.core
+        if core.stopped or core.finished or core.pending_signal is not None or self._in_batch:
+            return
+        if not self._batches_done and (core.counters["batch"] or self._left):
+            # left from inside the batch loop (a `return` out of both loops): no end of the run, the
+            # next run continues from the last checkpoint as after any interruption
+            return
+        count = self._batches_done
+        at = core.counters["epoch"] + (1 if count else 0)
+        self._leaving = {"epoch": at, "of": int(n)}
+        try:
+            core.end_epoch(self.capture, last=True, count=count)
+        finally:
+            self._leaving = None
+        self._left_at = {"epoch": at, "of": int(n)}
+        self._stage += 1
+        core.say(f"left the loop at epoch {at} of {n} (a break): saved as the end of the run")
+
+    def _check_schedule_end(self, last: bool) -> None:
+        """A OneCycleLR at the end of its total_steps while the training goes on: its next step()
+        raises in torch; say why and what to change, once, before that."""
+        if last:
+            return
+        for name, obj in self.objects.items():
+            if isinstance(obj, torch.optim.lr_scheduler.OneCycleLR) and obj.last_epoch >= obj.total_steps:
+                self.core.warn(
+                    f"{name}: OneCycleLR's schedule ends at its total_steps={obj.total_steps} and the training "
+                    f"goes on (ckpt.epochs({self.core.total_epochs})): its next step() raises torch's \"Tried "
+                    f"to step {obj.total_steps + 1} times\" ValueError. Build it with total_steps covering the "
+                    "whole run (e.g. epochs * len(loader)); on a resume the code's total_steps is used, with "
+                    "the checkpoint's progress.", key=f"onecycle-end:{name}")
+
     def batches(self, loader: Iterable) -> Iterator[Any]:
         """``for batch in ckpt.batches(loader)``: the loader's batches from the saved position."""
-        for _, batch in self.enumerate(loader):
+        holder: List[Any] = []
+        gen = self._batches(loader, holder)
+        holder.append(weakref.ref(gen))
+        return gen
+
+    def _batches(self, loader: Iterable, holder: List[Any]) -> Iterator[Any]:
+        first = True
+        for i, batch in self.enumerate(loader):
+            if first:
+                first = False
+                if i and not self._enumerate_told:
+                    self._tell_enumerate(holder[0](), i)
             yield batch
+
+    def _tell_enumerate(self, gen: Any, at: int) -> None:
+        """A resumed epoch's pass continues at batch ``at``: if the loop wraps ``ckpt.batches()`` in
+        ``enumerate()``, its index restarts at 0 there; say so once."""
+        if gen is None or not any(type(r) is enumerate for r in gc.get_referrers(gen)):
+            return
+        self._enumerate_told = True
+        self.core.warn(
+            f"enumerate(ckpt.batches(...)) counts from 0 in this resumed epoch, which continues at batch "
+            f"{at}: code that uses the index (an accumulation flush at (i + 1) == len(loader), "
+            "`if i >= ...: break`, a schedule stepped with i) sees other values than an uninterrupted "
+            "run. Write `for i, batch in ckpt.enumerate(loader):` for the true index.", key="enumerate")
 
     def enumerate(self, loader: Iterable) -> Iterator[Tuple[int, Any]]:
         """``for i, batch in ckpt.enumerate(loader)``: like :meth:`batches`, with the batch's true
@@ -344,6 +622,8 @@ class DriveCheckpoint(CheckpointAdapter):
             if not completed and p.trains and p.rl.mid_epoch:  # where its last batch end was
                 used = 1 if p.out else 0
                 self._left[p.key] = p.rl.position(p.position - used * p.last_n, p.done - used)
+                # left at a batch's end (Ctrl-C saved there): the random state a re-run continues from
+                self._left_rng = None if used else rng.capture()
             p.out = False
             if p in self._passes:
                 self._passes.remove(p)
@@ -351,6 +631,11 @@ class DriveCheckpoint(CheckpointAdapter):
             return
         if p.trains:
             self._batches_done = True
+            if self._in_epochs and p.rl.mid_epoch:
+                # an error after the epoch's batches (in its validation): a re-run of the loop in this
+                # process continues at the pass's end, not at its start
+                self._left[p.key] = p.rl.position(p.position, p.done)
+                self._left_rng = rng.capture()
             if not self._in_epochs:  # `for epoch in range(n)`: the pass is the epoch
                 requested, self._save_requested = self._save_requested, False
                 self._datasets.new_epoch()
@@ -378,6 +663,12 @@ class DriveCheckpoint(CheckpointAdapter):
         self._foreign.boundary += 1
         mid_epoch = all(q.rl.mid_epoch for q in self._passes if q.trains)
         self.core.trigger.mid_epoch = mid_epoch
+        total = self.core.total_epochs
+        try:
+            at_end = p.done >= len(p.rl.loader)  # type: ignore[arg-type]
+        except TypeError:
+            at_end = False
+        self._check_schedule_end(total is None or (self.core.counters["epoch"] + 1 >= total and at_end))
         return self.core.advance(self.capture, steps=steps, batch=p.done, samples=samples, can_save=mid_epoch,
                                  pending=pending or outstanding, requested=requested)
 
@@ -474,9 +765,21 @@ class DriveCheckpoint(CheckpointAdapter):
                 "restarts its epoch, so its batches differ from an uninterrupted run's. Pass it through "
                 f"ckpt.batches() too (e.g. zip(ckpt.batches(labeled), ckpt.batches({name}))).",
                 key=f"foreign:{name}")
+        if self._unrestored:
+            names = sorted(self._unrestored)
+            self.core.warn(
+                f"the checkpoint resumed from holds {names}, which this run has not registered: "
+                f"{'their states are' if len(names) > 1 else 'its state is'} not restored, and this "
+                f"checkpoint lacks {'them' if len(names) > 1 else 'it'}. Register it before the loop that "
+                f"uses it (ckpt.register('{names[0]}', ...)).", key="unrestored")
+            self._unrestored = {}
         data: Dict[str, Any] = {"seen_step": self._seen_step, "train_loader": self._train_key}
+        if self._leaving is not None:
+            data["left_loop"] = dict(self._leaving)
         if self.core.counters["batch"]:  # inside an epoch: where each training pass is, the epoch's RNGs
             streams = {p.key: p.rl.position(p.position, p.done) for p in self._passes if p.trains}
+            for key, where in self._left.items():  # passes left earlier in the epoch (a break, a zip)
+                streams.setdefault(key, where)
             data.update(position=self._position, epoch_rng=self._epoch_rng,
                         batch_size=self._current_batch_size(), streams=streams)
             self._tell_workers(streams)
@@ -490,7 +793,10 @@ class DriveCheckpoint(CheckpointAdapter):
         return {"objects": {name: obj.state_dict() for name, obj in self.objects.items()},
                 "data": data,
                 "torch": {"classes": {n: type(o).__name__ for n, o in self.objects.items()},
-                          "hparams": self._hparams}}
+                          "hparams": self._hparams,
+                          "registered": {n: self._generation.get(n, 1) for n in self.objects},
+                          "frozen": {n: frozen_parameters(o) for n, o in self.objects.items()
+                                     if isinstance(o, torch.nn.Module)}}}
 
     def _tell_workers(self, streams: Dict[str, Any]) -> None:
         """A mid-epoch save that a resume will not continue bit-exactly (a loader's shuffle buffer, or

@@ -16,8 +16,9 @@ from ..adapter import check_fits
 from ..errors import StateMismatchError
 
 __all__ = ["RandomState", "watch_steps", "changed_hyperparameters", "check_module", "check_objects", "check_optimizer",
-           "gradients", "gradients_pending", "hyperparameters", "restore_gradients",
-           "without_lazy"]
+           "frozen_parameters", "gradients", "gradients_pending", "hyperparameters", "restore_gradients",
+           "restore_requires_grad", "schedule_lrs", "schedule_settings", "scheduler_with_settings", "unwrap_module",
+           "unwrapped_keys", "without_lazy"]
 
 
 def watch_steps(core: Any, optimizer: torch.optim.Optimizer) -> None:
@@ -43,9 +44,20 @@ def check_module(name: str, module: torch.nn.Module, saved: Dict[str, Any], wher
 def check_optimizer(name: str, opt: torch.optim.Optimizer, saved: Dict[str, Any]) -> None:
     """A torch optimizer's saved state against the live one's parameter groups and shapes."""
     groups = saved.get("param_groups", [])
+    if len(groups) > len(opt.param_groups):
+        added = "; ".join(f"group {i}: {len(g['params'])} parameter(s), lr {g.get('lr')}"
+                          for i, g in enumerate(groups) if i >= len(opt.param_groups))
+        raise StateMismatchError(
+            f"{name}: the checkpoint has {len(groups)} parameter group(s), the optimizer "
+            f"{len(opt.param_groups)}: the run added group(s) after it started ({name}.add_param_group, "
+            f"e.g. at an unfreeze; {added}). Nothing was loaded. To continue it, add the same group(s) to "
+            f"{name} now (as your loop did) and run the loop again (the same checkpointer retries the "
+            "resume); or start a new run (another path or run=).")
     if len(groups) != len(opt.param_groups):
-        raise StateMismatchError(f"{name}: the checkpoint has {len(groups)} parameter group(s), the "
-                                 f"optimizer {len(opt.param_groups)}. Nothing was loaded.")
+        raise StateMismatchError(
+            f"{name}: the checkpoint has {len(groups)} parameter group(s), the optimizer "
+            f"{len(opt.param_groups)}: your code adds group(s) that the run had not added yet when it "
+            f"saved. Nothing was loaded. Add them later in the loop (as the run did), or start a new run.")
     params: List[Any] = []
     for i, (g_saved, g_live) in enumerate(zip(groups, opt.param_groups)):
         if len(g_saved["params"]) != len(g_live["params"]):
@@ -139,9 +151,119 @@ def without_lazy(tree: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def hyperparameters(opt: torch.optim.Optimizer) -> List[Dict[str, Any]]:
-    """The scalar settings of each parameter group (lr, weight_decay, momentum, ...)."""
-    return [{k: v for k, v in group.items() if k != "params" and isinstance(v, (int, float, bool, str))
-             and not k.startswith("initial_")} for group in opt.param_groups]
+    """The scalar settings of each parameter group (lr, weight_decay, momentum, ...) as the code set
+    them: where a scheduler keeps the code's learning rate (``initial_lr``), that one, and a momentum
+    that a scheduler cycles (OneCycleLR, CyclicLR: ``max_momentum``) is no setting. So an optimizer
+    whose scheduler has decayed its lr (a cell run again in the same kernel) reads as set the same."""
+    out = []
+    for group in opt.param_groups:
+        values = {k: v for k, v in group.items() if k != "params" and isinstance(v, (int, float, bool, str))
+                  and not k.startswith("initial_")}
+        if isinstance(group.get("initial_lr"), (int, float)):
+            values["lr"] = group["initial_lr"]
+        if "max_momentum" in group:
+            values.pop("momentum", None)
+        out.append(values)
+    return out
+
+
+# ----------------------------------------------------------------------------- wrapped modules
+def unwrap_module(obj: Any) -> Any:
+    """The module a ``DistributedDataParallel`` or ``torch.compile`` wrapper holds (in any nesting):
+    its state has no ``module.`` / ``_orig_mod.`` prefix, so a checkpoint resumes with or without
+    the wrapper (another world size, compile toggled between sessions)."""
+    while True:
+        if isinstance(obj, torch.nn.parallel.DistributedDataParallel):
+            obj = obj.module
+        elif isinstance(obj, torch.nn.Module) and type(obj).__name__ == "OptimizedModule" and \
+                isinstance(getattr(obj, "_orig_mod", None), torch.nn.Module):
+            obj = obj._orig_mod  # torch.compile's wrapper (torch._dynamo is not imported to test it)
+        else:
+            return obj
+
+
+_WRAPPER_PREFIXES = ("_orig_mod.", "module.")
+
+
+def unwrapped_keys(live: Mapping[str, Any], saved: Dict[str, Any]) -> Dict[str, Any]:
+    """``saved`` (a module's state) with the prefixes of wrappers stripped where the live module's keys
+    have none (a checkpoint of a compiled or DDP-wrapped model written before keepalive unwrapped
+    them); ``saved`` itself when its keys are the live ones."""
+    if not saved or set(saved) == set(live):
+        return saved
+    keys = list(saved)
+    changed = False
+    for prefix in _WRAPPER_PREFIXES:
+        if all(k.startswith(prefix) for k in keys) and not any(k.startswith(prefix) for k in live):
+            keys = [k[len(prefix):] for k in keys]
+            changed = True
+    return dict(zip(keys, saved.values())) if changed else saved
+
+
+# ----------------------------------------------------------------------------- requires_grad
+def frozen_parameters(module: torch.nn.Module) -> List[str]:
+    """The names of ``module``'s parameters that do not require gradients (frozen): part of the state
+    a loop changes (an unfreeze at some epoch), saved with the module."""
+    return [n for n, p in module.named_parameters() if not p.requires_grad]
+
+
+def restore_requires_grad(module: torch.nn.Module, frozen: Sequence[str]) -> int:
+    """Set ``requires_grad`` of ``module``'s parameters as saved (the names in ``frozen`` off, the
+    others on); returns how many changed."""
+    off = set(frozen)
+    changed = 0
+    for n, p in module.named_parameters():
+        want = n not in off
+        if p.requires_grad != want and (p.is_floating_point() or p.is_complex()):
+            p.requires_grad_(want)
+            changed += 1
+    return changed
+
+
+# ----------------------------------------------------------------------------------- schedules
+#: a scheduler's state that is its progress, not its settings (the code's plan)
+_PROGRESS = frozenset({"last_epoch", "base_lrs", "T_i", "T_cur", "best", "num_bad_epochs",
+                       "cooldown_counter", "_step_count", "_is_initial", "_get_lr_called_within_step",
+                       "_last_lr", "verbose"})
+
+
+def schedule_settings(scheduler: Any) -> Dict[str, Any]:
+    """A learning-rate scheduler's settings as the code built it (T_max, total_steps, step_size,
+    gamma, ...): its public state that is no progress, as plan values (:func:`keepalive.plan.plain`)."""
+    from ..plan import plain
+
+    try:
+        state = scheduler.state_dict()
+    except Exception:  # noqa: BLE001 - a scheduler whose state cannot be read has no plan to compare
+        return {}
+    return {k: plain(v) for k, v in state.items() if not k.startswith("_") and k not in _PROGRESS
+            and not isinstance(v, torch.Tensor)}
+
+
+def scheduler_with_settings(saved: Mapping[str, Any], live: Mapping[str, Any]) -> Dict[str, Any]:
+    """The saved scheduler state with the live scheduler's settings (every key that is no progress,
+    including private derived ones such as OneCycleLR's phases): the code's plan, the run's progress."""
+    merged = dict(saved)
+    merged.update({k: v for k, v in live.items() if k not in _PROGRESS})
+    return merged
+
+
+def schedule_lrs(scheduler: Any) -> Optional[List[float]]:
+    """The learning rates ``scheduler``'s settings give at its progress (its closed form), or None
+    where torch has none (a chainable-only schedule); may raise torch's ValueError (OneCycleLR past
+    its total_steps)."""
+    closed = getattr(scheduler, "_get_closed_form_lr", None)
+    if callable(closed):
+        return [float(v) for v in closed()]
+    if isinstance(scheduler, (torch.optim.lr_scheduler.OneCycleLR, torch.optim.lr_scheduler.LambdaLR,
+                              torch.optim.lr_scheduler.CyclicLR)):
+        was = scheduler._get_lr_called_within_step
+        scheduler._get_lr_called_within_step = True  # get_lr() outside step() would warn
+        try:
+            return [float(v) for v in scheduler.get_lr()]
+        finally:
+            scheduler._get_lr_called_within_step = was
+    return None
 
 
 class RandomState:
