@@ -240,6 +240,15 @@ def test_a_changed_learning_rate_wins_and_is_said_once(tmp_path, capsys):
     _one_fit(tmp_path / "same", 4)
     assert "plan" not in capsys.readouterr().err
 
+    # a schedule: its settings are the plan (the code's schedule is the one used anyway)
+    cosine = keras.optimizers.schedules.CosineDecay
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        _one_fit(tmp_path / "cos", 4, lr=cosine(1e-2, 100), crash_at=2 * SPE + 1)
+    capsys.readouterr()
+    _one_fit(tmp_path / "cos", 4, lr=cosine(1e-2, 200))
+    assert ("this code's plan differs from the checkpoint's: optimizer.learning_rate.decay_steps 100 -> 200: "
+            "this code's wins; to go on with the checkpoint's, set it as before.") in capsys.readouterr().err
+
 
 # ------------------------------------------------------------------------------------ SIGKILL
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "keras_stages_train.py")

@@ -213,6 +213,7 @@ def learning_rate_plan(optimizer: Any) -> Any:
     """The learning rate an optimizer was built with, as a plan value (:mod:`keepalive.plan`): a number
     (7 significant digits: the float32 variable's 0.009999999776 is the code's 0.01), a schedule's class
     and config, or a callable's name (its ``repr`` names an address that differs in every process)."""
+    optimizer = getattr(optimizer, "inner_optimizer", optimizer)  # LossScaleOptimizer: the one it wraps
     lr = getattr(optimizer, "_learning_rate", None)
     if isinstance(lr, keras.optimizers.schedules.LearningRateSchedule):
         try:
@@ -231,6 +232,7 @@ def learning_rate_plan(optimizer: Any) -> Any:
 def set_learning_rate(optimizer: Any, value: Any) -> bool:
     """Set a number as the optimizer's learning rate (held in a variable the checkpoint restored);
     False when the optimizer's learning rate is a schedule or a callable (the code's is used anyway)."""
+    optimizer = getattr(optimizer, "inner_optimizer", optimizer)  # LossScaleOptimizer: the one it wraps
     if not isinstance(value, (int, float)) or not hasattr(getattr(optimizer, "_learning_rate", None), "assign"):
         return False
     optimizer.learning_rate = float(value)

@@ -245,7 +245,11 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
         optimizer = self.model.optimizer
         if optimizer is not None and (fits.optimizer is None or fits.optimizer() is not optimizer):
             found["optimizer"] = type(optimizer).__name__
-            found["optimizer.learning_rate"] = kstate.learning_rate_plan(optimizer)
+            rate = kstate.learning_rate_plan(optimizer)
+            if isinstance(rate, dict):  # a schedule: one plan value per setting (each change named)
+                found.update({f"optimizer.learning_rate.{key}": value for key, value in rate.items()})
+            else:
+                found["optimizer.learning_rate"] = rate
         return found
 
     def _read(self, fits: _Fits) -> Optional[StateTree]:
@@ -384,7 +388,7 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
         kstate.load_variables(model, tree, core.resumed_from.url if core.resumed_from else "?")
         saved = tree.get("keras", {}) or {}
         epoch = core.counters["epoch"] - self._base["epoch"]  # the epoch of this fit
-        self._plan_changed(changes(tree.get("plan"), core.plan), epoch)
+        self._plan_changed(changes(core.saved_plan, core.plan), epoch)
         batch, problems = resume_at(self.data, tree.get("data") or {}, epoch, int(tree["counters"].get("batch", 0)))
         problem = self._pass.restore((tree.get("data") or {}).get("pass")) if self._pass is not None else None
         for line in problems + ([problem] if problem else []):
