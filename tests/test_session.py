@@ -495,7 +495,7 @@ def test_status_says_which_clock_a_budget_runs_on_and_the_clock_can_be_chosen(tm
     assert "the budget runs on the process clock" in text and "KEEPALIVE_CLOCK=process" in text
 
 
-def test_bad_clock_is_reported_and_configure_picks_one(fresh, tmp_path):
+def test_bad_clock_is_reported_and_configure_picks_one(fresh, tmp_path, monkeypatch):
     r = status_json(tmp_path, COLAB_RELEASE_TAG="x", KEEPALIVE_CLOCK="sundial")
     assert r["clock"] == "vm"                              # the profile's clock, not a crash
     env = clean_env(COLAB_RELEASE_TAG="x", KEEPALIVE_CLOCK="sundial", KEEPALIVE_DIR=str(tmp_path / "c"),
@@ -503,7 +503,7 @@ def test_bad_clock_is_reported_and_configure_picks_one(fresh, tmp_path):
     err = run_cli(env, "status", "--json", cwd=str(tmp_path)).stderr
     assert "KEEPALIVE_CLOCK" in err and "sundial" in err
 
-    os.environ["KEEPALIVE_PLATFORM"] = "colab"
+    monkeypatch.setenv("KEEPALIVE_PLATFORM", "colab")  # undone after the test: later modules see no Colab
     assert session.detect(refresh=True).clock == "vm"
     info = session.configure(clock="process")
     assert info.clock == "process" and info.clock_reason.startswith("configure(clock='process')")
