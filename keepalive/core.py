@@ -501,21 +501,25 @@ class Checkpointer:
                 # "Run all" must not go on into the cells that use the model as if it were trained:
                 # the end of the training call raises, after the save is durable
                 self._stop_to_raise = (
-                    f"training stopped before the session ends ({why}); saved {where} to {self.url}. The "
+                    f"training stopped before the session ends ({self._stop_words(decision.reason, short=True)}); "
+                    f"saved {where} to {self.url}. The "
                     "cells after this one did not run. In a new session run the same code again (or "
                     "%resume_training) to continue; on_deadline='save' saves and trains on instead.")
         if decision.finished or decision.stop:
             self._give_back_lease()  # the training is over (the save is durable: sync)
         return decision
 
-    def _stop_words(self, reason: str) -> str:
-        """Why the training stops, in words: the deadline's arithmetic, and when the session's time
-        was used up before, its budget and the clock it counts from."""
+    def _stop_words(self, reason: str, short: bool = False) -> str:
+        """Why the training stops, in words: the deadline's arithmetic, or, when the session's time
+        is used up, its budget and the clock it counts from (only named when the warning at the start
+        of training said it all). ``short``: the first clause only."""
         why = reason[len("deadline: "):] if reason.startswith("deadline: ") else reason
         remaining = self.trigger.remaining()
         if remaining is not None and remaining <= 0:
+            if short or self._budget_told:
+                return "the session's time is already used up" + ("" if short else " (said at the start of training)")
             why = self._budget_words(remaining)
-        return why.rstrip(".")
+        return (why.split(";")[0] if short else why).rstrip(".")
 
     def _raise_stop(self) -> None:
         """In a notebook, end the training call with :class:`TrainingStopped` after a stop (once)."""
