@@ -77,6 +77,11 @@ def _internals() -> List[Internal]:
     rows += [
         Internal("Model._initial_epoch", "read by fit before its first epoch: set to skip finished epochs",
                  f"{K}: DriveCheckpoint._restore, _begin_stage", uses(lambda: keras.Model.fit, "_initial_epoch")),
+        Internal("Optimizer._learning_rate", "the learning rate an optimizer was built with (a variable, a "
+                 "schedule or a callable): the fit's plan, and the code's rate set after a resume",
+                 f"{S}: learning_rate_plan, set_learning_rate", uses(lambda: keras.optimizers.Optimizer,
+                                                                      "_learning_rate"),
+                 token='"_learning_rate"'),
         Internal("CallbackList.callbacks", "the fit's callback list: the epoch-end tail is appended to it",
                  f"{K}: DriveCheckpoint._install_tail", uses(lambda: keras.callbacks.CallbackList, "callbacks"),
                  token='"callbacks", None)'),
