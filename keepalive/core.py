@@ -531,7 +531,7 @@ class Checkpointer:
     def install_signal_handlers(self) -> None:
         """Defer SIGINT and SIGTERM to the next consistent boundary (:mod:`keepalive.interrupts`)."""
         self.signals.install()
-        self._in_loop = self.signals.installed
+        self._in_loop = True  # also off the main thread, where no handler can be installed
 
     def uninstall_signal_handlers(self) -> None:
         self.signals.uninstall()

@@ -174,7 +174,9 @@ class SaveTrigger:
             return decision
         self.deadline_hit = True
         stop = self.on_deadline == "save_and_stop"
-        reason = (f"the session ends in {format_duration(remaining)}; the next chance to save is "
+        ends = ("the session's time is already used up" if remaining <= 0
+                else f"the session ends in {format_duration(remaining)}")
+        reason = (f"{ends}; the next chance to save is "
                   f"{format_duration(horizon)} away, a save takes {format_duration(self.save_seconds or 0)} "
                   f"and {format_duration(self.margin)} are kept as margin")
         log.warning("deadline: %s -> saving now%s", reason, " and stopping" if stop else "")
