@@ -2,7 +2,8 @@
 
 * Unnamed runs: two bare ``DriveCheckpoint()`` s in two cells (the same model structure) write two
   runs, each named after its cell's code, and say which; the same cell in a new kernel (a restart)
-  finds its own run again. Control: two cells that name one run share it (the second trains nothing).
+  finds its own run again, and an unfinished run an older keepalive named ``default`` from that cell
+  goes on. Control: two cells that name one run share it (the second trains nothing).
 * The writer lease: while a kernel's training loop runs, a second kernel is refused the run
   (``RunLockedError``); once the loop is left (the loop's own error), or the training finished, the idle kernel no
   longer holds it and the other kernel resumes, or is told the run is complete.
@@ -61,6 +62,11 @@ def training_cell(tag: str, run: str = "") -> str:
             f"print('RUN {tag}', ckpt_{tag}.url, flush=True)\n")
 
 
+LEGACY = training_cell("e").replace("for epoch in ckpt_e.epochs(2):\n",
+                                    "for epoch in ckpt_e.epochs(2):\n"
+                                    "    if FAIL and epoch == 1:\n        raise RuntimeError('killed')\n")
+
+
 def printed(text: str, tag: str) -> str:
     m = re.search(rf"RUN {tag} (\S+)", text)
     assert m, text
@@ -91,13 +97,28 @@ def test_bare_checkpoints_in_two_cells_write_two_runs_and_a_restart_finds_each(t
         k.run_ok(training_cell("c", run="shared"))
         d = k.run_ok(training_cell("d", run="shared"))
         assert "EPOCH" not in d.stdout and "already completed 2 epoch(s)" in d.text, d.text
+        # an unfinished run as an older keepalive named it ('default'), made by the cell LEGACY
+        k.run_ok("FAIL = True")
+        failed = k.run(LEGACY)
+        assert failed.ename == "RuntimeError" and "EPOCH e 0" in failed.stdout, failed.text
+    made = re.search(r"writes run '(cell-[0-9a-f]{8})'", failed.stdout)
+    assert made, failed.text
+    os.rename(ckpts / made.group(1), ckpts / "default")
     # a new kernel (a restart): the same cell finds its own run, complete (its first kernel ended)
     with Kernel(env=env, cwd=str(tmp_path)) as k:
         k.run_ok(SETUP)
         again = k.run_ok(training_cell("a"))
         assert printed(again.text, "a") == run_a
         assert "EPOCH" not in again.stdout and "already completed 2 epoch(s)" in again.text, again.text
-    assert sorted(os.listdir(ckpts)) == sorted([os.path.basename(run_a), os.path.basename(run_b), "shared"])
+        # the same cell goes on with the older keepalive's run, and says so
+        k.run_ok("FAIL = False")
+        legacy = k.run_ok(LEGACY)
+        assert (f"writes run 'default' in {ckpts} (the unfinished run an older keepalive made from this "
+                "cell") in legacy.stdout, legacy.text
+        assert "resuming run 'default'" in legacy.stdout and "EPOCH e 1" in legacy.stdout, legacy.text
+        assert "EPOCH e 0" not in legacy.stdout
+    assert sorted(os.listdir(ckpts)) == sorted([os.path.basename(run_a), os.path.basename(run_b), "shared",
+                                                "default"])
 
 
 LOOP = """\
