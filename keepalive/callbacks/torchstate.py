@@ -88,6 +88,8 @@ def check_objects(objects: Mapping[str, Any], tree: Mapping[str, Any], where: st
     classes = (tree.get("torch") or {}).get("classes") or {}
     for name, obj in objects.items():
         was = classes.get(name)
+        if was in _WRAPPER_CLASSES and isinstance(obj, torch.nn.Module):
+            was = None  # written before keepalive unwrapped them: its keys are checked below
         if was is not None and was != type(obj).__name__:
             raise StateMismatchError(
                 f"{name}: the checkpoint {where} holds a {was}, this run has a {type(obj).__name__}. "
@@ -183,6 +185,7 @@ def unwrap_module(obj: Any) -> Any:
 
 
 _WRAPPER_PREFIXES = ("_orig_mod.", "module.")
+_WRAPPER_CLASSES = frozenset({"OptimizedModule", "DistributedDataParallel"})
 
 
 def unwrapped_keys(live: Mapping[str, Any], saved: Dict[str, Any]) -> Dict[str, Any]:

@@ -17,8 +17,8 @@ import signal
 
 import torch
 import torch.nn.functional as F
-from toydata import NoisyIndexed
 from torch.utils.data import DataLoader
+from toydata import NoisyIndexed
 
 from keepalive.callbacks import torch as ka_torch
 from keepalive.callbacks.torch import DriveCheckpoint
