@@ -329,11 +329,17 @@ class Lease:
         if current and current.get("owner") != self.owner and self.is_live(current):
             if not takeover:
                 age = time.time() - float(current.get("heartbeat", 0))
+                if current.get("host") == self.host:
+                    # its process is alive (a dead one's lease is not live): waiting does not help
+                    what = ("that process is alive on this machine, training (it gives the run back when its "
+                            "loop ends) or holding it from an older keepalive: let it finish, stop it, or "
+                            "restart its kernel")
+                else:
+                    what = f"if that session is dead, wait {max(0, self.ttl - age):.0f} s for its lease to expire"
                 raise RunLockedError(
                     f"run {self.store.url} is being written by another session "
-                    f"(host {current.get('host')}, pid {current.get('pid')}, heartbeat {age:.0f} s ago). "
-                    f"If that session is dead, wait {max(0, self.ttl - age):.0f} s for its lease to expire, "
-                    f"or pass takeover=True (CLI/magic: --takeover) to take the run over now.")
+                    f"(host {current.get('host')}, pid {current.get('pid')}, heartbeat {age:.0f} s ago): "
+                    f"{what}, or pass takeover=True (CLI/magic: --takeover) to take the run over now.")
             # asked for (takeover=True): the caller says so where the user sees it
             log.info("taking over run %s from host %s pid %s", self.store.url, current.get("host"),
                      current.get("pid"))

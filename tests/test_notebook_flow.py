@@ -158,6 +158,7 @@ def test_an_idle_kernel_holds_no_run_once_its_loop_is_left_or_finished(tmp_path)
         first.read_until(lambda r: "WAITING" in r.stdout, timeout=120)
         refused = second.run("WAIT, BREAK_AT = False, None\n" + LOOP)
         assert refused.status == "error" and refused.ename == "RunLockedError", refused.text
+        assert "that process is alive on this machine" in refused.evalue and "wait" not in refused.evalue
         assert not lease(ckpts)["released"]
         # the loop is left by an error as its second epoch begins: the idle first kernel lets go of the run
         go.touch()
