@@ -265,11 +265,11 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
         if fits.tree is not None:  # read by an earlier fit (skipped): it belongs to this one or a later
             tree, reader, fits.tree, fits.reader = fits.tree, fits.reader, None, None
             return tree if reader is core else core.load(describe=kstate.describe)
-        if core.resumed_from is None and fits.counters:  # go on from the last fit's end (a new callback: anew)
+        if fits.counters:  # the counters go on from the model's last fit (a new callback starts at 0)
             for name, value in fits.counters.items():
                 core.counters[name] = value
-            core.say(f"fit {fits.next + 1} of run '{core.store.run}': the next stage after the fit this model "
-                     f"completed here (from epoch {fits.counters['epoch']}, step {fits.counters['step']})")
+            core.say(f"fit {fits.next + 1} of run '{core.store.run}': the next stage, after fit {fits.next} of this "
+                     f"model (from epoch {fits.counters['epoch']}, step {fits.counters['step']})")
         return None
 
     def _which_stage(self, saved: Dict[str, Any], tree: StateTree, fits: _Fits) -> int:
