@@ -76,13 +76,17 @@ def _fit(model, path, epochs, crash_at=None):
     return {"epoch": list(h.epoch), **{k: list(v) for k, v in h.history.items()}}
 
 
+def _build():
+    return keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                             keras.layers.Dropout(0.3), keras.layers.Dense(3)])
+
+
 def _script(path, *, recompile=True, fits=(1, 2), epochs=(3, 3), lr2=3e-3, crash_at=None):
     """Transfer learning as a script: fit 1 (the first layer frozen when recompiled after it); unfreeze,
     recompile with a lower learning rate (or not) and fit 2. ``path=None``: without keepalive.
     ``fits=(2,)``: fit 1 commented out. Returns the model and each fit's History."""
     keras.utils.set_random_seed(11)
-    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
-                              keras.layers.Dropout(0.3), keras.layers.Dense(3)])
+    model = _build()
     histories = {}
     # (unfrozen without recompiling, Keras would go on training the layer set traced in fit 1)
     if 1 in fits:
@@ -159,6 +163,34 @@ def test_a_crash_in_the_second_fit_resumes_it_whole_script_or_without_the_first_
             "starts from its end state. If it is fit 1 with new settings, use another path or run= to train "
             "it anew.") in err
     assert hist[2] == ref_hist[2] and _same(_state(model), _state(ref_model))
+
+
+def test_the_second_fit_run_again_in_the_same_process_after_it_raised_before_its_first_save(tmp_path, capsys):
+    """In a notebook: fit 2 (recompiled) raised before its first save, and its cell is run again. With
+    its compile in the cell: it starts from fit 1's end, bit-identical to a run never interrupted.
+    Without (control): its optimizer already took steps, and that is said, with the fix."""
+    ref_model, ref_hist = _script(None, recompile=True, epochs=(2, 3))
+    for tag, compile_again in (("exact", True), ("stepped", False)):
+        keras.utils.set_random_seed(11)
+        model = _build()
+        model.layers[0].trainable = False
+        _compile(model, 1e-2)
+        _fit(model, tmp_path / tag, 2)
+        model.layers[0].trainable = True
+        _compile(model, 3e-3)
+        with pytest.raises(RuntimeError, match="simulated crash"):
+            _fit(model, tmp_path / tag, 3, crash_at=2 * SPE + 3)
+        capsys.readouterr()
+        if compile_again:
+            _compile(model, 3e-3)
+        hist = _fit(model, tmp_path / tag, 3)
+        err = capsys.readouterr().err
+        if compile_again:
+            assert "warning" not in err and hist == ref_hist[2] and _same(_state(model), _state(ref_model)), err
+        else:
+            assert ("fit 2 of run 'stepped' starts again from the end of fit 1, but the optimizer compiled for it "
+                    "took 3 step(s) in its interrupted attempt: call model.compile(...) again before fit for the "
+                    "start of a run never interrupted") in err, err
 
 
 # ------------------------------------------------------------------------ a changed plan (epochs, lr)

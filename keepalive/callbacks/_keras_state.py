@@ -26,7 +26,7 @@ from . import _compat_keras as kc
 __all__ = ["CALLBACK_STATE", "assign", "assign_if_fits", "callback_state", "callback_states", "capture_tree",
            "describe",
            "ensure_built", "fit_locals", "history_state", "keyed_callbacks", "learning_rate_plan", "load_start",
-           "load_variables", "set_learning_rate",
+           "load_variables", "optimizer_steps", "set_learning_rate",
            "restore_callback_states", "restore_history", "restore_metrics", "seed_mismatch",
            "set_callback_state", "set_torch_rng", "stage_of", "tf_global_seed", "variable_array"]
 
@@ -207,6 +207,12 @@ def load_start(model: Any, tree: Mapping[str, Any], optimizer: bool) -> None:
     assign_if_fits(model.variables, objects.get("model"))
     if optimizer and model.optimizer is not None:
         assign_if_fits(model.optimizer.variables, objects.get("optimizer"))
+
+
+def optimizer_steps(optimizer: Any) -> int:
+    """The steps an optimizer has taken (its ``iterations``); 0 for none."""
+    iterations = getattr(optimizer, "iterations", None)
+    return 0 if iterations is None else int(keras.ops.convert_to_numpy(iterations))
 
 
 def learning_rate_plan(optimizer: Any) -> Any:

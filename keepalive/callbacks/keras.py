@@ -330,7 +330,14 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
         else:  # a new stage; from an earlier stage's end when this stage's fit raised before a save
             if tree is not None:
                 # the optimizer goes on only when the plan names none (not recompiled for this fit)
-                kstate.load_start(self.model, tree, optimizer="optimizer" not in core.plan)
+                fresh = "optimizer" in core.plan
+                kstate.load_start(self.model, tree, optimizer=not fresh)
+                stepped = kstate.optimizer_steps(self.model.optimizer) if fresh else 0
+                if stepped:  # this fit ran before (it raised or was interrupted before its first save)
+                    core.warn(f"fit {k + 1} of run '{core.store.run}' starts again from the end of fit {k}, but the "
+                              f"optimizer compiled for it took {stepped} step(s) in its interrupted attempt: call "
+                              "model.compile(...) again before fit for the start of a run never interrupted",
+                              key="stepped-optimizer")
                 self._pending = {"rng": tree.get("rng")}
                 if k > fits.next:
                     differs = changes(tree.get("plan"), core.plan)
