@@ -506,3 +506,58 @@ def test_a_checkpoint_with_the_compile_prefix_loads_unwrapped_with_control(tmp_p
     with pytest.raises(StateMismatchError, match="'0.weight' is not in the checkpoint"):
         control.resume()
     control.close()
+
+
+# ------------------------------------------------------ a real kernel: "Interrupt kernel", run again
+_KERNEL_SETUP = """
+import time, torch, torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+from keepalive.callbacks.torch import DriveCheckpoint
+torch.set_num_threads(1)
+g = torch.Generator().manual_seed(3)
+data = TensorDataset(torch.randn(40, 8, generator=g), torch.randint(0, 3, (40,), generator=g))
+
+def build(path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.3), torch.nn.Linear(16, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    loader = DataLoader(data, batch_size=8, shuffle=True)
+    return model, opt, loader, DriveCheckpoint(path, model=model, optimizer=opt, quiet=True)
+
+def loop(ckpt, model, opt, loader, sleep=0.0):
+    for epoch in ckpt.epochs(3):
+        scale = float(torch.rand(()))  # the epoch's prologue draws
+        for x, y in ckpt.batches(loader):
+            opt.zero_grad()
+            F.cross_entropy(model(x + scale * torch.randn_like(x)), y).backward()
+            opt.step()
+            print("STEP", ckpt.step + 1, flush=True)
+            time.sleep(sleep)
+
+ref_model, ref_opt, ref_loader, ref = build("ref")
+loop(ref, ref_model, ref_opt, ref_loader)
+expected = {k: v.clone() for k, v in ref_model.state_dict().items()}
+model, opt, loader, ckpt = build("run")
+"""
+
+
+@pytest.mark.parametrize("control", [False, True])
+def test_kernel_interrupted_then_the_loop_cell_run_again_is_exact(tmp_path, control):
+    from kernelkit import Kernel, kernel_env
+
+    with Kernel(kernel_env(tmp_path / "ckpts", tmp_path), cwd=str(tmp_path)) as k:
+        k.run_ok(_KERNEL_SETUP)
+        k.start("loop(ckpt, model, opt, loader, sleep=0.2)")
+        k.read_until(lambda r: "STEP 7" in r.stdout)
+        k.km.interrupt_kernel()  # the notebook's "Interrupt kernel": SIGINT
+        first = k.read_until(lambda r: r.ename is not None)
+        assert first.ename == "KeyboardInterrupt", first.text
+        k.run("pass")  # the kernel is idle again (a request sent while it handled the error is aborted)
+        state = k.run_ok("print('AT', ckpt.epoch, ckpt.counters['batch'])").stdout
+        assert state.split()[1] == "1", state  # inside epoch 1: its prologue drew before the interrupt
+        if control:  # without the epoch-start random state, the prologue draws from the state of now
+            k.run_ok("ckpt._epoch_rng = None")
+        k.run_ok("loop(ckpt, model, opt, loader)")  # the same cell, run again
+        same = k.run_ok("print('SAME', all(torch.equal(v, expected[n]) "
+                        "for n, v in model.state_dict().items()))").stdout
+    assert ("SAME False" if control else "SAME True") in same, same

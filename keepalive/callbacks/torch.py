@@ -502,14 +502,16 @@ class DriveCheckpoint(CheckpointAdapter):
             return
         count = self._batches_done
         at = core.counters["epoch"] + (1 if count else 0)
-        self._leaving = {"epoch": at, "of": int(n)}
+        early = at < n  # a break after the last epoch's batches ends the run where it would have ended
+        self._leaving = {"epoch": at, "of": int(n)} if early else None
         try:
             core.end_epoch(self.capture, last=True, count=count)
         finally:
             self._leaving = None
-        self._left_at = {"epoch": at, "of": int(n)}
         self._stage += 1
-        core.say(f"left the loop at epoch {at} of {n} (a break): saved as the end of the run")
+        if early:
+            self._left_at = {"epoch": at, "of": int(n)}
+            core.say(f"left the loop at epoch {at} of {n} (a break): saved as the end of the run")
 
     def _check_schedule_end(self, last: bool) -> None:
         """A OneCycleLR at the end of its total_steps while the training goes on: its next step()
