@@ -45,6 +45,7 @@ def plain(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("control", [False, True], ids=["kept", "control-new-version"])
 def test_csv_logger_resumes_in_its_version_byte_identical(tmp_path, plain, control):
     root = tmp_path / "run"
