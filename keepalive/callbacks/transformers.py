@@ -42,9 +42,14 @@ Data position (:mod:`keepalive.callbacks._hf_data`):
 
 The Trainer's own checkpoints (``save_strategy`` / ``save_steps``, written to ``output_dir``) are
 independent of this callback: they may stay on (e.g. for ``load_best_model_at_end`` or to push to the
-Hub) or be turned off (``save_strategy="no"``), which also removes their stall. With a keepalive
-checkpoint present, its state (validated, usually newer) replaces what ``resume_from_checkpoint=``
-loaded; without one, the Trainer's own resume runs as usual and keepalive checkpoints from there.
+Hub) or be turned off (``save_strategy="no"``), which also removes their stall. Beside ``resume_from_checkpoint=``
+(``True``, or the notebook guard ``get_last_checkpoint(output_dir)``) the newer checkpoint wins, said in one
+line: keepalive's (as new or newer) replaces what the Trainer loaded; the Trainer's (newer, or keepalive has
+none) resumes as the Trainer resumes it, keepalive counting from the state it loaded (the epoch loop starts
+where the Trainer's resume starts it either way). With ``load_best_model_at_end`` the best model's trainable
+weights are kept in keepalive's checkpoint: a best folder lost with a local ``output_dir`` still ends the
+training with the best model. ``eval_on_start`` runs once per run, not at each resume. The plan (epochs,
+steps, schedule) is stored; a longer one continues the run, a finished one too ("one more epoch").
 
 How: the callback finds its ``Trainer`` when training begins and, for that ``train()`` call only, puts two
 stand-ins on the instance: one in front of ``_run_epoch`` that skips completed epochs and hands the resumed
