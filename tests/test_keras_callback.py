@@ -144,7 +144,7 @@ def test_deadline_stops_mid_epoch_saves_and_the_rerun_is_exact(tmp_path, capsys,
     model.fit(_resumable(form, x, y), epochs=3, verbose=0, callbacks=[ckpt])
     out = capsys.readouterr().out
     assert ckpt.stopped and not ckpt.finished and model.stop_training
-    assert "stopping before the session ends" in out and "saved epoch 1, step 8" in out
+    assert "stopping before the session ends" in out and "saved in epoch 2 (1 completed, batch 2), step 8" in out
     (info,) = [i for i in CheckpointStore(str(tmp_path / "run")).list() if i.step == 8]
     assert info.epoch == 1
 
@@ -154,8 +154,8 @@ def test_deadline_stops_mid_epoch_saves_and_the_rerun_is_exact(tmp_path, capsys,
     history = model2.fit(_resumable(form, x, y), epochs=3, verbose=0,
                          callbacks=[ckpt2])
     out = capsys.readouterr().out
-    assert "resuming run 'run'" in out and "epoch 1, step 8" in out
-    assert "data position (batch 2 of epoch 1)" in out
+    assert "resuming run 'run'" in out and "in epoch 2 (1 completed, batch 2), step 8" in out
+    assert "data position (batch 2 of epoch 2)" in out  # as Keras shows it: Epoch 2/3
     assert ckpt2.finished and ckpt2.step == 3 * STEPS_PER_EPOCH
     assert history.epoch == [0, 1, 2]
     assert _same(_state(model2), want)
