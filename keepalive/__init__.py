@@ -19,6 +19,7 @@ from .errors import (
     RunLockedError,
     StateMismatchError,
     StorageError,
+    TrainingStopped,
     UnsupportedStateError,
 )
 from .store import CheckpointInfo, CheckpointStore
@@ -28,7 +29,7 @@ logging.getLogger("keepalive").addHandler(logging.NullHandler())
 __all__ = [
     "__version__", "CheckpointStore", "CheckpointInfo", "KeepaliveError", "CheckpointCorruptError",
     "NoCheckpointError", "RunLockedError", "LeaseLostError", "StateMismatchError", "StorageError",
-    "UnsupportedStateError", "load_ipython_extension", "unload_ipython_extension",
+    "TrainingStopped", "UnsupportedStateError", "load_ipython_extension", "unload_ipython_extension",
 ]
 
 

@@ -217,7 +217,8 @@ class Checkpointer:
         self.resumed_from = info
         self.saved_plan = dict(tree.get("plan") or {}) or None
         self._feed(bd.Restored(bd.Counters.of(tree.get("counters") or {})))
-        saved_length = cast(Dict[str, Any], tree.get("keepalive") or {}).get("epoch_batches")
+        header = tree.get("keepalive")
+        saved_length = header.get("epoch_batches") if header else None
         if self.epoch_batches is None and isinstance(saved_length, int) and saved_length > 0:
             self.epoch_batches = saved_length
         self.extras.update(tree.get("extras") or {})
@@ -297,10 +298,10 @@ class Checkpointer:
 
     def build_tree(self, capture: Capture) -> StateTree:
         c = self.state.counters
-        header: Dict[str, Any] = {"format": STATE_FORMAT, "framework": self.framework}
+        header: Header = {"format": STATE_FORMAT, "framework": self.framework}
         if self.epoch_batches:
             header["epoch_batches"] = int(self.epoch_batches)
-        tree: StateTree = {"keepalive": cast(Header, header),  # with the core's optional epoch_batches
+        tree: StateTree = {"keepalive": header,
                            "counters": {"epoch": c.epoch, "step": c.step, "batch": c.batch, "samples": c.samples},
                            "extras": dict(self.extras)}
         tree.update(capture())

@@ -16,11 +16,17 @@ from typing import Any, Dict, List, TypedDict
 __all__ = ["Captured", "CountersTree", "Header", "StateTree"]
 
 
-class Header(TypedDict):
-    """What wrote the tree: the format version and the framework of the adapter."""
-
+class _HeaderBase(TypedDict):
     format: int
     framework: str
+
+
+class Header(_HeaderBase, total=False):
+    """What wrote the tree: the format version and the framework of the adapter; ``epoch_batches``:
+    the length of an epoch in batches, when the core has seen one end (it tells the training's last
+    batch after a resume inside the last epoch)."""
+
+    epoch_batches: int
 
 
 class CountersTree(TypedDict):

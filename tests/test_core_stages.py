@@ -56,7 +56,7 @@ TRAIN = textwrap.dedent("""
 
     def validate(model, epoch):
         model.eval()
-        print(f"VALIDATING {epoch}", flush=True)
+        sys.stdout.write(f"VALIDATING {epoch}\\n")  # one write per line: the writer thread prints too
         with torch.no_grad():
             model(torch.rand(8, 6))
         model.train()
@@ -80,11 +80,11 @@ TRAIN = textwrap.dedent("""
         for epoch in ckpt.epochs(epochs):
             for x, y in ckpt.batches(loader):
                 step(model, opt, x, y)
-                print("STEP", ckpt.step + 1, flush=True)
+                sys.stdout.write(f"STEP {ckpt.step + 1}\\n")
             validate(model, epoch)
         assert ckpt.finished
         torch.save(model.state_dict(), out)
-    print("DONE", flush=True)
+    sys.stdout.write("DONE\\n")
 """)
 
 
