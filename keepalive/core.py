@@ -268,7 +268,9 @@ class Checkpointer:
     def _tell_budget_used_up(self) -> None:
         """At the start of training: when the session's time is already (nearly) used up, say so and
         from which clock it counts, before a training that stops at its first chance surprises."""
-        if self._budget_told or self.trigger.on_deadline == "ignore":
+        # A checkpointer's own remaining_fn is the caller's clock: asked only at boundaries, where its
+        # answer is acted on (a clock that counts its calls must not see an extra one here).
+        if self._budget_told or self.trigger.on_deadline == "ignore" or self.config.remaining_fn is not None:
             return
         remaining = self.trigger.remaining()
         if remaining is None or remaining > self.trigger.margin:
