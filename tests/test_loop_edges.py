@@ -672,18 +672,25 @@ def test_epoch_end_only_loader_warns_once_per_run_visibly(tmp_path, capsys):
 
 
 # -------------------------------------------------- a loader built anew in every epoch (common)
+class _Crash(Exception):
+    pass
+
+
 def _rebuilt_loader_run(path, epochs=3, stop_after_epochs=None):
     model, opt = make()
     ckpt = DriveCheckpoint(path, model=model, optimizer=opt, quiet=True)
     orders = {}
-    for epoch in ckpt.epochs(epochs):
-        loader = DataLoader(indexed(), batch_size=BATCH, shuffle=True)  # inside the epoch loop
-        orders[epoch] = []
-        for x, idx in ckpt.batches(loader):
-            train_step(model, opt, x, idx)
-            orders[epoch] += idx.tolist()
-        if stop_after_epochs is not None and epoch + 1 == stop_after_epochs:
-            break
+    try:
+        for epoch in ckpt.epochs(epochs):
+            loader = DataLoader(indexed(), batch_size=BATCH, shuffle=True)  # inside the epoch loop
+            orders[epoch] = []
+            for x, idx in ckpt.batches(loader):
+                train_step(model, opt, x, idx)
+                orders[epoch] += idx.tolist()
+            if stop_after_epochs is not None and epoch + 1 == stop_after_epochs:
+                raise _Crash  # a crash before the epoch's end (a break would end the run there)
+    except _Crash:
+        pass
     ckpt.close()
     return weights(model), orders, ckpt
 
