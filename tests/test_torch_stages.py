@@ -166,6 +166,33 @@ def test_a_saved_object_never_registered_is_told_once(tmp_path, capsys):
     assert err.count(text) == 1, err
 
 
+def test_a_new_checkpointer_of_the_same_model_after_its_loop_ended_is_told_it_is_no_stage(tmp_path, capsys):
+    """One DriveCheckpoint per stage on one path (as one callback per fit): the second resumes the run,
+    so its stage would not train as written: said before anything is loaded. Control: a new model on the
+    path (a new session simulated in this process) is a resume and is not told."""
+    loader = DataLoader(data(), batch_size=BATCH, shuffle=True)
+    model, opt = make()
+    first = DriveCheckpoint(tmp_path / "run", model=model, optimizer=opt, quiet=True)
+    for _ in first.epochs(1):
+        for x, y in first.batches(loader):
+            step(model, opt, x, y)
+    first.close()
+    model2, opt2 = make()
+    again = DriveCheckpoint(tmp_path / "run", model=model2, optimizer=opt2, quiet=True)
+    assert again.resume()
+    again.close()
+    assert "does not start a further stage" not in capsys.readouterr().err
+    stage2 = DriveCheckpoint(tmp_path / "run", model=model, optimizer=torch.optim.Adam(model.parameters()),
+                             quiet=True)
+    with pytest.raises(StateMismatchError):  # the stage's Adam against the checkpoint's SGD: refused
+        stage2.resume()
+    stage2.close()
+    err = capsys.readouterr().err
+    assert err.count("a ckpt.epochs() loop of this model on this path already ran to its end in this "
+                     "process, and this new DriveCheckpoint resumes the run") == 1, err
+    assert "ckpt.register('opt2', opt2)" in err and "run='stage2'" in err
+
+
 # ------------------------------------------------------------------- requires_grad, param groups
 def _unfreeze_run(path, kill_in=None, control=False, monkeypatch=None):
     loader = DataLoader(data(), batch_size=BATCH, shuffle=True)

@@ -79,6 +79,9 @@ __all__ = ["DriveCheckpoint"]
 
 
 _SCHEDULERS = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+#: per run URL, the modules whose ``ckpt.epochs()`` loop ran to its end in this process: a new
+#: DriveCheckpoint of such a module on that path resumes the run; it is told that this is no further stage
+_ENDED_HERE: Dict[str, "weakref.WeakSet[torch.nn.Module]"] = {}
 
 
 def _closed_by_break(frame: Any) -> bool:
@@ -271,6 +274,7 @@ class DriveCheckpoint(CheckpointAdapter):
         """
         if self._resumed:
             return self.core.resumed_from is not None
+        self._tell_no_further_stage()
         tree = self.core.load(check=self._check_fits)
         self._resumed = True
         if tree is None:
@@ -392,7 +396,7 @@ class DriveCheckpoint(CheckpointAdapter):
         core.plan.update(stage=self._stage, epochs=int(n))
         if self._nothing_to_train(n):
             self._stage += 1
-            core.fit_trained(core.plan)
+            self._loop_ended()
             return
         core.check_storable(self._storable_preview)  # a value that cannot be stored fails now
         core.install_signal_handlers()
@@ -439,7 +443,7 @@ class DriveCheckpoint(CheckpointAdapter):
                 if decision.stop:
                     return
             self._stage += 1
-            core.fit_trained(core.plan)
+            self._loop_ended()
         finally:
             self._in_epochs = False
             self._foreign.uninstall()
@@ -447,6 +451,32 @@ class DriveCheckpoint(CheckpointAdapter):
                 rl.close()
             core.uninstall_signal_handlers()
             core.flush()
+
+    def _loop_ended(self) -> None:
+        """This checkpointer's loop ran to its end (or had nothing to train): the run's next loop is
+        its next stage."""
+        self.core.fit_trained(self.core.plan)
+        ended = _ENDED_HERE.setdefault(self.core.url, weakref.WeakSet())
+        for obj in self.objects.values():
+            if isinstance(obj, torch.nn.Module):
+                ended.add(obj)
+
+    def _tell_no_further_stage(self) -> None:
+        """A new DriveCheckpoint of a model whose loop on this path ended in this process (one
+        checkpointer per stage, as one callback per fit): it resumes the run's newest checkpoint, so a
+        stage meant to train on from there would be skipped, or loaded with the last stage's objects.
+        Said before anything is loaded."""
+        ended = _ENDED_HERE.get(self.core.url)
+        if self._stage or not ended or not any(obj in ended for obj in self.objects.values()
+                                               if isinstance(obj, torch.nn.Module)):
+            return
+        self.core.warn(
+            f"run '{self.core.store.run}': a ckpt.epochs() loop of this model on this path already ran to its "
+            "end in this process, and this new DriveCheckpoint resumes the run (its newest checkpoint): it "
+            "does not start a further stage. For a further stage (another optimizer, unfrozen layers), "
+            "register the new objects on the first DriveCheckpoint and call its epochs() again "
+            "(ckpt.register('opt2', opt2); ckpt.epochs(n), n counting every stage's epochs), or give the "
+            "stage its own run (run='stage2').", key="no-further-stage")
 
     def _nothing_to_train(self, n: int) -> bool:
         """Before a loop: compare the code's plan with the loaded checkpoint's (once, for the loop that
