@@ -380,7 +380,10 @@ class Lease:
 
     def release(self) -> None:
         self._stop.set()
-        self._thread = None
+        beat, self._thread = self._thread, None
+        if beat is not None and beat is not threading.current_thread():
+            # a heartbeat being written now would land after the release below and claim the run again
+            beat.join(timeout=30)
         if not self.held:
             return
         try:

@@ -38,7 +38,7 @@ from torchrunkit import TorchrunJob  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "scripts", "accel_train.py")
 KILL = "1:17:15"  # rank 1, before step 17 (epoch 1: steps 13-24), once the save of step 15 is committed
-RESUME_RE = re.compile(r"resuming run .* step (\d+)")
+RESUME_RE = re.compile(r"resuming run .*? step (\d+)")  # the first: the line also says how far the last session got
 
 
 def finals(job: TorchrunJob) -> List[Dict[str, "torch.Tensor"]]:

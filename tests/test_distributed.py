@@ -34,7 +34,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "scripts", "ddp_train.py")
 EPOCHS, STEPS_PER_EPOCH = 3, 12  # 96 samples, batch 4, 2 ranks
 TOTAL = EPOCHS * STEPS_PER_EPOCH
-RESUME_RE = re.compile(r"resuming run .* step (\d+)")
+RESUME_RE = re.compile(r"resuming run .*? step (\d+)")  # the first: the line also says how far the last session got
 
 
 # ------------------------------------------------------------------------------- in-process parts

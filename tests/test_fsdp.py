@@ -47,7 +47,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "scripts", "fsdp_train.py")
 ROOT = os.path.dirname(HERE)
 STEPS_PER_EPOCH = 12  # 96 samples, batch 4, 2 ranks
-RESUME_RE = re.compile(r"resuming run .* step (\d+)")
+RESUME_RE = re.compile(r"resuming run .*? step (\d+)")  # the first: the line also says how far the last session got
 
 
 class Job(TorchrunJob):

@@ -95,7 +95,16 @@ def test_unregistered_object_in_checkpoint_is_a_clear_error(tmp_path):
     c2.close()
 
 
-def test_keyboard_interrupt_saves_at_step_boundary_then_reraises(tmp_path):
+@pytest.fixture
+def python_sigint():
+    """SIGINT as in a script or a kernel (Python's handler raises KeyboardInterrupt); a pytest-xdist
+    worker ignores it. The worker's own handler is put back afterwards."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
+def test_keyboard_interrupt_saves_at_step_boundary_then_reraises(tmp_path, python_sigint):
     loader = DataLoader(data(), batch_size=5, shuffle=True)
     model, opt, sched = make()
     ckpt = DriveCheckpoint(tmp_path / "run", model=model, optimizer=opt, quiet=True)
