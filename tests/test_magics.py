@@ -287,8 +287,8 @@ def test_epoch_bar_shows_session_time_left(tmp_path, monkeypatch, capsys):
     pytest.importorskip("tqdm")
     monkeypatch.delenv("KEEPALIVE_PROGRESS", raising=False)
     monkeypatch.setenv("KEEPALIVE_BUDGET", "2h")
-    # the budget counts from now, not from this machine's start (a host up for hours has none left)
-    monkeypatch.setenv("KEEPALIVE_SESSION_START", str(int(time.time())))
+    # the budget counts from a known start, not from this machine's (a host up for hours has none left)
+    monkeypatch.setenv("KEEPALIVE_SESSION_START", str(int(time.time()) - 600))  # began 10 min ago
     session.detect(refresh=True)
     try:
         _train(str(tmp_path / "eta"), epochs=3)
