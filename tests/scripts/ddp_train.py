@@ -90,6 +90,9 @@ def main(run_dir: str, out_dir: str) -> None:
                    os.path.join(out_dir, f"final.{rank}.pt"))
         emit(f"DONE rank {rank} plain")
         if distributed:
+            # both ranks done with gloo before either tears it down: a rank that destroys the group
+            # while its peer's last all-reduce is still in flight can abort the peer at exit (SIGABRT)
+            dist.barrier()
             dist.destroy_process_group()
         return
     deadline_rank, deadline_step = pair("DDP_DEADLINE")
