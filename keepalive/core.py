@@ -26,7 +26,7 @@ import atexit
 import logging
 import os
 import weakref
-from typing import Any, Callable, Dict, List, Mapping, MutableMapping, Optional, Union, cast
+from typing import Any, Callable, Dict, Iterable, List, Mapping, MutableMapping, Optional, Union, cast
 
 from . import boundary as bd
 from . import distributed as _distributed
@@ -56,6 +56,9 @@ _ACTIVE: "weakref.WeakSet[Checkpointer]" = weakref.WeakSet()
 #: per run URL, the plans of the fits (stages) this process trained to their end, in order: a new
 #: callback on the path of a fit this process just finished starts the next stage, not a resume
 _TRAINED_HERE: Dict[str, List[Dict[str, Any]]] = {}
+#: per run URL, the objects (a model, a learner) those fits trained: the same object fit again is a
+#: further stage, one built anew (a script or cell run again) a resume
+_TRAINED_OBJECTS: Dict[str, "weakref.WeakSet[Any]"] = {}
 
 
 def active_checkpointers() -> List["Checkpointer"]:
@@ -358,9 +361,15 @@ class Checkpointer:
         checkpointer trained them): one callback per ``fit`` on the same path is the next stage."""
         return [dict(p) for p in _TRAINED_HERE.get(self.url, [])]
 
-    def fit_trained(self, plan: Optional[Mapping[str, Any]] = None) -> None:
-        """The adapter's fit (stage) ran to its end in this process (trained, or found complete)."""
+    def fit_trained(self, plan: Optional[Mapping[str, Any]] = None, objects: Iterable[Any] = ()) -> None:
+        """The adapter's fit (stage) ran to its end in this process (trained, or found complete);
+        ``objects``: what it trained (weakly referenced), for :meth:`trained_in_a_fit_here`."""
         _TRAINED_HERE.setdefault(self.url, []).append(dict(plan if plan is not None else self.plan))
+        _TRAINED_OBJECTS.setdefault(self.url, weakref.WeakSet()).update(objects)
+
+    def trained_in_a_fit_here(self, obj: Any) -> bool:
+        """Whether ``obj`` was trained by a fit of this run that ran to its end in this process."""
+        return obj in _TRAINED_OBJECTS.get(self.url, ())
 
     def start_epoch(self) -> None:
         """An epoch begins (for the trigger's epoch timing and the deadline prediction)."""

@@ -79,9 +79,6 @@ __all__ = ["DriveCheckpoint"]
 
 
 _SCHEDULERS = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
-#: per run URL, the modules whose ``ckpt.epochs()`` loop ran to its end in this process: a new
-#: DriveCheckpoint of such a module on that path resumes the run; it is told that this is no further stage
-_ENDED_HERE: Dict[str, "weakref.WeakSet[torch.nn.Module]"] = {}
 
 
 def _closed_by_break(frame: Any) -> bool:
@@ -455,20 +452,17 @@ class DriveCheckpoint(CheckpointAdapter):
     def _loop_ended(self) -> None:
         """This checkpointer's loop ran to its end (or had nothing to train): the run's next loop is
         its next stage."""
-        self.core.fit_trained(self.core.plan)
-        ended = _ENDED_HERE.setdefault(self.core.url, weakref.WeakSet())
-        for obj in self.objects.values():
-            if isinstance(obj, torch.nn.Module):
-                ended.add(obj)
+        self.core.fit_trained(self.core.plan, self._modules())
+
+    def _modules(self) -> List[torch.nn.Module]:
+        return [obj for obj in self.objects.values() if isinstance(obj, torch.nn.Module)]
 
     def _tell_no_further_stage(self) -> None:
         """A new DriveCheckpoint of a model whose loop on this path ended in this process (one
         checkpointer per stage, as one callback per fit): it resumes the run's newest checkpoint, so a
         stage meant to train on from there would be skipped, or loaded with the last stage's objects.
         Said before anything is loaded."""
-        ended = _ENDED_HERE.get(self.core.url)
-        if self._stage or not ended or not any(obj in ended for obj in self.objects.values()
-                                               if isinstance(obj, torch.nn.Module)):
+        if self._stage or not any(self.core.trained_in_a_fit_here(m) for m in self._modules()):
             return
         self.core.warn(
             f"run '{self.core.store.run}': a ckpt.epochs() loop of this model on this path already ran to its "
