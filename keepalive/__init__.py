@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 
+from . import rendezvous as _rendezvous
 from ._version import __version__
 from .errors import (
     CheckpointCorruptError,
@@ -69,3 +70,6 @@ def unload_ipython_extension(ipython) -> None:  # pragma: no cover
 
 
 _short_tracebacks_in_ipython()
+# a torchrun restart must not read the previous attempt's peer addresses, whoever creates the group
+# (torch, Accelerate, Lightning, the HF Trainer): wrap torch's env:// rendezvous now or when torch is imported
+_rendezvous.install()

@@ -189,31 +189,22 @@ GROUP = ProcessGroup()
 
 
 def init_process_group(backend: Optional[str] = None, **kwargs: Any) -> None:
-    """``torch.distributed.init_process_group(backend, **kwargs)`` for a job that torchrun's elastic
-    agent restarts (``torchrun --max-restarts``, accelerate's ``notebook_launcher(max_restarts=...)``).
+    """``torch.distributed.init_process_group(backend, **kwargs)``, with keepalive's restart-safe
+    rendezvous guard in place (:mod:`keepalive.rendezvous`).
 
-    Seen with torch 2.13 and gloo: the agent keeps one TCP store across restarts, and a restarted
-    attempt can read the previous attempt's peer addresses from it and fail ("Gloo connectFullMesh
-    failed ... Connection refused"), restart after restart. Here each attempt's keys are kept apart
-    (``PrefixStore`` named by ``TORCHELASTIC_RESTART_COUNT``). Outside an agent-hosted store, or with
-    an explicit ``store`` / ``init_method``, this is torch's own call unchanged.
+    ``import keepalive`` installs that guard already, so torch's own call (or Accelerate's, Lightning's,
+    the HF Trainer's) is just as safe when keepalive was imported first; this name stays for programs
+    that call it. In a worker of torchrun's elastic agent, each restart attempt's keys are kept apart in
+    the agent's shared store, under a generation every rank of the attempt agrees on (the nodes of a
+    multi-node job included). Elsewhere, or with an explicit ``store`` / ``init_method`` other than
+    ``env://``, this is torch's own call unchanged.
     """
-    import os
-
     import torch.distributed as dist
 
-    if (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "store" in kwargs
-            or "init_method" in kwargs):
-        dist.init_process_group(backend, **kwargs)
-        return
-    world = int(os.environ["WORLD_SIZE"])
-    options = {"timeout": kwargs["timeout"]} if "timeout" in kwargs else {}
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
-                          **options)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    kwargs.setdefault("rank", int(os.environ["RANK"]))
-    kwargs.setdefault("world_size", world)
-    dist.init_process_group(backend, store=dist.PrefixStore(f"keepalive-attempt-{attempt}", store), **kwargs)
+    from .rendezvous import install
+
+    install()
+    dist.init_process_group(backend, **kwargs)
 
 
 __all__ = ["GROUP", "Agreement", "ProcessGroup", "RANKS_KEY", "combine", "init_process_group", "localize",
