@@ -48,6 +48,7 @@ same items in the same order on every pass; the adapter says so at the first sav
 from __future__ import annotations
 
 import collections
+import itertools
 import random
 from typing import Any, Callable, Deque, Dict, Iterator, List, Mapping, Optional, Tuple
 
@@ -60,6 +61,8 @@ from ..dataorder import mix
 
 __all__ = ["PositionedBatchSampler", "Replay", "install", "base_loader", "stream_kind"]
 
+#: accelerate's ``BatchSamplerShard`` settings a positioned sampler takes over on several processes
+SHARD_SETTINGS = ("num_processes", "process_index", "split_batches", "even_batches")
 #: the key of a batch made in a worker that carries the worker's random state (taken off before use)
 STAMP = "_keepalive_worker_rng"
 
@@ -94,10 +97,16 @@ def cpu_rng() -> Dict[str, Any]:
 class PositionedBatchSampler(BatchSampler):
     """The batches of an epoch's order, from batch ``start`` on (after ``placeholders`` empty ones)."""
 
-    def __init__(self, n: int, batch_size: int, drop_last: bool, kind: str, seed: int):
+    def __init__(self, n: int, batch_size: int, drop_last: bool, kind: str, seed: int,
+                 shard: Optional[Dict[str, Any]] = None):
         # no super().__init__: the index sampler is ours (self.sampler stays for accelerate's set_epoch)
         self.n, self.batch_size, self.drop_last = n, batch_size, drop_last
         self.kind, self.seed = kind, seed
+        #: several processes: the settings of accelerate's BatchSamplerShard this sampler stands in for (its
+        #: num_processes, process_index, split_batches, even_batches); each rank yields its own shard
+        self.shard = dict(shard) if shard else None
+        for name, value in (self.shard or {}).items():
+            setattr(self, name, value)  # read by accelerate (DataLoaderShard.total_batch_size)
         self.epoch = 0
         self.start = 0          # batches of the running epoch already trained (resume)
         self.placeholders = 0   # empty batches first: what the Trainer's SkipBatchSampler drops
@@ -136,18 +145,55 @@ class PositionedBatchSampler(BatchSampler):
             yield _Placeholder()
         for _ in range(empties):
             yield _Empty()
-        idx = self.order(self.epoch)
-        for b in range(start, len(self)):
+        for b, batch in enumerate(self._batches(self.order(self.epoch), start)):
+            if b < start:
+                continue  # this rank's batches before the resume point: indices only, nothing is loaded
             state = plan.pop(b, None)
             if state is not None:
                 rng.restore(state)
             if self.watch and not b % self.every:
                 self.noted.append((b, cpu_rng()))
             self.last = b
-            yield idx[b * self.batch_size:(b + 1) * self.batch_size].tolist()
+            yield batch
+
+    def _batches(self, idx: torch.Tensor, start: int) -> Iterator[List[int]]:
+        """The epoch's batches of this process: all of them on one process (those before ``start`` left
+        out unmade), on several the shard accelerate's ``BatchSamplerShard`` gives this rank (its own
+        code, run on the whole epoch's batches: the same split, the same batches repeated at the end)."""
+        size = self.batch_size
+        if self.shard is None:
+            return itertools.chain(([] for _ in range(start)),
+                                   (idx[b * size:(b + 1) * size].tolist() for b in range(start, self._global_len())))
+        from accelerate.data_loader import BatchSamplerShard
+
+        every = (idx[b * size:(b + 1) * size].tolist() for b in range(self._global_len()))
+        return iter(BatchSamplerShard(_EpochBatches(every, size, self.drop_last, self._global_len()),  # type: ignore[arg-type]
+                                      **self.shard))
+
+    def _global_len(self) -> int:
+        return self.n // self.batch_size if self.drop_last else -(-self.n // self.batch_size)
 
     def __len__(self) -> int:
-        return self.n // self.batch_size if self.drop_last else -(-self.n // self.batch_size)
+        if self.shard is None:
+            return self._global_len()
+        from accelerate.data_loader import BatchSamplerShard
+
+        return len(BatchSamplerShard(_EpochBatches(iter(()), self.batch_size, self.drop_last,  # type: ignore[arg-type]
+                                                   self._global_len()), **self.shard))
+
+
+class _EpochBatches:
+    """One epoch's batches over all processes, as the ``BatchSampler`` inside accelerate's
+    ``BatchSamplerShard`` yields them (what the shard reads of it: its batches, their size, drop_last, length)."""
+
+    def __init__(self, batches: Iterator[List[int]], batch_size: int, drop_last: bool, length: int):
+        self.batches, self.batch_size, self.drop_last, self.length = batches, batch_size, drop_last, length
+
+    def __iter__(self) -> Iterator[List[int]]:
+        return self.batches
+
+    def __len__(self) -> int:
+        return self.length
 
 
 class _Collate:
@@ -379,6 +425,13 @@ def install(loader: Any, fallback_seed: int) -> Tuple[Optional[PositionedBatchSa
     bs = base.batch_sampler
     if isinstance(bs, PositionedBatchSampler):
         return bs, ""
+    shard: Optional[Dict[str, Any]] = None
+    if type(bs).__name__ == "BatchSamplerShard":  # several processes: accelerate's split of the batches
+        if not bs.even_batches and not bs.drop_last:
+            # the ranks may train different numbers of steps: they could not meet at the same boundaries
+            return None, "several processes with even_batches=False: checkpoints at epoch ends only"
+        shard = {name: getattr(bs, name) for name in SHARD_SETTINGS}
+        bs = bs.batch_sampler
     if bs is None or type(bs) is not BatchSampler:
         return None, f"custom batch sampler {type(bs).__name__}: checkpoints at epoch ends only"
     s = bs.sampler
@@ -394,7 +447,7 @@ def install(loader: Any, fallback_seed: int) -> Tuple[Optional[PositionedBatchSa
             kind = "random"  # drew its seed from the global RNG at each epoch: ours is fixed instead
     if kind is None or len(s) != n:  # type: ignore[arg-type]
         return None, f"sampler {type(s).__name__}: checkpoints at epoch ends only"
-    sampler = PositionedBatchSampler(n, int(bs.batch_size), bool(bs.drop_last), kind, seed)
+    sampler = PositionedBatchSampler(n, int(bs.batch_size), bool(bs.drop_last), kind, seed, shard)
     # The DataLoader refuses a new batch_sampler once built; no iterator exists yet (train() has not
     # begun its first epoch), so replacing it here is what building it with ours would have been.
     object.__setattr__(base, "batch_sampler", sampler)

@@ -148,18 +148,18 @@ class DriveCheckpoint(CheckpointAdapter, TrainerCallback):
         self._steps_in_epoch = _length(loader)
         self._batch_size = int(trainer._train_batch_size)
         self._stream, self._replay, self._replay_resume, self._epoch_fix = "", None, None, None
-        if args.world_size > 1:
-            self._sampler, why = None, ("training on several processes: keepalive positions one process's "
-                                        "data only; checkpoints at epoch ends only")
-        else:
-            self._sampler, why = _hf_data.install(loader, int(args.data_seed if args.data_seed is not None
-                                                              else args.seed))
-            if why == "iterable":  # a stream: positioned by its state_dict() or read again (see _hf_data)
-                self._stream, why = _hf_data.stream_kind(loader), ""
-            if not why:
-                self._replay = _hf_data.Replay(_hf_data.base_loader(loader), self._sampler,
-                                               stateful_stream=self._stream == "stateful",
-                                               accumulation=int(args.gradient_accumulation_steps))
+        self._sampler, why = _hf_data.install(loader, int(args.data_seed if args.data_seed is not None
+                                                          else args.seed))
+        if why == "iterable" and args.world_size > 1:
+            # accelerate shards or dispatches a stream across the processes; neither is positioned
+            why = ("a stream (IterableDataset) on several processes: keepalive checkpoints it at epoch ends "
+                   "only; a map-style dataset is checkpointed inside epochs too")
+        elif why == "iterable":  # a stream: positioned by its state_dict() or read again (see _hf_data)
+            self._stream, why = _hf_data.stream_kind(loader), ""
+        if not why:
+            self._replay = _hf_data.Replay(_hf_data.base_loader(loader), self._sampler,
+                                           stateful_stream=self._stream == "stateful",
+                                           accumulation=int(args.gradient_accumulation_steps))
         core.trigger.mid_epoch, core.mid_epoch_obstacle = self._positionable, why or None
         if why:
             core.warn(why, key="hf-positionable")
