@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterable, Iterator, List, Optional, Sequence, 
 
 from ..errors import IncompatibleFrameworkError
 
-__all__ = ["Internal", "Package", "Framework", "code_names", "code_consts", "local_names", "params_of",
+__all__ = ["ACCELERATE", "Internal", "Package", "Framework", "code_names", "code_consts", "local_names", "params_of",
            "given", "has", "uses", "local", "param", "field", "module_has"]
 
 Probe = Callable[[], bool]
@@ -230,3 +230,40 @@ def module_has(module: str, *names: str) -> Probe:
     """``module`` (imported on demand) has these attributes."""
     return lambda: all(hasattr(importlib.import_module(module), n) for n in names)
 
+
+
+# ------------------------------------------------------------------- Accelerate (torch adapter)
+def _accelerate(module: str, name: str) -> Callable[[], Any]:
+    """An accelerate class, imported when a probe runs."""
+    return lambda: getattr(importlib.import_module(module), name)
+
+
+def _accelerate_internals() -> List[Internal]:
+    """What the torch adapter relies on in the objects ``accelerator.prepare`` returns: the torch
+    object each wrapper holds (``torchstate.ACCELERATE_WRAPPERS``), the DataLoader a prepared loader
+    iterates (``_torch_replay._base_loader``), and the loader's epoch count (saved as a counter)."""
+    opt, sched = _accelerate("accelerate.optimizer", "AcceleratedOptimizer"), \
+        _accelerate("accelerate.scheduler", "AcceleratedScheduler")
+    shard, dispatcher = _accelerate("accelerate.data_loader", "DataLoaderShard"), \
+        _accelerate("accelerate.data_loader", "DataLoaderDispatcher")
+    return [
+        Internal("accelerate.optimizer.AcceleratedOptimizer.optimizer", "the torch optimizer inside: "
+                 "registered, its step hook counts the steps that change the weights",
+                 "torchstate.py: ACCELERATE_WRAPPERS", uses(opt, "optimizer"), token='"optimizer"'),
+        Internal("accelerate.scheduler.AcceleratedScheduler.scheduler", "the torch scheduler inside: "
+                 "registered, its settings are the plan", "torchstate.py: ACCELERATE_WRAPPERS",
+                 uses(sched, "scheduler"), token='"scheduler"'),
+        Internal("accelerate.data_loader.DataLoaderShard.base_dataloader", "the torch DataLoader a "
+                 "prepared loader iterates: its index sampler is positioned", "_torch_replay.py: _base_loader",
+                 uses(shard, "base_dataloader")),
+        Internal("accelerate.data_loader.DataLoaderDispatcher.base_dataloader", "the same for a loader "
+                 "prepared with dispatch_batches=True (iterated on rank 0 only)",
+                 "_torch_replay.py: _base_loader", uses(dispatcher, "base_dataloader")),
+        Internal("accelerate.data_loader.DataLoaderShard.iteration", "the prepared loader's epoch count "
+                 "(its sampler's set_epoch): saved with a checkpoint as a counter of the loader",
+                 "_torch_replay.py: _counters", uses(shard, "iteration", "set_epoch"), token="_counters"),
+    ]
+
+
+#: Accelerate's objects as the torch adapter takes them (checked when a prepared object is registered)
+ACCELERATE = Framework("Accelerate", [Package("accelerate", "accelerate", ">=1.1,<2")], _accelerate_internals)

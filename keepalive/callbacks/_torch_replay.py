@@ -290,6 +290,8 @@ class LoaderReplay:
         #: the torch DataLoader whose sampler and dataset are stood in for: Accelerate's DataLoaderShard
         #: is no DataLoader (it poses as one through __class__) and iterates the one it wraps
         self.base: DataLoader = _base_loader(loader)
+        #: Accelerate's DataLoaderDispatcher: rank 0 reads the batches of every rank from ``base``
+        self.dispatch = _Dispatch.of(loader)
         #: integer attributes as the code built them: those that change later are counters (an epoch)
         self._initial_ints = self._ints()
         self.why_not = ""
@@ -471,8 +473,10 @@ class LoaderReplay:
             # pass of a resumed epoch, the saved step's: on_positioned)
             now = rng.capture()
             self._load_start(start)
-            pos.skip = int(start["samples"] if pos.by_samples else start["batches"])
-            pos.first = int(start["batches"])
+            scale = self.dispatch.base_batches if self.dispatch is not None else 1
+            samples_scale = self.dispatch.base_samples if self.dispatch is not None else 1
+            pos.skip = int(start["samples"]) * samples_scale if pos.by_samples else int(start["batches"]) * scale
+            pos.first = int(start["batches"]) * scale
             pos.on_positioned = lambda: _then(rng.restore, now, on_positioned)
             resume = {int(k): v for k, v in (start.get("workers") or {}).items()}
             pos.ahead = list(start.get("ahead") or [])
@@ -483,6 +487,9 @@ class LoaderReplay:
                             "checkpoints at epoch ends only")
             self.mode = "epoch"
         for batch in itertools.chain(first, _ours(it)):
+            if self.dispatch is not None:
+                yield self._dispatched(pos, batch)
+                continue
             if not pos.generated:
                 yield self._unpositioned(batch)
                 continue
@@ -490,6 +497,19 @@ class LoaderReplay:
             if len(pos.generated) > 1:  # a batch made ahead of this one: note states from now on
                 pos.noting = True
             yield batch, pos.generated.popleft()
+
+    def _dispatched(self, pos: _Positioned, batch: Any) -> Tuple[Any, int]:
+        """A batch of a ``DataLoaderDispatcher``: on rank 0 it stands for the base batches read for it
+        (one per rank, or one split between them); another rank reads none (its index sampler is
+        positioned all the same: a resume on rank 0 is what every rank gets)."""
+        assert self.dispatch is not None
+        if self.dispatch.reads:
+            for _ in range(min(self.dispatch.base_batches, len(pos.generated))):
+                pos.last_noted = pos.noted.popleft()
+                pos.generated.popleft()
+            if pos.generated:  # read ahead of this one: note states from now on
+                pos.noting = True
+        return batch, samples_in(batch, self.loader.batch_size)
 
     def _unpositioned(self, batch: Any) -> Tuple[Any, int]:
         """A batch that no batch of indices stands for: a subclass yields more batches than its batch
@@ -584,12 +604,13 @@ class LoaderReplay:
             return {"samples": samples, "batches": batches,
                     "state": holder.state_dict() if holder is not None else None}
         out: Dict[str, Any] = {"samples": samples, "batches": batches, "at_iter": self.start_state}
+        read = batches * (self.dispatch.base_batches if self.dispatch is not None else 1)  # of the base loader
         if self.workers_draw():
-            out["workers"] = self._worker_states(batches)
+            out["workers"] = self._worker_states(read)
         pos = self._positioned
         if pos is not None and not pos.tagging:  # batches made (no workers) that no step trained yet
             made = ([pos.last_noted] if pos.last_noted is not None else []) + list(pos.noted)
-            ahead = [state for number, state in made if number >= batches]
+            ahead = [state for number, state in made if number >= read]
             if any(state is None for state in ahead):
                 self.inexact = (f"{type(self.loader).__name__} made a batch ahead of the step being saved "
                                 "before keepalive noted its random state: a resume from this checkpoint "
@@ -631,6 +652,24 @@ class LoaderReplay:
         if self._folder is not None:
             shutil.rmtree(self._folder, ignore_errors=True)
             self._folder = None
+
+
+class _Dispatch:
+    """How Accelerate's ``DataLoaderDispatcher`` (``dispatch_batches=True``) reads: rank 0 iterates
+    the base loader, ``base_batches`` of its batches for each batch a rank gets (one per rank and
+    concatenated, or one split between the ranks), and sends every rank its part; each rank's sample
+    is ``base_samples`` samples of the base loader's order."""
+
+    def __init__(self, reads: bool, base_batches: int, base_samples: int):
+        self.reads, self.base_batches, self.base_samples = reads, base_batches, base_samples
+
+    @staticmethod
+    def of(loader: Any) -> Optional["_Dispatch"]:
+        if f"{type(loader).__module__}.{type(loader).__qualname__}" != "accelerate.data_loader.DataLoaderDispatcher":
+            return None
+        state = loader.state  # accelerate's PartialState: this process and how many there are
+        ranks = int(state.num_processes)
+        return _Dispatch(int(state.process_index) == 0, 1 if loader.split_batches else ranks, ranks)
 
 
 def _base_loader(loader: Any) -> Any:

@@ -17,8 +17,8 @@ from ..errors import StateMismatchError
 
 __all__ = ["RandomState", "watch_steps", "changed_hyperparameters", "check_module", "check_objects", "check_optimizer",
            "frozen_parameters", "gradients", "gradients_pending", "hyperparameters", "restore_gradients",
-           "restore_requires_grad", "schedule_lrs", "schedule_settings", "scheduler_with_settings", "unwrap_module",
-           "unwrapped_keys", "without_lazy"]
+           "restore_requires_grad", "accelerate_wrapper", "schedule_lrs", "schedule_settings",
+           "scheduler_with_settings", "unwrap_module", "unwrapped_keys", "without_lazy"]
 
 
 def watch_steps(core: Any, optimizer: torch.optim.Optimizer) -> None:
@@ -171,17 +171,42 @@ def hyperparameters(opt: torch.optim.Optimizer) -> List[Dict[str, Any]]:
 
 # ----------------------------------------------------------------------------- wrapped modules
 def unwrap_module(obj: Any) -> Any:
-    """The module a ``DistributedDataParallel`` or ``torch.compile`` wrapper holds (in any nesting):
-    its state has no ``module.`` / ``_orig_mod.`` prefix, so a checkpoint resumes with or without
-    the wrapper (another world size, compile toggled between sessions)."""
+    """The object a wrapper holds (in any nesting): the module of a ``DistributedDataParallel`` or
+    ``torch.compile`` wrapper (its state has no ``module.`` / ``_orig_mod.`` prefix, so a checkpoint
+    resumes with or without the wrapper: another world size, compile toggled between sessions), and
+    the torch optimizer / scheduler inside Accelerate's ``AcceleratedOptimizer`` /
+    ``AcceleratedScheduler`` (what ``accelerator.prepare`` returns). The inner optimizer's step hook
+    runs only on the steps that change the weights: the wrapper's ``step()`` does nothing on the
+    micro-batches of a gradient accumulation (``accelerator.accumulate``), and a GradScaler's skipped
+    step never reaches it. The same checkpoint resumes with the prepared objects or the raw ones."""
     while True:
         if isinstance(obj, torch.nn.parallel.DistributedDataParallel):
             obj = obj.module
         elif isinstance(obj, torch.nn.Module) and type(obj).__name__ == "OptimizedModule" and \
                 isinstance(getattr(obj, "_orig_mod", None), torch.nn.Module):
             obj = obj._orig_mod  # torch.compile's wrapper (torch._dynamo is not imported to test it)
+        elif accelerate_wrapper(obj) is not None:
+            obj = accelerate_wrapper(obj)
         else:
             return obj
+
+
+#: Accelerate's wrappers (``accelerator.prepare``) and the attribute that holds the wrapped torch object;
+#: checked against the installed accelerate by :data:`keepalive.callbacks._compat.ACCELERATE`
+ACCELERATE_WRAPPERS = {"accelerate.optimizer.AcceleratedOptimizer": "optimizer",
+                       "accelerate.scheduler.AcceleratedScheduler": "scheduler"}
+
+
+def accelerate_wrapper(obj: Any) -> Any:
+    """The torch object inside an Accelerate ``AcceleratedOptimizer`` / ``AcceleratedScheduler``, or None
+    for anything else (accelerate is not imported to tell: a run without it never pays for it)."""
+    attr = ACCELERATE_WRAPPERS.get(f"{type(obj).__module__}.{type(obj).__qualname__}")
+    if attr is None:
+        return None
+    from ._compat import ACCELERATE
+
+    ACCELERATE.check()  # once per process: an accelerate whose wrappers changed is refused here
+    return getattr(obj, attr)
 
 
 _WRAPPER_PREFIXES = ("_orig_mod.", "module.")
