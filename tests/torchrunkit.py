@@ -123,3 +123,60 @@ def kill_ranks_at_random(job: TorchrunJob, rng, kills: int, pause: tuple, resume
         if committed is not None:
             assert len(resumed) > resumes_before and resumed[resumes_before] >= committed, (log, resumed)
     return log, resumed
+
+
+class MultiNodeJob:
+    """``nodes`` torchrun agents of ``nproc`` processes each on 127.0.0.1, one c10d rendezvous: what
+    ``torchrun --nnodes=N`` on N machines does, each agent in its own process session (stopped by its
+    process group). Every agent's output is collected, prefixed ``[node i]``."""
+
+    def __init__(self, tmp, name: str, script: str, *, nodes: int = 2, nproc: int = 1, restarts: int = 3,
+                 env: Optional[Dict[str, str]] = None, run_dir: Optional[str] = None):
+        self.run_dir = run_dir or str(tmp / f"{name}-run")
+        self.out_dir = str(tmp / f"{name}-out")
+        full_env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
+                        PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests", "scripts"),
+                                                    os.environ.get("PYTHONPATH", "")]), **(env or {}))
+        endpoint = f"127.0.0.1:{free_port()}"
+        self.output: List[str] = []
+        self._lock = threading.Lock()
+        self.agents: List[subprocess.Popen] = []
+        for node in range(nodes):
+            command = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}",
+                       f"--nproc-per-node={nproc}", f"--max-restarts={restarts}", "--monitor-interval=0.2",
+                       "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={name}",
+                       "--local-addr=127.0.0.1", script, self.run_dir, self.out_dir]
+            agent = subprocess.Popen(command, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, start_new_session=True)
+            self.agents.append(agent)
+            threading.Thread(target=self._read, args=(node, agent), daemon=True).start()
+
+    def _read(self, node: int, agent: subprocess.Popen) -> None:
+        assert agent.stdout is not None
+        for line in iter(agent.stdout.readline, ""):
+            with self._lock:
+                self.output.append(f"[node {node}] {line}")
+        agent.stdout.close()
+
+    def text(self) -> str:
+        with self._lock:
+            return "".join(self.output)
+
+    def wait(self, timeout: float) -> List[Optional[int]]:
+        """Every agent's exit code; an agent still running after ``timeout`` (all agents together) is
+        stopped and reads None."""
+        deadline = time.monotonic() + timeout
+        codes: List[Optional[int]] = []
+        for agent in self.agents:
+            try:
+                codes.append(agent.wait(max(0.0, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                codes.append(None)
+        self.stop()
+        return codes
+
+    def stop(self) -> None:
+        for agent in self.agents:
+            if agent.poll() is None:
+                os.killpg(agent.pid, signal.SIGKILL)  # our own session (start_new_session), by id
+                agent.wait()
