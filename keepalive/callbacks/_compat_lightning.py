@@ -20,7 +20,7 @@ except ImportError:  # pragma: no cover - depends on what is installed
 from ._compat import Framework, Internal, Package, field, has, module_has, param, uses
 
 __all__ = ["COMPAT", "EPOCH_START", "EPOCH_END", "BATCH_END", "EPOCH_RESET", "LOAD_LOADER_STATES",
-           "NOT_RESUMABLE_WARNING"]
+           "NOT_RESUMABLE_WARNING", "DDP_START_METHOD"]
 
 #: the fit loop's method before an epoch (replaced on the instance: restores the pending state)
 EPOCH_START = "on_advance_start"
@@ -35,6 +35,8 @@ NOT_RESUMABLE_WARNING = "You're resuming from a checkpoint that ended before the
 #: the fit loop's method called once its training loaders are built, right before it calls iter() on
 #: them (replaced on the instance: the combined loader iterates them through keepalive's replay)
 LOAD_LOADER_STATES = "_load_combined_loader_states"
+#: how a DDPStrategy starts its processes ("popen": each runs the script itself; spawn / fork: from this one)
+DDP_START_METHOD = "_start_method"
 
 _LOG_PARAMS = ("fx", "name", "value", "prog_bar", "logger", "on_step", "on_epoch", "reduce_fx", "enable_graph",
                "add_dataloader_idx", "batch_size", "sync_dist", "sync_dist_fn", "metric_attribute",
@@ -77,6 +79,10 @@ def _internals() -> List[Internal]:
         Internal("_ModeIterator.iterables", "iter() is called on each of them (the training loaders' epoch "
                  "iterators)", f"{D}: install", uses(_cls("utilities.combined_loader", "_ModeIterator"), "iterables"),
                  token="_Feed"),
+        Internal(f"DDPStrategy.{DDP_START_METHOD}", "several processes: only those that run the script "
+                 "themselves (\"popen\": torchrun, or Lightning's own launch) are checkpointed",
+                 f"{L}: _check_strategy", uses(_cls("strategies.ddp", "DDPStrategy"), DDP_START_METHOD),
+                 token="DDP_START_METHOD"),
         Internal("Trainer._checkpoint_connector", "Lightning's own checkpoint: dumped at a save, handed the "
                  "loaded one at a resume", f"{L}: DriveCheckpoint.capture, _resume",
                  uses(lambda: pl.Trainer, "_checkpoint_connector")),

@@ -42,7 +42,13 @@ right after a mid-epoch validation (a Lightning restart would skip re-running it
 is made at the next such boundary.
 
 Works with ``lightning.pytorch`` and, by duck typing, with a ``pytorch_lightning`` ``Trainer`` (the same
-code under its older name). Single device; with several processes (DDP) it declines to run.
+code under its older name). Several processes: ``strategy="ddp"`` (the script run by ``torchrun`` or
+started by Lightning itself, one process per device): replicated state (model, optimizers, schedulers,
+loops, callbacks) is rank 0's, every rank's RNGs and position in its shard of the ``DistributedSampler``
+Lightning gives it are its own, gathered into one checkpoint that rank 0 commits
+(:mod:`keepalive.savepath`, the torch adapter's path); each rank resumes from its own part. Sharded
+strategies (FSDP, DeepSpeed) and processes started from the notebook (``ddp_spawn``, ``ddp_notebook``)
+are refused in one line that says what to use.
 
 Versions: every Lightning internal this relies on (the loop methods it stands in front of, the
 connectors it reads) is listed in :mod:`keepalive.callbacks._compat_lightning` and checked when the
@@ -110,9 +116,7 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage != "fit":
             return
-        if getattr(trainer, "world_size", 1) > 1:
-            raise RuntimeError("keepalive's Lightning DriveCheckpoint runs on one device (one process); this "
-                               f"Trainer has world_size={trainer.world_size}")
+        _check_strategy(trainer)  # one process, or DDP with one process per device (else one line)
         self._trainer_ref = weakref.ref(trainer)
         self.data.close()
         self.data = data.TrainData(lambda msg, key: self.core.warn(msg, key=key))
@@ -431,6 +435,30 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
 
 
 _ABSENT = object()
+
+
+def _check_strategy(trainer: Any) -> None:
+    """Refuse, in one line saying what to use, a fit on several processes whose state keepalive cannot
+    save exactly: a sharded model (FSDP, DeepSpeed, model parallel), or processes started from this one
+    (``ddp_spawn``, ``ddp_notebook`` / ``ddp_fork``)."""
+    if int(getattr(trainer, "world_size", 1)) <= 1:
+        return
+    strategy = trainer.strategy
+    name = type(strategy).__name__
+    if not isinstance(strategy, pl.strategies.DDPStrategy):
+        raise RuntimeError(
+            f"keepalive's Lightning DriveCheckpoint saves replicated models (strategy=\"ddp\"); {name} "
+            f"shards the model over the {trainer.world_size} processes, which it cannot save yet: use "
+            "strategy=\"ddp\" when the model fits on one device, or keepalive.callbacks.torch.DriveCheckpoint "
+            "in a torch loop with FSDP2 (fully_shard), which saves the shards through torch.distributed.checkpoint")
+    start = getattr(strategy, lc.DDP_START_METHOD, "popen")
+    if start != "popen":
+        raise RuntimeError(
+            f"keepalive's Lightning DriveCheckpoint runs where the fit's processes run the script themselves; "
+            f"this DDPStrategy(start_method={start!r}) (strategy=\"ddp_spawn\" / \"ddp_notebook\") trains in "
+            "processes started from this one, whose state this process never sees: use strategy=\"ddp\" and "
+            "start the script with torchrun --nproc_per_node=N (or python script.py: Lightning starts the "
+            "other processes)")
 
 
 def _sigterm_exception() -> Tuple[Type[BaseException], ...]:

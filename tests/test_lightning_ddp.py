@@ -1,0 +1,252 @@
+"""Lightning ``Trainer(strategy="ddp", devices=2)`` with the Lightning DriveCheckpoint on 2 gloo processes.
+
+The fit (tests/scripts/lightning_ddp.py, as Lightning users write it: ``DistributedSampler`` added by
+Lightning, dropout, noise from each rank's own RNG in the dataset, validation inside the epoch, a per-step
+LR schedule) runs under ``torchrun --nproc_per_node=2``; Lightning detects torchrun's environment and
+creates the process group itself:
+
+* with keepalive and no kill, both ranks end bit-identical to the same fit without keepalive;
+* rank 1 SIGKILLed inside epoch 1 (the save of step 16 committed), the whole job killed, a new job
+  started: both ranks end bit-identical to the fit without keepalive (a mid-epoch resume);
+* negative controls on a copy of the same killed run: a resume without the saved data position, and
+  one where every rank takes rank 0's random state and data position, end different;
+* a random rank SIGKILLed at random steps and inside saves (slow writes; a kill as soon as a
+  checkpoint folder has no manifest yet), a new job after each kill: every resume starts at or after
+  the last commit before the kill, and both ranks end bit-identical to the fit without keepalive;
+* sharded strategies and processes started from the notebook are refused in one line.
+
+A new job per kill rather than ``--max-restarts``: a restarted attempt of a job whose process group
+Lightning created can hang on the previous attempt's rendezvous keys. Jobs run in their own process
+sessions and are stopped by their process group.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import random
+import re
+import shutil
+import time
+from types import SimpleNamespace
+from typing import Dict, List, Optional
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SHIMS = os.path.join(HERE, "shims")
+
+
+def _load_torchvision_shim():
+    """The CUDA torchvision of this test machine needs its op schemas defined before it is imported
+    (lightning imports it): the test-only shim of tests/shims, loaded under a private name."""
+    spec = importlib.util.spec_from_file_location("_keepalive_tv_shim", os.path.join(SHIMS, "sitecustomize.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+if not dist.is_available() or not dist.is_gloo_available():  # pragma: no cover
+    pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
+_load_torchvision_shim()
+pl = pytest.importorskip("lightning.pytorch")
+
+from crashkit import assert_differs, assert_same  # noqa: E402
+from keepalive.callbacks import lightning as ka_lightning  # noqa: E402
+from torchrunkit import TorchrunJob  # noqa: E402
+
+SCRIPT = os.path.join(HERE, "scripts", "lightning_ddp.py")
+#: the children import lightning (torchvision: the shim) and the scripts' helpers
+PYTHONPATH = os.pathsep.join([SHIMS, os.path.join(HERE, "scripts"), os.path.dirname(HERE)])
+KILL = "1:17:16"  # rank 1, before step 17 (epoch 1: steps 13-24), once the save of step 16 is committed
+RESUME_RE = re.compile(r"resuming run .*? step (\d+)")  # the first: the line also says how far the last session got
+TOTAL = 36  # 3 epochs of 12 steps
+
+
+class Job(TorchrunJob):
+    """A torchrun job of the Lightning DDP script, its children with the shims on their path."""
+
+    def command(self, nproc: int, restarts: int) -> List[str]:
+        return ["env", f"PYTHONPATH={PYTHONPATH}", *super().command(nproc, restarts)]
+
+
+def job(tmp, name: str, env: Optional[Dict[str, str]] = None, run_dir: Optional[str] = None) -> Job:
+    return Job(tmp, name, SCRIPT, env=dict(env or {}, KEEPALIVE_PROGRESS="0"), run_dir=run_dir)
+
+
+def finals(j: TorchrunJob) -> List[Dict[str, "torch.Tensor"]]:
+    return [torch.load(os.path.join(j.out_dir, f"final.{r}.pt")) for r in (0, 1)]
+
+
+def finish(j: TorchrunJob) -> str:
+    try:
+        assert j.wait(240) == 0, j.text()[-6000:]
+    finally:
+        j.stop()
+    return j.text()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def killed(j: TorchrunJob, timeout: float = 240.0) -> str:
+    """Wait until the victim rank has SIGKILLed itself, then kill the whole job (every process)."""
+    deadline = time.monotonic() + timeout
+    try:
+        while "KILL rank" not in j.text():
+            assert j.proc.poll() is None, f"the job ended before its kill:\n{j.text()[-6000:]}"
+            assert time.monotonic() < deadline, f"no kill in {timeout} s:\n{j.text()[-6000:]}"
+            time.sleep(0.02)
+        victim = int(open(os.path.join(j.out_dir, f"pid.0.{KILL.split(':')[0]}")).read())
+        while _alive(victim) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        j.stop()
+    return j.text()
+
+
+class Reference:
+    """The same fit without keepalive, started at once and waited for when its result is first needed
+    (it runs beside the first test's jobs): both ranks' final weights and optimizer states."""
+
+    def __init__(self, tmp):
+        self.job = job(tmp, "plain", {"LDDP_PLAIN": "1"})
+        self._finals: Optional[List[Dict[str, "torch.Tensor"]]] = None
+
+    def __getitem__(self, rank: int) -> Dict[str, "torch.Tensor"]:
+        if self._finals is None:
+            finish(self.job)
+            self._finals = finals(self.job)
+            assert_same(self._finals[0], self._finals[1], "the replicas")  # DDP keeps them equal
+        return self._finals[rank]
+
+
+@pytest.fixture(scope="module")
+def without_keepalive(tmp_path_factory):
+    reference = Reference(tmp_path_factory.mktemp("lddp"))
+    yield reference
+    reference.job.stop()
+
+
+def test_ddp_transparent_and_exact_after_a_rank_kill_mid_epoch(tmp_path, without_keepalive):
+    ref = job(tmp_path, "ref")
+    crash = job(tmp_path, "crash", {"LDDP_KILL": KILL})
+    try:
+        first = killed(crash)
+        ref_text = finish(ref)
+    finally:
+        ref.stop()
+        crash.stop()
+    assert "KILL rank 1 before step 17" in first and "DONE" not in first, first[-4000:]
+    for rank, with_ka in enumerate(finals(ref)):
+        assert_same(without_keepalive[rank], with_ka, f"rank {rank} with keepalive vs without")
+
+    # the negative controls resume copies of the same killed run
+    controls = {}
+    for control in ("no-position", "rank0-parts"):
+        controls[control] = str(tmp_path / f"{control}-run")
+        shutil.copytree(crash.run_dir, controls[control])
+    again = job(tmp_path, "again", run_dir=crash.run_dir)
+    broken = [job(tmp_path, name, {"LDDP_CONTROL": name}, run_dir=run) for name, run in controls.items()]
+    try:
+        second = finish(again)
+        broken_texts = [finish(b) for b in broken]
+    finally:
+        for j in [again, *broken]:
+            j.stop()
+    for text in (second, *broken_texts):
+        # said by rank 0 only, inside epoch 1 (the position in each rank's shard)
+        assert [int(s) for s in RESUME_RE.findall(text)] == [16], text[-4000:]
+        assert "inside epoch 1 after batch 4" in text, text[-4000:]
+    for text in (ref_text, first, second):
+        assert "epoch ends only" not in text and "not bit-exact" not in text, text[-4000:]
+        assert "not bit-identical" not in text, text[-4000:]
+    for text in (ref_text, second):  # (in the killed job, rank 0 may see its peer's socket close)
+        assert "Traceback" not in text, text[-4000:]
+    resumed = finals(again)
+    for rank in (0, 1):
+        assert_same(without_keepalive[rank], resumed[rank], f"rank {rank} resumed vs without keepalive")
+    for b in broken:
+        assert_differs(without_keepalive[1], finals(b)[1])
+
+
+def test_random_rank_kills_inside_saves_then_a_new_job_resume_exactly(tmp_path, without_keepalive):
+    """Each job: a random rank SIGKILLed after a random number of steps, or (every other job) at the
+    first save after them, as soon as its checkpoint folder exists without a manifest (a kill inside a
+    save); then the whole job killed and a new one started on the same run folder, until one finishes."""
+    rng = random.Random(int(os.environ.get("KEEPALIVE_TEST_SEED", "23")))
+    run_dir = str(tmp_path / "run")
+    env = {"LDDP_SLOW_WRITE": "0.05", "LDDP_STEP_SLEEP": "0.03"}
+    log = []
+    for attempt in range(3):
+        before = _saving(run_dir)  # torn folders of earlier kills
+        j = job(tmp_path, f"attempt{attempt}", env, run_dir=run_dir)
+        mid_save = attempt % 2 == 0
+        steps = rng.randint(3, 7)  # at most 3 x (7 + a save 4 steps later) < 36: each job is killed
+        victim = rng.choice((0, 1))
+        try:
+            deadline = time.monotonic() + 240
+            while j.proc.poll() is None and time.monotonic() < deadline:
+                now = len(re.findall(r"^STEP \d+$", j.text(), re.M))
+                if now >= steps and (not mid_save or _saving(run_dir) - before):
+                    break
+                time.sleep(0.005)
+            assert j.proc.poll() is None, f"attempt {attempt} ended before its kill:\n{j.text()[-6000:]}"
+            committed = [int(m) for m in re.findall(r"^COMMITTED (\d+)$", j.text(), re.M)]
+            pid = int(open(os.path.join(j.out_dir, f"pid.0.{victim}")).read())
+            os.kill(pid, 9)
+            torn = len(_saving(run_dir) - before)
+            while _alive(pid):
+                time.sleep(0.01)
+        finally:
+            j.stop()
+        resumed = [int(s) for s in RESUME_RE.findall(j.text())]
+        when = f"{'first save after ' if mid_save else 'after '}{steps} steps"
+        log.append((victim, when, torn, max(committed, default=None), resumed))
+    last = job(tmp_path, "last", env, run_dir=run_dir)
+    text = finish(last)
+    resumed_at = [int(s) for s in RESUME_RE.findall(text)]
+    print("kills (rank, when, checkpoint folders without manifest, last commit before, resumed at):", log,
+          "last job resumed at:", resumed_at)
+    assert any(torn for _, _, torn, _, _ in log), log  # at least one kill landed inside a save
+    # every job resumes at or after the newest commit before the previous kill
+    starts = [r[0] if r else 0 for *_, r in log[1:]] + resumed_at
+    for (_, _, _, committed, _), start in zip(log, starts):
+        assert committed is None or start >= committed, (log, resumed_at)
+    assert "not bit-identical" not in text and "epoch ends only" not in text, text[-4000:]
+    for rank, resumed in enumerate(finals(last)):
+        assert_same(without_keepalive[rank], resumed, f"rank {rank} after {len(log)} kills vs without keepalive")
+
+
+def _saving(run_dir: str) -> set:
+    """Checkpoint folders that have no manifest (yet: a save in progress)."""
+    try:
+        names = os.listdir(run_dir)
+    except OSError:
+        return set()
+    return {n for n in names if n.startswith("ckpt-") and not os.path.exists(os.path.join(run_dir, n, "MANIFEST.json"))}
+
+
+# ------------------------------------------------------------------------------- refused strategies
+@pytest.mark.parametrize("strategy, says", [
+    (lambda: pl.strategies.FSDPStrategy(), "FSDPStrategy shards the model over the 2 processes"),
+    (lambda: pl.strategies.DDPStrategy(start_method="spawn"), "DDPStrategy(start_method='spawn')"),
+    (lambda: pl.strategies.DDPStrategy(start_method="fork"), "DDPStrategy(start_method='fork')"),
+])
+def test_strategies_it_cannot_save_are_refused_in_one_line(strategy, says):
+    trainer = SimpleNamespace(world_size=2, strategy=strategy())
+    with pytest.raises(RuntimeError) as err:
+        ka_lightning._check_strategy(trainer)
+    message = str(err.value)
+    assert says in message and "\n" not in message, message
+    assert 'use strategy="ddp"' in message, message
+
+
+def test_ddp_and_one_device_are_accepted():
+    ka_lightning._check_strategy(SimpleNamespace(world_size=2, strategy=pl.strategies.DDPStrategy()))
+    ka_lightning._check_strategy(SimpleNamespace(world_size=1, strategy=pl.strategies.FSDPStrategy()))
