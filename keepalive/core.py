@@ -25,6 +25,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import signal
 import weakref
 from typing import Any, Callable, Dict, Iterable, List, Mapping, MutableMapping, Optional, Union, cast
 
@@ -114,7 +115,8 @@ class Checkpointer:
         self._path: Optional[SavePath] = None
         self._opened = False
         self._reserved = False
-        self.signals = DeferredSignals(lambda: self.state.pending.signal, self._forget_signal)
+        self.signals = DeferredSignals(lambda: self.state.pending.signal, self._forget_signal,
+                                       announce=lambda: not _distributed.GROUP.active)
         #: why the adapter's loop cannot be saved inside an epoch (said when an interrupt comes)
         self.mid_epoch_obstacle: Optional[str] = None
         self._in_loop = False
@@ -189,8 +191,18 @@ class Checkpointer:
         """News for the user, silenced by ``quiet=True``; said by the process that writes only."""
         report.say(message, quiet=self.quiet or not self.path.writes)
 
-    def warn(self, message: str, key: Optional[str] = None) -> None:
-        """A problem the user must see (not silenced by ``quiet``); once per ``key`` and run."""
+    def warn(self, message: str, key: Optional[str] = None, own: bool = False) -> None:
+        """A problem the user must see (not silenced by ``quiet``); once per ``key`` and run. Under a
+        process group every rank runs the same code and finds the same problems: rank 0 says them,
+        the others only log them. ``own``: a problem of this rank alone (its view of the run folder,
+        its data), said by this rank, named."""
+        group = _distributed.GROUP
+        if group.active:
+            if not own and not group.is_main:
+                log.debug("said by rank 0: %s", message)
+                return
+            if own:
+                message = f"rank {group.rank}: {message}"
         report.warn(message, key=None if key is None else f"{self.url}:{key}", quiet=self.quiet)
 
     # --------------------------------------------------------------------------------- resume
@@ -377,11 +389,13 @@ class Checkpointer:
 
     def advance(self, capture: Capture, *, steps: Optional[int] = None, batch: Optional[int] = None,
                 samples: int = 0, can_save: bool = True, pending: bool = False,
-                requested: bool = False) -> Decision:
+                requested: bool = False, length: Optional[int] = None) -> Decision:
         """After a training batch: count it, then act as due (:class:`keepalive.boundary.BatchEnd`).
         ``steps``: its optimizer steps when the framework counts them (default: the watched
         optimizers' steps since the last boundary; one where none is watched); ``can_save=False``:
-        the loop cannot be resumed inside an epoch; ``pending``: gradients are being accumulated."""
+        the loop cannot be resumed inside an epoch; ``pending``: gradients are being accumulated;
+        ``length``: the batches of this epoch's pass, when the framework knows it (ranks with
+        different numbers of batches are then told at the first boundary, not by a hang)."""
         self._before_boundary(capture)
         n = int(steps if steps is not None else self.state.counted_steps if self.watched else 1)
         consistent = can_save and not pending
@@ -392,7 +406,9 @@ class Checkpointer:
         due = self.trigger.after_step(n, consistent=consistent)  # sees the counters moved
         decision = self._feed(bd.evolve(event, due=due))
         if consistent:
-            decision = self._agree(decision)
+            c = self.state.counters
+            decision = self._agree(decision, _distributed.Position(_distributed.BATCH_END, c.epoch, c.batch,
+                                                                   int(length or 0)))
         return self._carry_out(decision, capture)
 
     def end_epoch(self, capture: Capture, *, last: bool = False, epoch: Optional[int] = None,
@@ -411,7 +427,8 @@ class Checkpointer:
         due = due | self.trigger.after_epoch()
         decision = self._feed(bd.evolve(event, due=due))
         if not last:
-            decision = self._agree(decision)
+            c = self.state.counters
+            decision = self._agree(decision, _distributed.Position(_distributed.EPOCH_END, c.epoch, c.batch))
         if self.training_progress is not None:
             self.training_progress.epoch_end(last)
         return self._carry_out(decision, capture)
@@ -477,10 +494,11 @@ class Checkpointer:
             self._feed(bd.Signal(signum))
             signum = self.signals.take()
 
-    def _agree(self, decision: Decision) -> Decision:
-        """At a consistent boundary of several processes: every rank's decision combined."""
+    def _agree(self, decision: Decision, position: _distributed.Position) -> Decision:
+        """At a consistent boundary of several processes: every rank's decision combined (and every
+        rank at the same ``position``, else each raises the same line)."""
         agreement = self.path.agree(decision.save, decision.stop,
-                                    decision.signal if decision.signal_note == "saved" else None)
+                                    decision.signal if decision.signal_note == "saved" else None, position)
         if agreement is not None:  # None: one process
             self.state, decision = bd.agreed(self.state, decision, save=agreement.save, stop=agreement.stop,
                                              signal=agreement.signal)
@@ -503,7 +521,7 @@ class Checkpointer:
             self.uninstall_signal_handlers()
             self._give_back_lease()  # the save above is durable (sync); the process stops or idles
             had = "training had finished; " if decision.signal_note == "finished" else ""
-            self.say(f"{signal_name(decision.signal)}: {had}saved {where} to {self.url}")
+            self.say(f"{signal_name(decision.signal)}: {had}saved {where} to {self.url}{_exit_words(decision.signal)}")
             raise_for(decision.signal)
         if decision.stop:
             why = self._stop_words(decision.reason)
@@ -570,6 +588,16 @@ class Checkpointer:
             if self._path is not None:
                 self._path.close()
             self._opened = False
+
+
+def _exit_words(signum: int) -> str:
+    """Why the process ends with a failure code after a save on SIGTERM (torchrun reports it): the
+    program did not run to its end, and a failure is what makes a supervisor start it again."""
+    if signum == signal.SIGINT:
+        return ""
+    return (f"; exiting with code {128 + signum} (stopped by {signal_name(signum)}), not 0: the program did "
+            "not run to its end, and only a failed exit makes torchrun --max-restarts or a job scheduler start "
+            "it again, which resumes from this checkpoint")
 
 
 @atexit.register

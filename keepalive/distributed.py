@@ -24,14 +24,34 @@ importing keepalive imports no framework.
 """
 from __future__ import annotations
 
+import atexit
+import secrets
 import sys
+import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from datetime import timedelta
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from .errors import KeepaliveError
 
 #: the key under which a distributed checkpoint keeps every rank's own part of the state
 RANKS_KEY = "ranks"
 #: what each rank contributes to a checkpoint (everything else is rank 0's, i.e. replicated)
 PER_RANK = ("rng", "data")
+#: how long a rank that reached a save waits for the others to reach it too before it says which
+#: rank(s) never came (a save called inside ``if rank == 0:``): longer than any honest skew between
+#: ranks at a save (they agreed on it one step before), far shorter than the group's timeout
+CHECK_IN_SECONDS = 60.0
+#: the keys keepalive keeps in the process group's own store (per attempt: torch prefixes it)
+STORE_PREFIX = "keepalive/group"
+#: the kinds of boundary the ranks agree at (:meth:`ProcessGroup.agree`)
+BATCH_END, EPOCH_END = 1, 2
+
+
+class DistributedMisuseError(KeepaliveError, RuntimeError):
+    """The ranks of a process group do not run the same checkpointing code (a save on one rank only,
+    different numbers of batches, run folders that are not shared); raised on the ranks that found it,
+    with one line saying which rank and what to change."""
 
 
 def _torch_distributed() -> Any:
@@ -59,12 +79,34 @@ class Agreement:
     from_other_rank: bool = False
 
 
+@dataclass(frozen=True)
+class Position:
+    """Where a rank is when it agrees: the boundary's kind (:data:`BATCH_END` / :data:`EPOCH_END`),
+    the counters, and the number of batches of the running pass when the framework knows it (0: not
+    known). Every rank of a correct program agrees at the same position."""
+
+    kind: int
+    epoch: int
+    batch: int
+    length: int = 0
+
+    def words(self) -> str:
+        where = (f"ended epoch {self.epoch}" if self.kind == EPOCH_END
+                 else f"finished batch {self.batch} of epoch {self.epoch + 1}")
+        return where + (f" (an epoch of {self.length} batches)" if self.length else "")
+
+
 class ProcessGroup:
     """This process's place in the ``torch.distributed`` process group (or a group of one).
 
     Looked up at each use, not cached: a notebook may create the checkpointer before it calls
     ``init_process_group``.
     """
+
+    def __init__(self) -> None:
+        #: per collective checked in (:meth:`check_in`), how many times this process reached it
+        self._arrivals: Dict[str, int] = {}
+        self._group_store: Any = None
 
     @property
     def dist(self) -> Any:
@@ -97,20 +139,56 @@ class ProcessGroup:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
-    def agree(self, save: bool, stop: bool, signal: Optional[int]) -> Agreement:
+    def agree(self, save: bool, stop: bool, signal: Optional[int],
+              position: Optional[Position] = None) -> Agreement:
         """Combine every rank's trigger decision and pending signal; the same answer on every rank.
 
-        One ``all_reduce(MAX)`` of three integers. Every rank must call it at the same boundaries.
+        One ``all_reduce(MAX)`` of a few integers. Every rank must call it at the same boundaries;
+        ``position`` (each value and its negation, so MAX gives both the largest and the smallest)
+        tells when they do not: ranks with different numbers of batches per epoch are found at the
+        first boundary, before a rank with more batches enters a collective (DDP's gradient
+        all-reduce) that a rank out of batches never enters. Then every rank raises the same
+        :class:`DistributedMisuseError` here, at the same collective: none is left waiting.
         """
         if not self.active:
             return Agreement(save, stop, signal)
         torch = sys.modules["torch"]
-        local = [int(save), int(stop), int(signal or 0)]
+        where = position or Position(0, 0, 0, 0)
+        places = [where.kind, where.epoch, where.batch, where.length]
+        local = [int(save), int(stop), int(signal or 0), int(where.length == 0)] + places + [-v for v in places]
         flags = torch.tensor(local, dtype=torch.int64, device=self._device())
         self.dist.all_reduce(flags, op=self.dist.ReduceOp.MAX)
-        s, t, sig = (int(v) for v in flags.tolist())
+        values = [int(v) for v in flags.tolist()]
+        s, t, sig, some_unknown = values[:4]
+        highest, lowest = values[4:8], [-v for v in values[8:12]]
+        if position is not None and (highest[:3] != lowest[:3]
+                                     or (not some_unknown and highest[3] != lowest[3])):
+            self._uneven(where)
         return Agreement(save=bool(s), stop=bool(t), signal=sig or None,
                          from_other_rank=bool(s or t) and not (save or stop))
+
+    def _uneven(self, position: Position) -> None:
+        """The ranks agreed at different places: every rank learns every rank's (one more collective,
+        entered by all of them, as they all found it in the same one) and raises the same line."""
+        positions: List[Position] = self.all_gather(position)
+        if len({(p.kind, p.epoch, p.batch) for p in positions}) == 1:  # the same batch, other lengths
+            lengths: Dict[int, List[int]] = {}
+            for rank, where in enumerate(positions):
+                lengths.setdefault(where.length, []).append(rank)
+            found = "the ranks have different numbers of batches per epoch (" + "; ".join(
+                f"{_ranks(ranks)}: {length}" for length, ranks in lengths.items()) + ")"
+        else:
+            places: Dict[Position, List[int]] = {}
+            for rank, where in enumerate(positions):
+                places.setdefault(where, []).append(rank)
+            found = "the ranks reached different boundaries (" + "; ".join(
+                f"{_ranks(ranks)} {where.words()}" for where, ranks in places.items()) + ")"
+        raise DistributedMisuseError(
+            f"{found}: a rank with more batches would wait forever in a collective (DDP's gradient "
+            "all-reduce) that the others never enter. Give the loader a DistributedSampler "
+            "(torch.utils.data.distributed.DistributedSampler(dataset): every rank gets as many samples; "
+            "drop_last=True drops the uneven tail instead of repeating samples) rather than splitting the data "
+            "by rank yourself, or cut every rank's shard to the same number of batches; stopping every rank here")
 
     def gather(self, part: Any) -> Optional[List[Any]]:
         """Every rank's ``part`` as a list on rank 0 (None on the others); a collective."""
@@ -128,6 +206,94 @@ class ProcessGroup:
         self.dist.all_gather_object(out, value)
         return out
 
+    def check_in(self, what: str, how_to: str, timeout: Optional[float] = None) -> None:
+        """Before a collective that a program might call on some ranks only (a save inside
+        ``if rank == 0:``): wait until every rank has reached it, through the group's store (no
+        collective); raise :class:`DistributedMisuseError` naming the ranks that did not, as soon as
+        one of them ended (its process exited) or after ``timeout`` (:data:`CHECK_IN_SECONDS`)
+        seconds, instead of a gloo "Connection closed by peer" or a silent hang."""
+        store = self._store()
+        if store is None:
+            return  # no store to meet in (a group torch made without one): the collective as before
+        self._arrivals[what] = number = self._arrivals.get(what, 0) + 1
+        key = f"{STORE_PREFIX}/{what}/{number}"
+        store.set(f"{key}/{self.rank}", "1")
+        arrived = store.add(key, 1)
+        seconds = CHECK_IN_SECONDS if timeout is None else timeout
+        limit = time.monotonic() + seconds
+        pause = 0.001
+        while arrived < self.world_size:
+            ended = int(store.add(f"{STORE_PREFIX}/ended", 0))
+            if ended or time.monotonic() > limit:
+                missing = [r for r in range(self.world_size) if not store.check([f"{key}/{r}"])]
+                if missing:
+                    gone = [r for r in missing if store.check([f"{STORE_PREFIX}/ended/{r}"])]
+                    if gone or time.monotonic() > limit:
+                        present = [r for r in range(self.world_size) if r not in missing]
+                        why = (f"{_ranks(gone)} ended without calling it" if gone else
+                               f"{_ranks(missing)} did not call it within {seconds:g} s")
+                        raise DistributedMisuseError(f"{what} was called on {_ranks(present)} only: {why}. {how_to}")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+            arrived = int(store.add(key, 0))
+
+    def _store(self) -> Any:
+        """The store the default process group was made with (torch keeps one per restart attempt);
+        None when torch offers none. The first use also notes, when this process exits, that its rank
+        ended, so that a rank waiting in :meth:`check_in` for it learns at once."""
+        if self._group_store is None:
+            try:
+                self._group_store = self.dist.distributed_c10d._get_default_store()
+            except Exception:  # noqa: BLE001 - a private torch function: without it, no check-in
+                return None
+            atexit.register(_note_ended, self._group_store, self.rank)
+        return self._group_store
+
+    def same_folder(self, url: str, write: Callable[[str, bytes], None], read: Callable[[str], bytes],
+                    remove: Callable[[str], None]) -> None:
+        """Whether every rank sees the run folder rank 0 writes to (every rank's ``url``, each
+        through its own path: a folder on each node's local disk is another folder): rank 0 writes a
+        token file there (``write(name, token)``), every rank reads it back (``read(name)``); if some
+        cannot, every rank raises the same :class:`DistributedMisuseError`. Rank 0's token reaches the
+        others through the group's store, the answers come back through one ``all_gather``. When rank
+        0 cannot write the token, nothing is checked (the save that follows says why)."""
+        store = self._store()
+        if store is None:
+            return
+        key = f"{STORE_PREFIX}/shared-folder"
+        name, token = f".keepalive-shared-check-{secrets.token_hex(6)}", secrets.token_bytes(16)
+        if self.is_main:
+            try:
+                write(name, token)
+                store.set(key, name.encode() + b"\n" + token)
+            except Exception:  # noqa: BLE001 - the save says it; the other ranks must not wait
+                store.set(key, b"")
+                name = ""
+        else:
+            store.wait([key], timedelta(seconds=CHECK_IN_SECONDS))
+            value = bytes(store.get(key))
+            name, token = (value.split(b"\n", 1)[0].decode(), value.split(b"\n", 1)[1]) if value else ("", b"")
+        seen = True
+        if name and not self.is_main:
+            try:
+                seen = read(name) == token
+            except Exception:  # noqa: BLE001 - not found, or no such folder here: not the same folder
+                seen = False
+        answers = self.all_gather((seen, url))
+        if self.is_main and name:
+            try:
+                remove(name)
+            except Exception:  # noqa: BLE001 - a stray token file harms nothing
+                pass
+        blind = [r for r, (ok, _) in enumerate(answers) if not ok]
+        if blind:
+            theirs = ", ".join(f"rank {r}'s is {u}" for r, (_, u) in enumerate(answers) if r in blind)
+            raise DistributedMisuseError(
+                f"the run folder is not shared between the ranks: rank 0 writes checkpoints to {answers[0][1]}, "
+                f"which {_ranks(blind)} cannot read through its own run folder ({theirs}); a restart there would "
+                "find no checkpoint or another one. Give every rank the same run folder on storage every node "
+                "mounts (a network file system, a bucket URL), not a node's local disk")
+
     def barrier(self) -> None:
         """Wait until every rank is here (after a final save: no rank exits before it is durable)."""
         if self.active:
@@ -135,6 +301,19 @@ class ProcessGroup:
                 self.dist.barrier(device_ids=[self._device().index])
             else:
                 self.dist.barrier()
+
+
+def _ranks(ranks: List[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks)
+
+
+def _note_ended(store: Any, rank: int) -> None:
+    """At exit: tell a rank waiting in :meth:`ProcessGroup.check_in` that this one will never come."""
+    try:
+        store.set(f"{STORE_PREFIX}/ended/{rank}", "1")
+        store.add(f"{STORE_PREFIX}/ended", 1)
+    except Exception:  # noqa: BLE001 - the store is gone (its host exited): nobody is waiting
+        pass
 
 
 def combine(tree: Dict[str, Any], parts: List[Dict[str, Any]]) -> Dict[str, Any]:
@@ -207,5 +386,6 @@ def init_process_group(backend: Optional[str] = None, **kwargs: Any) -> None:
     dist.init_process_group(backend, **kwargs)
 
 
-__all__ = ["GROUP", "Agreement", "ProcessGroup", "RANKS_KEY", "combine", "init_process_group", "localize",
+__all__ = ["BATCH_END", "CHECK_IN_SECONDS", "EPOCH_END", "GROUP", "Agreement", "DistributedMisuseError",
+           "Position", "ProcessGroup", "RANKS_KEY", "combine", "init_process_group", "localize",
            "rank_part"]

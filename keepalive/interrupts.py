@@ -39,8 +39,13 @@ class DeferredSignals:
     (the core's state machine holds a signal it has taken), so a second one raises at once."""
 
     def __init__(self, noted_elsewhere: Callable[[], Optional[int]],
-                 forget_elsewhere: Callable[[], None] = lambda: None):
+                 forget_elsewhere: Callable[[], None] = lambda: None,
+                 announce: Callable[[], bool] = lambda: True):
         self._noted_elsewhere, self._forget_elsewhere = noted_elsewhere, forget_elsewhere
+        #: whether "saving at the end of this step" may be said when a signal comes: not where the save
+        #: needs other processes that may be gone (torchrun's agent stops the survivors of a failed
+        #: rank with SIGTERM: no save follows); the saved line says it there
+        self._announce = announce
         self._queue: Deque[int] = collections.deque()
         self._old: Dict[int, Any] = {}
         self._pid = os.getpid()
@@ -84,6 +89,8 @@ class DeferredSignals:
             self.uninstall()
             raise_for(signum)
         self._queue.append(signum)
+        if not self._announce():
+            return
         # shown even with quiet=True: the user pressed a key and must learn what happens now
         report.say(f"{signal_name(signum)} received; saving at the end of this step "
                    "(send it again to stop at once)", stream="stderr")

@@ -39,7 +39,8 @@ class SavePath(Protocol):
     #: whether this process writes checkpoints (holds the writer lease, shows progress)
     writes: bool
 
-    def agree(self, save: bool, stop: bool, signal: Optional[int]) -> Optional[_distributed.Agreement]: ...
+    def agree(self, save: bool, stop: bool, signal: Optional[int],
+              position: Optional[_distributed.Position] = None) -> Optional[_distributed.Agreement]: ...
 
     def localize(self, found: Optional[Found], url: str, warn: Callable[[str], None]) -> Optional[Found]: ...
 
@@ -61,7 +62,8 @@ class LocalSave:
     def __init__(self, writer: AsyncWriter, group: _distributed.ProcessGroup):
         self.writer, self.group = writer, group
 
-    def agree(self, save: bool, stop: bool, signal: Optional[int]) -> Optional[_distributed.Agreement]:
+    def agree(self, save: bool, stop: bool, signal: Optional[int],
+              position: Optional[_distributed.Position] = None) -> Optional[_distributed.Agreement]:
         return None  # one process: nothing to agree on
 
     def localize(self, found: Optional[Found], url: str, warn: Callable[[str], None]) -> Optional[Found]:
@@ -85,12 +87,14 @@ class GatheredSave(LocalSave):
     """DDP: rank 0 writes one checkpoint holding every rank's own part; all ranks agree at each
     boundary (one small collective) so they save and stop together."""
 
-    def __init__(self, writer: AsyncWriter, group: _distributed.ProcessGroup):
+    def __init__(self, writer: AsyncWriter, group: _distributed.ProcessGroup, folder: Any = None):
         super().__init__(writer, group)
         self.writes = group.is_main
+        self.folder = folder
 
-    def agree(self, save: bool, stop: bool, signal: Optional[int]) -> Optional[_distributed.Agreement]:
-        return self.group.agree(save, stop, signal)  # one small collective per consistent boundary
+    def agree(self, save: bool, stop: bool, signal: Optional[int],
+              position: Optional[_distributed.Position] = None) -> Optional[_distributed.Agreement]:
+        return self.group.agree(save, stop, signal, position)  # one small collective per consistent boundary
 
     def reserve(self, tree: StateTree) -> None:
         if self.writes:  # only rank 0 writes, only it needs the host buffer
@@ -98,6 +102,7 @@ class GatheredSave(LocalSave):
 
     def submit(self, tree: StateTree, *, step: int, epoch: int, metadata: Mapping[str, Any],
                sync: bool) -> None:
+        meet_before_saving(self.group, self)
         parts = self.group.gather(_distributed.rank_part(dict(tree)))  # a collective
         if parts is not None:  # rank 0
             meta = dict(metadata, world_size=self.group.world_size)
@@ -105,6 +110,32 @@ class GatheredSave(LocalSave):
                                sync=sync)
         if sync:
             self.group.barrier()  # no rank goes on (or exits) before the write is durable
+
+
+#: what a rank that reached a save alone is told to do
+SAVE_ON_EVERY_RANK = ("Call it on every rank, not inside `if rank == 0:`: keepalive gathers every rank's part of "
+                      "the state (its random state, its data position) and rank 0 alone writes the checkpoint")
+
+
+def meet_before_saving(group: _distributed.ProcessGroup, path: Any) -> None:
+    """Before the collective a save is: every rank must have reached this save (a save asked for on one
+    rank only is said in one line, instead of a gloo error or a hang); at the first save, every rank
+    must see the run folder rank 0 writes to (a folder on each node's own disk is refused now, not at
+    the first restart after a whole session of checkpoints nobody else can read)."""
+    if not group.active:
+        return
+    group.check_in("save()", SAVE_ON_EVERY_RANK)
+    store = getattr(path, "folder", None)
+    if store is not None and not getattr(path, "folder_checked", False):
+        path.folder_checked = True
+        backend, root = store.backend, store.path
+
+        def write(name: str, data: bytes) -> None:
+            backend.makedirs(root)
+            backend.write_bytes(backend.join(root, name), data)
+
+        group.same_folder(store.url, write, lambda name: backend.read_bytes(backend.join(root, name)),
+                          lambda name: backend.remove_file(backend.join(root, name)))
 
 
 def localize(group: _distributed.ProcessGroup, found: Optional[Found], url: str,
@@ -149,11 +180,14 @@ class ShardedSave:
         self.on_commit, self.background, self.url = on_commit, background, url
         self.writes = group.is_main
         self.snapshot = HostSnapshot()
+        #: the run folder every rank resumes from: every rank must see it (:func:`meet_before_saving`)
+        self.folder = getattr(spooled, "dest", None)
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
 
-    def agree(self, save: bool, stop: bool, signal: Optional[int]) -> Optional[_distributed.Agreement]:
-        return self.group.agree(save, stop, signal) if self.group.active else None
+    def agree(self, save: bool, stop: bool, signal: Optional[int],
+              position: Optional[_distributed.Position] = None) -> Optional[_distributed.Agreement]:
+        return self.group.agree(save, stop, signal, position) if self.group.active else None
 
     def localize(self, found: Optional[Found], url: str, warn: Callable[[str], None]) -> Optional[Found]:
         return localize(self.group, found, url, warn)
@@ -167,6 +201,7 @@ class ShardedSave:
 
         group, sharded = self.group, self.sharded
         self.wait()  # one save in flight: the previous one is committed first
+        meet_before_saving(group, self)
         whole = dict(tree, **{_dcp.DCP_KEY: sharded.describe()})
         own = frozen_copy(_distributed.rank_part(whole))
         rest = frozen_copy(whole) if group.is_main else None
@@ -247,7 +282,7 @@ def choose(writer: AsyncWriter, group: _distributed.ProcessGroup, sharded: Any, 
     if sharded:
         return ShardedSave(sharded, group, spooled, on_commit, writer.background, url)
     if group.active:
-        return GatheredSave(writer, group)
+        return GatheredSave(writer, group, getattr(spooled, "dest", None))
     return LocalSave(writer, group)
 
 
