@@ -482,6 +482,12 @@ class LoaderReplay:
             pos.ahead = list(start.get("ahead") or [])
         self.start_state = self._record()
         it, first = self._iter_with(pos, resume)
+        if self.dispatch is not None and not self.dispatch.reads and pos.on_positioned is not None:
+            # a rank that reads nothing (rank 0 sends it its part) never runs its index sampler, where
+            # the positioning hook runs: it is positioned once its first batch has come
+            hook, pos.on_positioned = pos.on_positioned, None
+            pos.skip, pos.first, pos.ahead = 0, 0, []
+            hook()
         if not pos.used:
             self.why_not = (f"{type(self.loader).__name__} does not iterate through its batch_sampler: "
                             "checkpoints at epoch ends only")

@@ -20,6 +20,7 @@ each micro-batch that stepped, ``COMMITTED n`` after each checkpoint commit, eve
 Environment (test knobs): ACCEL_PLAIN=1 (the same training without keepalive), ACCEL_DISPATCH=1,
 ACCEL_EPOCHS (3), ACCEL_EVERY (2 optimizer steps), ACCEL_STEP_SLEEP (seconds per micro-batch),
 ACCEL_SLOW_WRITE (seconds each checkpoint file write takes: kills land inside saves),
+ACCEL_TRACE=1 (each rank prints the samples it trains, their sum and its RNG's),
 ACCEL_SELF_KILL="rank:step" (in the first attempt, that rank SIGKILLs itself at the first micro-batch
 after optimizer step ``step`` that does not step: between two accumulation micro-batches, once that
 step's checkpoint is committed), ACCEL_CONTROL=no-accumulation-count (negative control: keepalive is
@@ -58,6 +59,11 @@ def wait_committed(run_dir: str, step: int, timeout: float = 120.0) -> None:
 
 
 def main(run_dir: str, out_dir: str) -> None:
+    plain = bool(os.environ.get("ACCEL_PLAIN"))
+    if not plain:
+        # imported where users import it, before Accelerator() creates the process group: importing
+        # keepalive makes a torchrun restart's rendezvous safe, whoever creates the group
+        from keepalive.callbacks.torch import DriveCheckpoint
     torch.set_num_threads(1)
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACCUMULATE,
                               dataloader_config=DataLoaderConfiguration(
@@ -98,14 +104,17 @@ def main(run_dir: str, out_dir: str) -> None:
             sched.step()
             opt.zero_grad()
 
-    if os.environ.get("ACCEL_PLAIN"):
+    def trace(rank: int, i, x) -> None:
+        if os.environ.get("ACCEL_TRACE"):  # which samples each rank trains, their noise, its RNG
+            emit(f"IDX rank {rank} {i.tolist()} {float(x.sum()):.6f} {int(torch.random.get_rng_state().sum())}")
+
+    if plain:
         for _ in range(epochs):
-            for x, y, _i in dl:
+            for x, y, i in dl:
+                trace(rank, i, x)
                 train(x, y)
         step = -1
     else:
-        from keepalive.callbacks.torch import DriveCheckpoint
-
         kill_rank, kill_step = [int(v) for v in os.environ.get("ACCEL_SELF_KILL", "-1:-1").split(":")]
         control = os.environ.get("ACCEL_CONTROL") == "no-accumulation-count"
         ckpt = DriveCheckpoint(run_dir, model=model, optimizer=None if control else opt, scheduler=sched,
@@ -113,7 +122,8 @@ def main(run_dir: str, out_dir: str) -> None:
         if rank == 0:
             ckpt.core.on_commit.append(lambda r: emit(f"COMMITTED {r.info.step}"))
         for _ in ckpt.epochs(epochs):
-            for x, y, _i in ckpt.batches(dl):
+            for x, y, i in ckpt.batches(dl):
+                trace(rank, i, x)
                 train(x, y)
                 if sleep:
                     time.sleep(sleep)
@@ -138,6 +148,9 @@ def main(run_dir: str, out_dir: str) -> None:
 def notebook(run_dir: str, out_dir: str, restarts: int) -> None:
     """What a notebook cell does: ``notebook_launcher(fn, num_processes=2, max_restarts=...)``."""
     from accelerate import notebook_launcher
+
+    if not os.environ.get("ACCEL_PLAIN"):
+        import keepalive.callbacks.torch  # noqa: F401 - a cell before the launch imports it, as users do
 
     notebook_launcher(main, (run_dir, out_dir), num_processes=2, max_restarts=restarts,
                       use_port=os.environ["ACCEL_PORT"])

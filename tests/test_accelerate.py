@@ -1,0 +1,146 @@
+"""Accelerate as its users write it, on 2 gloo processes (CPU), every prepared object registered as it is.
+
+tests/scripts/accel_prepared.py: ``Accelerator(cpu=True, gradient_accumulation_steps=4)`` creates the
+process group itself; ``DriveCheckpoint(run, model=model, optimizer=opt, scheduler=sched)`` takes the
+DDP model, the ``AcceleratedOptimizer`` and the ``AcceleratedScheduler`` that ``accelerator.prepare``
+returned, ``ckpt.batches(dl)`` the prepared loader; the step runs inside ``accelerator.accumulate``;
+dropout and noise from the global RNG in the dataset.
+
+* ``torchrun --max-restarts=4`` with a ``DataLoaderShard``: with keepalive and no kill, both ranks end
+  bit-identical to the same script without keepalive; then a random rank SIGKILLed 3 times at random
+  moments (writes slowed so that kills land inside saves), torchrun restarting the workers each time:
+  both ranks bit-identical to the uninterrupted run.
+* ``dispatch_batches=True`` (a ``DataLoaderDispatcher``: rank 0 reads every rank's batches), restarted
+  by ``notebook_launcher(..., max_restarts=1)`` (what a notebook cell runs; the elastic agent in the
+  launching process): rank 1 SIGKILLs itself between two accumulation micro-batches, once a checkpoint
+  is committed; the restarted workers resume by themselves, bit-identical to the uninterrupted run.
+  Negative control: the same kill with the micro-batches counted as steps (the optimizer not handed to
+  keepalive, as a loop stepping an unregistered optimizer would be) ends different.
+
+Jobs run in their own process sessions and are stopped by their process group.
+"""
+from __future__ import annotations
+
+import os
+import random
+import re
+import subprocess
+import sys
+import threading
+from typing import Dict, List
+
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+pytest.importorskip("accelerate")
+if not dist.is_available() or not dist.is_gloo_available():  # pragma: no cover
+    pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
+
+from crashkit import assert_differs, assert_same  # noqa: E402
+from servers import free_port  # noqa: E402
+from torchrunkit import ROOT, TorchrunJob, kill_ranks_at_random  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.join(HERE, "scripts", "accel_prepared.py")
+RESUME_RE = re.compile(r"resuming run .*? step (\d+)")  # the first: the line also says how far the last session got
+#: what must never be said of these runs: they resume exactly
+INEXACT = ("epoch ends only", "not bit-exact", "not bit-identical", "another random state", "differ")
+
+
+def finals(out_dir: str) -> List[Dict[str, "torch.Tensor"]]:
+    return [torch.load(os.path.join(out_dir, f"final.{r}.pt")) for r in (0, 1)]
+
+
+def finish(job: TorchrunJob, timeout: float = 300.0) -> str:
+    try:
+        assert job.wait(timeout) == 0, job.text()[-6000:]
+    finally:
+        job.stop()
+    return job.text()
+
+
+def exact(text: str) -> None:
+    for words in INEXACT:
+        assert words not in text, text[-4000:]
+
+
+class NotebookLaunch:
+    """``python accel_prepared.py --notebook RUN OUT``: ``notebook_launcher`` in a process of its own
+    session (a notebook's kernel), output collected by a thread."""
+
+    def __init__(self, tmp, name: str, *, env: Dict[str, str], run_dir: str = ""):
+        self.run_dir = run_dir or str(tmp / f"{name}-run")
+        self.out_dir = str(tmp / f"{name}-out")
+        full = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", ACCEL_PORT=str(free_port()),
+                    PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **env)
+        self.proc = subprocess.Popen([sys.executable, SCRIPT, "--notebook", self.run_dir, self.out_dir],
+                                     env=full, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True)
+        self.output: List[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in iter(self.proc.stdout.readline, ""):
+            self.output.append(line)
+
+    def text(self) -> str:
+        return "".join(self.output)
+
+    def finish(self, timeout: float = 300.0) -> str:
+        try:
+            rc = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            rc = None
+        finally:
+            if self.proc.poll() is None:
+                os.killpg(self.proc.pid, 9)  # our own session (start_new_session), by id
+                self.proc.wait()
+        assert rc == 0, f"rc {rc}:\n{self.text()[-6000:]}"
+        return self.text()
+
+
+def test_prepared_objects_torchrun_restarts_after_random_rank_kills_bit_identical(tmp_path):
+    plain = TorchrunJob(tmp_path, "plain", SCRIPT, env={"ACCEL_PLAIN": "1"})
+    ref = TorchrunJob(tmp_path, "ref", SCRIPT)
+    try:
+        ref_text = finish(ref)
+        finish(plain)
+    finally:
+        plain.stop()
+        ref.stop()
+    reference = finals(ref.out_dir)
+    assert_same(reference[0], reference[1], "the replicas")
+    for rank, (with_ka, without) in enumerate(zip(reference, finals(plain.out_dir))):
+        assert_same(without, with_ka, f"rank {rank} with keepalive vs without")  # transparent
+    exact(ref_text)
+
+    rng = random.Random(int(os.environ.get("KEEPALIVE_TEST_SEED", "23")))
+    crash = TorchrunJob(tmp_path, "crash", SCRIPT, restarts=4,
+                        env={"ACCEL_SLOW_WRITE": "0.05", "ACCEL_STEP_SLEEP": "0.04", "ACCEL_EVERY": "1"})
+    log, resumed = kill_ranks_at_random(crash, rng, 3, (0.5, 2.5), RESUME_RE)
+    text = crash.text()
+    assert len(log) == 3 and len(resumed) >= 1 and max(resumed) > 0, (log, resumed, text[-4000:])
+    exact(text)
+    for rank, got in enumerate(finals(crash.out_dir)):
+        assert_same(reference[rank], got, f"rank {rank} after {len(log)} kills vs uninterrupted")
+
+
+def test_dispatched_loader_notebook_launcher_kill_between_accumulation_micro_batches(tmp_path):
+    dispatch = {"ACCEL_DISPATCH": "1"}
+    kill = dict(dispatch, ACCEL_SELF_KILL="1:6", ACCEL_RESTARTS="1")  # after step 6: in epoch 1 (steps 5-8)
+    plain = NotebookLaunch(tmp_path, "plain", env=dict(dispatch, ACCEL_PLAIN="1"))
+    crash = NotebookLaunch(tmp_path, "crash", env=kill)
+    plain.finish()
+    text = crash.finish()
+    control = NotebookLaunch(tmp_path, "control", env=dict(kill, ACCEL_CONTROL="no-accumulation-count"))
+    control.finish()
+    assert "KILL rank 1 between two accumulation micro-batches after step" in text, text[-4000:]
+    assert [int(s) for s in RESUME_RE.findall(text)] == [6], text[-4000:]  # said once, by rank 0
+    exact(text)
+    reference = finals(plain.out_dir)
+    assert_same(reference[0], reference[1], "the replicas")
+    for rank, got in enumerate(finals(crash.out_dir)):
+        assert_same(reference[rank], got, f"rank {rank} resumed vs uninterrupted")
+    assert_differs(reference[0], finals(control.out_dir)[0])
