@@ -136,7 +136,8 @@ class MultiNodeJob:
         self.out_dir = str(tmp / f"{name}-out")
         full_env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
                         PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests", "scripts"),
-                                                    os.environ.get("PYTHONPATH", "")]), **(env or {}))
+                                                    os.environ.get("PYTHONPATH", "")]))
+        full_env.update(env or {})  # a PYTHONPATH of the caller's replaces ours
         endpoint = f"127.0.0.1:{free_port()}"
         self.output: List[str] = []
         self._lock = threading.Lock()

@@ -4,8 +4,10 @@ tests/test_multinode.py (two agents of one node each, or one agent of two proces
 
 ``MN_INIT`` says who creates the group through torch's ``env://`` rendezvous: ``torch``
 (``dist.init_process_group("gloo")``), ``accelerate`` (``Accelerator(cpu=True)``), ``partialstate``
-(HF's ``PartialState(cpu=True)``, what the HF Trainer uses). The model is wrapped in DDP here and the
-data is a ``DistributedSampler`` loader whatever creates the group: the test is about the rendezvous.
+(HF's ``PartialState(cpu=True)``, what the HF Trainer uses), ``fabric`` (Lightning's
+``Fabric(strategy="ddp").launch()``; tests/shims on PYTHONPATH where torchvision does not import).
+The model is wrapped in DDP here and the data is a ``DistributedSampler`` loader whatever creates the
+group: the test is about the rendezvous.
 
 ``keepalive`` is imported before the group is created, as the README says; ``MN_GUARD=0`` (negative
 control) imports it only after, so torch's own rendezvous runs unguarded.
@@ -33,7 +35,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 from torch.utils.data.distributed import DistributedSampler  # noqa: E402
 
 #: a failed connect ends the attempt within this, not torch's 30 minutes (the test's timeouts are longer)
-GROUP_TIMEOUT = timedelta(seconds=int(os.environ.get("MN_GROUP_TIMEOUT", "40")))
+GROUP_TIMEOUT = timedelta(seconds=int(os.environ.get("MN_GROUP_TIMEOUT", "90")))
 
 
 def create_group() -> None:
@@ -49,6 +51,13 @@ def create_group() -> None:
         from accelerate import PartialState
 
         PartialState(cpu=True, timeout=GROUP_TIMEOUT)
+    elif how == "fabric":
+        from lightning.fabric import Fabric
+        from lightning.fabric.strategies import DDPStrategy
+
+        local = int(os.environ["LOCAL_WORLD_SIZE"])
+        Fabric(accelerator="cpu", devices=local, num_nodes=int(os.environ["WORLD_SIZE"]) // local,
+               strategy=DDPStrategy(timeout=GROUP_TIMEOUT)).launch()
     else:
         raise SystemExit(f"MN_INIT={how!r}")
     assert dist.is_initialized() and dist.get_world_size() == 2
