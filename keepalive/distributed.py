@@ -5,9 +5,15 @@ the same training code and the same :class:`keepalive.core.Checkpointer`. What m
 
 * **All ranks agree on when to save and stop.** Each rank's trigger (steps, time, deadline) and its
   pending signal (SIGTERM / Ctrl-C reaching *that* rank) are combined at every boundary where a save is
-  possible by one ``all_reduce`` (MAX) of a 3-integer tensor (:meth:`ProcessGroup.agree`): one small
+  possible by one ``all_reduce`` (MAX) of a 12-integer tensor (:meth:`ProcessGroup.agree`): one small
   collective per boundary, entered by every rank, so no rank ever waits in a collective that the
-  others skip. A save or stop due on any rank is done by all of them.
+  others skip. A save or stop due on any rank is done by all of them. The same tensor carries each
+  rank's position (boundary kind, counters, batches in the epoch) as largest and smallest value: ranks
+  that run different numbers of batches are told at the first boundary, on every rank.
+* **Every rank saves.** Before the gather of a save, every rank checks in through the group's store
+  (:meth:`ProcessGroup.check_in`): a save called on some ranks only is said in one line. At the first
+  save, every rank reads back a token rank 0 wrote into the run folder
+  (:meth:`ProcessGroup.same_folder`): a folder not shared between nodes is refused then.
 * **One checkpoint, one commit.** Replicated state (model, optimizer) is taken from rank 0; every
   rank's own random state and data position are sent to rank 0 with ``gather_object`` at save time
   (:meth:`ProcessGroup.gather`) and written in the *same* checkpoint, whose manifest rank 0 writes
@@ -107,6 +113,7 @@ class ProcessGroup:
         #: per collective checked in (:meth:`check_in`), how many times this process reached it
         self._arrivals: Dict[str, int] = {}
         self._group_store: Any = None
+        self._store_of: Any = None  # the default group that store belongs to
 
     @property
     def dist(self) -> Any:
@@ -239,14 +246,18 @@ class ProcessGroup:
 
     def _store(self) -> Any:
         """The store the default process group was made with (torch keeps one per restart attempt);
-        None when torch offers none. The first use also notes, when this process exits, that its rank
-        ended, so that a rank waiting in :meth:`check_in` for it learns at once."""
-        if self._group_store is None:
-            try:
-                self._group_store = self.dist.distributed_c10d._get_default_store()
-            except Exception:  # noqa: BLE001 - a private torch function: without it, no check-in
-                return None
-            atexit.register(_note_ended, self._group_store, self.rank)
+        None when torch offers none. Looked up again for a new group (a process that destroyed its
+        group and made another: the counts of :meth:`check_in` start over with it). Each group's first
+        use also notes, when this process exits, that its rank ended, so that a rank waiting in
+        :meth:`check_in` for it learns at once."""
+        try:
+            world = self.dist.group.WORLD
+            if self._group_store is None or self._store_of is not world:
+                store = self.dist.distributed_c10d._get_default_store()
+                self._group_store, self._store_of, self._arrivals = store, world, {}
+                atexit.register(_note_ended, store, self.rank)
+        except Exception:  # noqa: BLE001 - a private torch function: without it, no check-in
+            return None
         return self._group_store
 
     def same_folder(self, url: str, write: Callable[[str, bytes], None], read: Callable[[str], bytes],
