@@ -53,6 +53,7 @@ pl = pytest.importorskip("lightning.pytorch")
 
 from crashkit import assert_differs, assert_same  # noqa: E402
 from keepalive.callbacks import lightning as ka_lightning  # noqa: E402
+from keepalive.store import CheckpointStore  # noqa: E402
 from torchrunkit import TorchrunJob  # noqa: E402
 
 SCRIPT = os.path.join(HERE, "scripts", "lightning_ddp.py")
@@ -125,6 +126,10 @@ class Reference:
             assert_same(self._finals[0], self._finals[1], "the replicas")  # DDP keeps them equal
         return self._finals[rank]
 
+    def csv(self) -> str:
+        self[0]
+        return csv_log(self.job)
+
 
 @pytest.fixture(scope="module")
 def without_keepalive(tmp_path_factory):
@@ -173,54 +178,68 @@ def test_ddp_transparent_and_exact_after_a_rank_kill_mid_epoch(tmp_path, without
         assert_same(without_keepalive[rank], resumed[rank], f"rank {rank} resumed vs without keepalive")
     for b in broken:
         assert_differs(without_keepalive[1], finals(b)[1])
+    # the CSV log too: the epoch's self.log accumulators are each rank's own (synced at the epoch end)
+    assert csv_log(ref) == csv_log(again) == without_keepalive.csv()
 
 
 def test_random_rank_kills_inside_saves_then_a_new_job_resume_exactly(tmp_path, without_keepalive):
-    """Each job: a random rank SIGKILLed after a random number of steps, or (every other job) at the
-    first save after them, as soon as its checkpoint folder exists without a manifest (a kill inside a
-    save); then the whole job killed and a new one started on the same run folder, until one finishes."""
+    """Each job: a random rank SIGKILLed once the fit passed a random step (later for each job), or
+    (every other job) at the first save after it, as soon as its checkpoint folder exists without a
+    manifest (a kill inside a save); then the whole job killed and a new one started on the same run
+    folder, until one finishes."""
     rng = random.Random(int(os.environ.get("KEEPALIVE_TEST_SEED", "23")))
     run_dir = str(tmp_path / "run")
     env = {"LDDP_SLOW_WRITE": "0.05", "LDDP_STEP_SLEEP": "0.03"}
     log = []
-    for attempt in range(3):
+    for attempt, target in enumerate(sorted(rng.sample(range(4, 32), 3))):
         before = _saving(run_dir)  # torn folders of earlier kills
         j = job(tmp_path, f"attempt{attempt}", env, run_dir=run_dir)
         mid_save = attempt % 2 == 0
-        steps = rng.randint(3, 7)  # at most 3 x (7 + a save 4 steps later) < 36: each job is killed
         victim = rng.choice((0, 1))
         try:
             deadline = time.monotonic() + 240
             while j.proc.poll() is None and time.monotonic() < deadline:
-                now = len(re.findall(r"^STEP \d+$", j.text(), re.M))
-                if now >= steps and (not mid_save or _saving(run_dir) - before):
+                step = max((int(s) for s in re.findall(r"^STEP (\d+)$", j.text(), re.M)), default=0)
+                if step >= target and (not mid_save or _saving(run_dir) - before):
                     break
                 time.sleep(0.005)
             assert j.proc.poll() is None, f"attempt {attempt} ended before its kill:\n{j.text()[-6000:]}"
-            committed = [int(m) for m in re.findall(r"^COMMITTED (\d+)$", j.text(), re.M)]
             pid = int(open(os.path.join(j.out_dir, f"pid.0.{victim}")).read())
             os.kill(pid, 9)
-            torn = len(_saving(run_dir) - before)
+            torn = sorted(_saving(run_dir) - before)
             while _alive(pid):
                 time.sleep(0.01)
         finally:
             j.stop()
         resumed = [int(s) for s in RESUME_RE.findall(j.text())]
-        when = f"{'first save after ' if mid_save else 'after '}{steps} steps"
-        log.append((victim, when, torn, max(committed, default=None), resumed))
+        when = f"{'first save after ' if mid_save else ''}step {target}"
+        log.append((victim, when, torn, _newest_committed(run_dir), resumed))
     last = job(tmp_path, "last", env, run_dir=run_dir)
     text = finish(last)
     resumed_at = [int(s) for s in RESUME_RE.findall(text)]
-    print("kills (rank, when, checkpoint folders without manifest, last commit before, resumed at):", log,
+    print("kills (rank, when, checkpoint folders without manifest, newest commit after it, resumed at):", log,
           "last job resumed at:", resumed_at)
     assert any(torn for _, _, torn, _, _ in log), log  # at least one kill landed inside a save
-    # every job resumes at or after the newest commit before the previous kill
+    # every job resumes from the newest checkpoint committed before it (none goes back past a commit)
     starts = [r[0] if r else 0 for *_, r in log[1:]] + resumed_at
     for (_, _, _, committed, _), start in zip(log, starts):
-        assert committed is None or start >= committed, (log, resumed_at)
+        assert start == (committed or 0), (log, resumed_at)
     assert "not bit-identical" not in text and "epoch ends only" not in text, text[-4000:]
     for rank, resumed in enumerate(finals(last)):
         assert_same(without_keepalive[rank], resumed, f"rank {rank} after {len(log)} kills vs without keepalive")
+    assert csv_log(last) == without_keepalive.csv()
+
+
+def _newest_committed(run_dir: str) -> Optional[int]:
+    """The step of the run's newest checkpoint that verifies (None: none)."""
+    store = CheckpointStore(run_dir)
+    return max((info.step for info in store.list() if store.verify(info).valid), default=None)
+
+
+def csv_log(j: TorchrunJob) -> str:
+    """The fit's CSV log (Lightning's CSVLogger, written by rank 0)."""
+    with open(os.path.join(j.run_dir + "-logs", "lightning_logs", "version_0", "metrics.csv")) as f:
+        return f.read()
 
 
 def _saving(run_dir: str) -> set:

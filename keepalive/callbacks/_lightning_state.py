@@ -197,6 +197,8 @@ def restore_csv(trainer: Any, saved: List[Dict[str, Any]], warn: Callable[[str, 
     """Point each CSV logger back at the version the checkpoint's run wrote, its file cut back to the
     rows it held at the checkpoint, the unflushed rows pending (see above). Before training starts (the
     writers were made when the fit set up: a new version's folder, still empty, is removed)."""
+    if getattr(trainer, "global_rank", 0) != 0:
+        return  # a CSV logger writes on rank 0 only (the other ranks' writer is a stand-in)
     for logger, entry in zip(csv_loggers(trainer), saved):
         if not entry:
             continue

@@ -80,6 +80,9 @@ from .torchstate import check_module
 __all__ = ["DriveCheckpoint"]
 
 FORMAT = 1
+#: the key of the data part (which the core keeps per rank: :data:`keepalive.distributed.PER_RANK`) under
+#: which a rank's own accumulators travel
+OWN = "rank_state"
 
 
 class DriveCheckpoint(CheckpointAdapter, pl.Callback):
@@ -197,8 +200,9 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
         # the CSV logs go on in the run's version, as they stood at the checkpoint
         lstate.restore_csv(trainer, lt.get("loggers") or [], lambda msg, key: core.warn(msg, key=key))
         lstate.watch_new_csv(trainer)  # those the checkpoint has no entry for (an older keepalive's)
-        self._pending = {"rng": tree.get("rng"), "results": lt.get("results") or [],
-                         "metrics": lt.get("metrics") or {}, "trainer_metrics": lt.get("trainer_metrics")}
+        own = saved.get(OWN) or lt  # this rank's (an older checkpoint kept them with the replicated state)
+        self._pending = {"rng": tree.get("rng"), "results": own.get("results") or [],
+                         "metrics": own.get("metrics") or {}, "trainer_metrics": own.get("trainer_metrics")}
         if lt.get("finished"):
             if lt.get("should_stop"):
                 trainer.should_stop = True  # it ended early (EarlyStopping): no more epochs now
@@ -393,12 +397,14 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
         lt: Dict[str, Any] = {
             "format": FORMAT, "version": pl.__version__, "checkpoint": ckpt,
             "finished": bool(self.core.finished), "should_stop": bool(trainer.should_stop),
-            "metrics": lstate.capture_metrics(trainer.lightning_module),
-            "trainer_metrics": lstate.capture_trainer_metrics(trainer),
             "loggers": lstate.capture_csv(trainer)}
-        saved: Dict[str, Any] = {"positioned": self.why_not is None}
+        # what each rank accumulates itself (the epoch's self.log values before their sync, torchmetrics
+        # states, the last logged values): with the data position, in the part the core keeps per rank
+        own: Dict[str, Any] = {"metrics": lstate.capture_metrics(trainer.lightning_module),
+                               "trainer_metrics": lstate.capture_trainer_metrics(trainer)}
+        saved: Dict[str, Any] = {"positioned": self.why_not is None, OWN: own}
         if self.core.counters["batch"]:
-            lt["results"] = lstate.capture_results(trainer.fit_loop.epoch_loop._results)
+            own["results"] = lstate.capture_results(trainer.fit_loop.epoch_loop._results)
             saved["loaders"] = positions = self.data.positions()  # where each training loader's pass is
             workers = self.data.workers_untold(positions)
             if workers is not None:

@@ -9,7 +9,8 @@ seeded apart in ``on_fit_start``), the model has
 dropout, validation also runs in the middle of each epoch, the LR schedule steps per step.
 
 Each rank writes ``OUT_DIR/pid.<restart>.<rank>`` at start (tests/torchrunkit.py reads them) and
-``OUT_DIR/final.<rank>.pt`` (its model's weights and optimizer state) at the end; rank 0 prints
+``OUT_DIR/final.<rank>.pt`` (its model's weights and optimizer state) at the end, Lightning's CSV
+log (rank 0 writes it) to ``RUN_DIR-logs``; rank 0 prints
 ``COMMITTED n`` after each checkpoint commit, every rank ``DONE rank r step n`` at the end.
 
 Environment (test knobs): LDDP_PLAIN=1 (the same fit without keepalive), LDDP_EPOCHS (3), LDDP_EVERY (3
@@ -28,6 +29,7 @@ import time
 import lightning.pytorch as pl
 import torch
 from childio import emit
+from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 from toydata import NoisyIndexed
 
@@ -148,7 +150,8 @@ def main(run_dir: str, out_dir: str) -> None:
             ckpt.core.on_commit.append(lambda r: emit(f"COMMITTED {r.info.step}"))
         callbacks.append(ckpt)
     trainer = pl.Trainer(max_epochs=int(knob("LDDP_EPOCHS", 3)), accelerator="cpu", devices=2,
-                         strategy=os.environ.get("LDDP_STRATEGY", "ddp"), callbacks=callbacks, logger=False,
+                         strategy="ddp", callbacks=callbacks, logger=CSVLogger(run_dir + "-logs"),
+                         log_every_n_steps=1,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          val_check_interval=0.5, num_sanity_val_steps=0, default_root_dir=out_dir)
     trainer.fit(model, datamodule=Data())
