@@ -6,8 +6,8 @@ DDP model, the ``AcceleratedOptimizer`` and the ``AcceleratedScheduler`` that ``
 returned, ``ckpt.batches(dl)`` the prepared loader; the step runs inside ``accelerator.accumulate``;
 dropout and noise from the global RNG in the dataset.
 
-* ``torchrun --max-restarts=4`` with a ``DataLoaderShard``: with keepalive and no kill, both ranks end
-  bit-identical to the same script without keepalive; then a random rank SIGKILLed 3 times at random
+* ``torchrun --max-restarts=4`` with a ``DataLoaderShard`` (4 epochs): with keepalive and no kill, both ranks end
+  bit-identical to the same script without keepalive; then a random rank SIGKILLed (up to) 3 times at random
   moments (writes slowed so that kills land inside saves), torchrun restarting the workers each time:
   both ranks bit-identical to the uninterrupted run.
 * ``dispatch_batches=True`` (a ``DataLoaderDispatcher``: rank 0 reads every rank's batches), restarted
@@ -102,8 +102,9 @@ class NotebookLaunch:
 
 
 def test_prepared_objects_torchrun_restarts_after_random_rank_kills_bit_identical(tmp_path):
-    plain = TorchrunJob(tmp_path, "plain", SCRIPT, env={"ACCEL_PLAIN": "1"})
-    ref = TorchrunJob(tmp_path, "ref", SCRIPT)
+    epochs = {"ACCEL_EPOCHS": "4"}  # 16 steps: room for 3 kills and their restarts
+    plain = TorchrunJob(tmp_path, "plain", SCRIPT, env=dict(epochs, ACCEL_PLAIN="1"))
+    ref = TorchrunJob(tmp_path, "ref", SCRIPT, env=epochs)
     try:
         ref_text = finish(ref)
         finish(plain)
@@ -115,13 +116,15 @@ def test_prepared_objects_torchrun_restarts_after_random_rank_kills_bit_identica
     for rank, (with_ka, without) in enumerate(zip(reference, finals(plain.out_dir))):
         assert_same(without, with_ka, f"rank {rank} with keepalive vs without")  # transparent
     exact(ref_text)
+    assert "DONE rank 0 step 16" in ref_text, ref_text[-4000:]  # optimizer steps, not the 60 micro-batches
 
     rng = random.Random(int(os.environ.get("KEEPALIVE_TEST_SEED", "23")))
     crash = TorchrunJob(tmp_path, "crash", SCRIPT, restarts=4,
-                        env={"ACCEL_SLOW_WRITE": "0.05", "ACCEL_STEP_SLEEP": "0.04", "ACCEL_EVERY": "1"})
-    log, resumed = kill_ranks_at_random(crash, rng, 3, (0.5, 2.5), RESUME_RE)
+                        env=dict(epochs, ACCEL_SLOW_WRITE="0.05", ACCEL_STEP_SLEEP="0.03", ACCEL_EVERY="1"))
+    log, resumed = kill_ranks_at_random(crash, rng, 3, (0.3, 1.2), RESUME_RE)
     text = crash.text()
-    assert len(log) == 3 and len(resumed) >= 1 and max(resumed) > 0, (log, resumed, text[-4000:])
+    # (a last kill may come too late under load: the job has finished)
+    assert len(log) >= 2 and len(resumed) >= 2 and max(resumed) > 0, (log, resumed, text[-4000:])
     exact(text)
     for rank, got in enumerate(finals(crash.out_dir)):
         assert_same(reference[rank], got, f"rank {rank} after {len(log)} kills vs uninterrupted")
