@@ -8,7 +8,8 @@ it without a prefix ("we create a new TCPStore for every retry"). A restarted at
 refused", then a hang until the group's timeout. Accelerate's ``Accelerator()``, the HF Trainer and
 Lightning all create the group through ``env://``, so the fix must sit there, not in a keepalive call.
 
-The guard (:func:`install`, run by ``import keepalive``) wraps torch's ``env`` rendezvous handler. In a
+The guard (:func:`install`, run by ``import keepalive``) wraps torch's ``env`` (and ``tcp``) rendezvous
+handlers. In a
 worker of an agent store it keys the attempt's store by a generation every rank of this attempt agrees
 on (:func:`attempt_store`), learnt through the store itself: ``TORCHELASTIC_RESTART_COUNT`` cannot be the
 key, because on several nodes the agent whose worker did not fail restarts without incrementing it.
@@ -43,6 +44,10 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Tuple
 
 #: the torch module whose handler table is patched
 TORCH_RENDEZVOUS = "torch.distributed.rendezvous"
+#: the rendezvous schemes that, in an agent worker, connect to the agent's shared store: ``env://`` (what
+#: frameworks use) and ``tcp://`` (``init_method="tcp://$MASTER_ADDR:$MASTER_PORT"``); both go through
+#: torch's ``_create_c10d_store``, which then makes a client of the agent's server
+SCHEMES = ("env", "tcp")
 #: every key of the handshake lives below this one, in the agent's (unprefixed) store
 BASE = "keepalive/rdzv"
 #: the generation counter: one ``add`` per attempt, by that attempt's rank 0
@@ -137,11 +142,12 @@ Handler = Callable[..., Iterator[Tuple[Any, int, int]]]
 
 
 def guarded(handler: Handler) -> Handler:
-    """torch's ``env`` rendezvous handler with each attempt's keys apart in an agent worker."""
+    """torch's rendezvous ``handler`` with each attempt's keys apart in an agent worker."""
     if getattr(handler, "keepalive_guard", False):
         return handler
 
-    def env_handler(url: str, timeout: Any = timedelta(minutes=30), **kwargs: Any) -> Iterator[Tuple[Any, int, int]]:
+    def agent_safe_handler(url: str, timeout: Any = timedelta(minutes=30),
+                           **kwargs: Any) -> Iterator[Tuple[Any, int, int]]:
         rendezvous = handler(url, timeout=timeout, **kwargs)
         store, rank, world_size = next(rendezvous)
         if agent_store():
@@ -149,23 +155,25 @@ def guarded(handler: Handler) -> Handler:
         yield store, rank, world_size
         yield from rendezvous  # torch's: "Unable to perform re-rendezvous using env:// method"
 
-    env_handler.keepalive_guard = True  # type: ignore[attr-defined]
-    env_handler.__wrapped__ = handler  # type: ignore[attr-defined]
-    return env_handler
+    agent_safe_handler.keepalive_guard = True  # type: ignore[attr-defined]
+    agent_safe_handler.__wrapped__ = handler  # type: ignore[attr-defined]
+    return agent_safe_handler
 
 
 def patch(module: ModuleType) -> None:
-    """Wrap the ``env`` handler in torch's rendezvous module (once)."""
+    """Wrap the ``env`` and ``tcp`` handlers in torch's rendezvous module (once each)."""
     handlers = getattr(module, "_rendezvous_handlers", None)
-    if isinstance(handlers, dict) and "env" in handlers:
-        handlers["env"] = guarded(handlers["env"])
+    for scheme in SCHEMES:
+        if isinstance(handlers, dict) and scheme in handlers:
+            handlers[scheme] = guarded(handlers[scheme])
 
 
 def unpatch(module: ModuleType) -> None:
-    """Torch's own ``env`` handler again (tests' negative controls)."""
+    """Torch's own handlers again (tests' negative controls)."""
     handlers = getattr(module, "_rendezvous_handlers", None)
-    if isinstance(handlers, dict) and "env" in handlers:
-        handlers["env"] = getattr(handlers["env"], "__wrapped__", handlers["env"])
+    for scheme in SCHEMES:
+        if isinstance(handlers, dict) and scheme in handlers:
+            handlers[scheme] = getattr(handlers[scheme], "__wrapped__", handlers[scheme])
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -206,7 +214,8 @@ def _remove_hook() -> None:
 
 
 def install() -> None:
-    """Wrap torch's ``env`` rendezvous handler now if torch is imported, else when it is (idempotent)."""
+    """Wrap torch's ``env`` / ``tcp`` rendezvous handlers now if torch is imported, else when it is
+    (idempotent)."""
     module = sys.modules.get(TORCH_RENDEZVOUS)
     if module is not None:
         patch(module)
@@ -228,8 +237,8 @@ def unguarded_group_problem() -> Optional[str]:
         method = getattr(sys.modules.get("torch.distributed.distributed_c10d"), "_default_pg_init_method", None)
     except Exception:  # noqa: BLE001 - a half-imported torch: nothing to say
         return None
-    if not (isinstance(method, str) and method.startswith("env://")):
-        return None  # an explicit store / tcp:// / file://: that rendezvous is the program's own
+    if not (isinstance(method, str) and method.startswith(tuple(f"{s}://" for s in SCHEMES))):
+        return None  # an explicit store / file://: that rendezvous is the program's own
     _warned_unguarded = True
     return ("the process group was created before keepalive was imported: a restart by torchrun "
             "(--max-restarts) may hang in gloo/NCCL connect, reading the previous attempt's addresses "

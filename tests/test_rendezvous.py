@@ -4,7 +4,7 @@
   of a "previous attempt" (its ranks' hellos, welcomes, acks and generation) still in the store;
 * a rank that died before the handshake (its hello left behind) and the live rank that comes later;
 * a peer that never comes: one clear error line within the timeout, no hang;
-* torch's ``env`` handler wrapped only in an agent-store worker; ``import keepalive`` patches torch
+* torch's ``env`` and ``tcp`` handlers wrapped, acting only in an agent-store worker; ``import keepalive`` patches torch
   whether torch was imported before or after it, and imports no torch itself;
 * negative control: torch's own handler hands the new attempt the previous attempt's keys.
 """
@@ -121,7 +121,7 @@ def agent_env(monkeypatch, server, rank: int, world: int) -> None:
     monkeypatch.setenv("WORLD_SIZE", str(world))
 
 
-def test_env_handler_keeps_attempts_apart_and_torchs_own_does_not(server, monkeypatch):
+def test_the_handlers_keep_attempts_apart_and_torchs_own_do_not(server, monkeypatch):
     """An attempt writes a peer address into the store it got from the ``env://`` handler; the next
     attempt's store must not show it. Negative control: torch's own handler shows it."""
     agent_env(monkeypatch, server, rank=0, world=1)
@@ -139,6 +139,13 @@ def test_env_handler_keeps_attempts_apart_and_torchs_own_does_not(server, monkey
     attempt(own).set("default_pg/0//cpu//0/rank_1", "address of a dead process")
     assert attempt(own).check(["default_pg/0//cpu//0/rank_1"])  # the control: torch reads it
 
+    # init_method="tcp://MASTER_ADDR:MASTER_PORT" reaches the same shared store in an agent worker
+    tcp = kr.guarded(getattr(TORCH_RDZV._rendezvous_handlers["tcp"], "__wrapped__",
+                             TORCH_RDZV._rendezvous_handlers["tcp"]))
+    url = f"tcp://127.0.0.1:{server.port}?rank=0&world_size=1"
+    store, _, _ = next(tcp(url, timeout=timedelta(seconds=10)))
+    assert not store.check(["default_pg/0//cpu//0/rank_1"])
+
     # not an agent worker: torch's store as is (rank 0 hosts it)
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
@@ -148,15 +155,17 @@ def test_env_handler_keeps_attempts_apart_and_torchs_own_does_not(server, monkey
 
 def test_import_keepalive_patches_torch_before_or_after_and_imports_no_torch():
     code = ("import sys\n{first}\nassert ('torch' in sys.modules) == {torch_first}\n{second}\n"
-            "h = sys.modules['torch.distributed.rendezvous']._rendezvous_handlers['env']\n"
-            "print(getattr(h, 'keepalive_guard', False), getattr(h, '__wrapped__', h).__name__)\n")
+            "for s in ('env', 'tcp', 'file'):\n"
+            "    h = sys.modules['torch.distributed.rendezvous']._rendezvous_handlers[s]\n"
+            "    print(getattr(h, 'keepalive_guard', False), getattr(h, '__wrapped__', h).__name__)\n")
     for first, second, torch_first in (("import keepalive", "import torch", False),
                                        ("import torch", "import keepalive", True)):
         out = subprocess.run([sys.executable, "-c", code.format(first=first, second=second,
                                                                 torch_first=torch_first)],
                              capture_output=True, text=True, cwd=ROOT, timeout=120)
         assert out.returncode == 0, out.stderr
-        assert out.stdout.split() == ["True", "_env_rendezvous_handler"], (first, out.stdout)
+        assert out.stdout.split() == ["True", "_env_rendezvous_handler", "True", "_tcp_rendezvous_handler",
+                                      "False", "_file_rendezvous_handler"], (first, out.stdout)
 
 
 def test_a_group_made_without_the_guard_is_told_once(monkeypatch):
@@ -169,7 +178,7 @@ def test_a_group_made_without_the_guard_is_told_once(monkeypatch):
     assert kr.unguarded_group_problem() is None  # no group
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     c10d = sys.modules["torch.distributed.distributed_c10d"]
-    monkeypatch.setattr(c10d, "_default_pg_init_method", "tcp://127.0.0.1:1", raising=False)
+    monkeypatch.setattr(c10d, "_default_pg_init_method", "file:///tmp/rdzv", raising=False)
     assert kr.unguarded_group_problem() is None  # the program's own rendezvous
     monkeypatch.setattr(c10d, "_default_pg_init_method", "env://", raising=False)
     text = kr.unguarded_group_problem()
