@@ -101,6 +101,58 @@ class NotebookLaunch:
         return self.text()
 
 
+@pytest.fixture
+def accelerator():
+    """An ``Accelerator(cpu=True, gradient_accumulation_steps=3)`` in this process (one process), whose
+    process-wide state is dropped afterwards (Accelerate keeps it in class attributes)."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    yield Accelerator(cpu=True, gradient_accumulation_steps=3)
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def test_prepared_objects_one_process_count_optimizer_steps_and_resume_into_raw_ones(tmp_path, accelerator):
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from keepalive.callbacks.torch import DriveCheckpoint
+    from keepalive.store import CheckpointStore
+
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.2), torch.nn.Linear(8, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        return model, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+
+    data = TensorDataset(torch.randn(40, 4), torch.randn(40, 1))
+    model, opt, sched = build()
+    model, opt, dl, sched = accelerator.prepare(model, opt, DataLoader(data, batch_size=4, shuffle=True), sched)
+    run = str(tmp_path / "run")
+    # the AcceleratedOptimizer raised AttributeError '_optimizer_step_post_hooks' here
+    ckpt = DriveCheckpoint(run, model=model, optimizer=opt, scheduler=sched, every=1, keep=None, quiet=True)
+    for _ in ckpt.epochs(1):
+        for x, y in ckpt.batches(dl):
+            with accelerator.accumulate(model):
+                accelerator.backward(torch.nn.functional.mse_loss(model(x), y))
+                opt.step()
+                sched.step()
+                opt.zero_grad()
+    ckpt.close()
+    # 10 micro-batches: steps after the 3rd, 6th, 9th and (the loader's end) the 10th; a save at each
+    # step, none between two micro-batches of an accumulation
+    assert ckpt.step == 4
+    assert {info.step for info in CheckpointStore(run).list()} == {1, 2, 3, 4}
+
+    raw_model, raw_opt, raw_sched = build()  # the same run resumed with the objects not prepared
+    again = DriveCheckpoint(run, model=raw_model, optimizer=raw_opt, scheduler=raw_sched, quiet=True)
+    assert again.resume() and again.step == 4
+    assert_same(model.state_dict(), raw_model.state_dict(), "the model")
+    assert_same(opt.state_dict()["state"], raw_opt.state_dict()["state"], "the optimizer")
+    assert raw_sched.state_dict() == sched.state_dict()
+    again.close()
+
+
 def test_prepared_objects_torchrun_restarts_after_random_rank_kills_bit_identical(tmp_path):
     epochs = {"ACCEL_EPOCHS": "4"}  # 16 steps: room for 3 kills and their restarts
     plain = TorchrunJob(tmp_path, "plain", SCRIPT, env=dict(epochs, ACCEL_PLAIN="1"))

@@ -13,8 +13,8 @@ write it) runs under ``torchrun --nproc_per_node 2``:
   recorded at the epoch's ``iter()`` dropped (the shuffle of the resumed epoch is then another one) ends
   different, so the comparison can fail.
 
-A new job rather than ``--max-restarts``: a restarted attempt can hang on the stale rendezvous keys
-(issue 23). Jobs run in their own process sessions and are stopped by their process group.
+A new job rather than ``--max-restarts`` (tests/test_accelerate.py restarts with it). Jobs run in their
+own process sessions and are stopped by their process group.
 """
 from __future__ import annotations
 

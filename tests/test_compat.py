@@ -408,3 +408,49 @@ def test_a_probe_that_cannot_look_counts_as_missing():
         compat.check()
     assert str(info.value).startswith("keepalive's torch adapter needs Thing._gone, which torch ")
     assert info.value.missing == ("Thing._gone",) and info.value.framework == "torch"
+
+
+# ------------------------------------------------------------------ Accelerate's objects (torch adapter)
+def test_accelerate_internals_exist_and_are_used_where_they_say():
+    pytest.importorskip("accelerate")
+    from keepalive.callbacks._compat import ACCELERATE
+
+    ACCELERATE.reset()
+    assert ACCELERATE.missing(required_only=False) == []
+    unused = [f"{i.name}: {i.text!r} not in {i.file}" for i in ACCELERATE.internals if i.text not in _source(i.file)]
+    assert unused == []
+    pins = open(os.path.join(ROOT, "constraints.txt"), encoding="utf-8").read()
+    from packaging.specifiers import SpecifierSet
+
+    pinned = re.search(r"^accelerate==(\S+)", pins, re.M)
+    assert pinned and pinned.group(1) in SpecifierSet(ACCELERATE.packages["accelerate"].tested)
+
+
+def test_a_prepared_optimizer_of_an_accelerate_without_its_wrapped_optimizer_is_refused(tmp_path, monkeypatch):
+    pytest.importorskip("accelerate")
+    import accelerate.optimizer as ao
+    import torch
+
+    from keepalive.callbacks._compat import ACCELERATE
+    from keepalive.callbacks.torch import DriveCheckpoint
+
+    model = torch.nn.Linear(2, 1)
+    prepared = object.__new__(ao.AcceleratedOptimizer)  # what accelerator.prepare returns
+    prepared.__dict__["optimizer"] = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    class AcceleratedOptimizer(torch.optim.Optimizer):  # a release that keeps the optimizer elsewhere
+        def __init__(self, optimizer):
+            self.inner = optimizer
+
+    monkeypatch.setattr(ao, "AcceleratedOptimizer", AcceleratedOptimizer)
+    ACCELERATE.reset()
+    try:
+        with pytest.raises(IncompatibleFrameworkError) as info:
+            DriveCheckpoint(str(tmp_path / "run"), model=model, optimizer=prepared)
+    finally:
+        ACCELERATE.reset()
+    text = str(info.value)
+    assert "\n" not in text and text.startswith(
+        "keepalive's Accelerate adapter needs accelerate.optimizer.AcceleratedOptimizer.optimizer, which "
+        "accelerate "), text
+    assert "(tested with accelerate>=1.1,<2)" in text, text

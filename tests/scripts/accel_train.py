@@ -79,9 +79,9 @@ def main(run_dir: str, out_dir: str) -> None:
         from keepalive.callbacks.torch import DriveCheckpoint
 
         kill = [int(v) for v in os.environ.get("ACCEL_KILL", "").split(":") if v]
-        # The raw model and optimizer, not the prepared ones: DriveCheckpoint does not take
-        # Accelerate's AcceleratedOptimizer yet (issue 23); the DDP wrapper's module and the
-        # AcceleratedOptimizer's inner optimizer are these very objects, so their state is the same.
+        # The raw model and optimizer, not the prepared ones (a shape users write too; the prepared ones
+        # are tests/scripts/accel_prepared.py's): the DDP wrapper's module and the AcceleratedOptimizer's
+        # inner optimizer are these very objects, so their state is the same.
         ckpt = DriveCheckpoint(run_dir, model=raw_model, optimizer=raw_opt,
                                every=int(os.environ.get("ACCEL_EVERY", "3")), keep=None)
         if rank == 0:
