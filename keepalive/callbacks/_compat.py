@@ -259,6 +259,10 @@ def _accelerate_internals() -> List[Internal]:
         Internal("accelerate.data_loader.DataLoaderDispatcher.base_dataloader", "the same for a loader "
                  "prepared with dispatch_batches=True (iterated on rank 0 only)",
                  "_torch_replay.py: _base_loader", uses(dispatcher, "base_dataloader")),
+        Internal("accelerate.data_loader.DataLoaderDispatcher._drop_last", "whether the dispatcher completes "
+                 "an uneven last batch with the iteration's first samples (told: not replayed after a resume)",
+                 "_torch_replay.py: _Dispatch.completes_last_batch", uses(dispatcher, "_drop_last"),
+                 token='"_drop_last"'),
         Internal("accelerate.data_loader.DataLoaderShard.iteration", "the prepared loader's epoch count "
                  "(its sampler's set_epoch): saved with a checkpoint as a counter of the loader",
                  "_torch_replay.py: _counters", uses(shard, "iteration", "set_epoch"), token="_counters"),

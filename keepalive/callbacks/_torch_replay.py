@@ -298,6 +298,13 @@ class LoaderReplay:
         #: why a mid-epoch resume of this loader is not bit-exact although it is positioned ('' if it is)
         self.inexact = ""
         self.mode = self._mode()
+        if self.dispatch is not None and self.dispatch.completes_last_batch(loader):
+            self.inexact = (
+                "the DataLoaderDispatcher (dispatch_batches=True) completes each epoch's last, uneven "
+                "batch with samples of the epoch's first batch, and a resumed epoch's first batch is "
+                "another one: from a mid-epoch checkpoint that last batch differs from an uninterrupted "
+                "run's. Make the dataset's length a multiple of batch_size x processes, or pass "
+                "drop_last=True, for an exact resume")
         self.start_state: Optional[Dict[str, Any]] = None  # recorded at the running iteration's iter()
         self._positioned: Optional[_Positioned] = None
         self._folder: Optional[str] = None  # the workers' random states (workers > 0)
@@ -668,6 +675,20 @@ class _Dispatch:
 
     def __init__(self, reads: bool, base_batches: int, base_samples: int):
         self.reads, self.base_batches, self.base_samples = reads, base_batches, base_samples
+
+    def completes_last_batch(self, loader: Any) -> bool:
+        """Whether the epoch's last batch is uneven across the ranks, so that the dispatcher completes
+        it with the first samples of the batch the iteration began with (``_drop_last`` False)."""
+        if getattr(loader, "_drop_last", True):
+            return False
+        try:
+            length, size = len(loader.dataset), int(loader.batch_size)
+        except TypeError:
+            return False
+        base_drop = bool(getattr(loader.batch_sampler, "drop_last", False))
+        sizes = [size] * (length // size) + ([length % size] if length % size and not base_drop else [])
+        last = sizes[-(len(sizes) % self.base_batches or self.base_batches):]
+        return sum(last) % self.base_samples != 0
 
     @staticmethod
     def of(loader: Any) -> Optional["_Dispatch"]:
