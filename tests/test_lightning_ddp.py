@@ -10,7 +10,8 @@ creates the process group itself:
   started: both ranks end bit-identical to the fit without keepalive (a mid-epoch resume);
 * negative controls on a copy of the same killed run: a resume without the saved data position, and
   one where every rank takes rank 0's random state and data position, end different;
-* a random rank SIGKILLed at random steps and inside saves (slow writes; a kill as soon as a
+* a random rank sent SIGTERM: one save by all ranks, said once; then a random rank SIGKILLed at random
+  steps and inside saves (slow writes; a kill as soon as a
   checkpoint folder has no manifest yet), a new job after each kill: every resume starts at or after
   the last commit before the kill, and both ranks end bit-identical to the fit without keepalive;
 * sharded strategies and processes started from the notebook are refused in one line.
@@ -182,16 +183,26 @@ def test_ddp_transparent_and_exact_after_a_rank_kill_mid_epoch(tmp_path, without
     assert csv_log(ref) == csv_log(again) == without_keepalive.csv()
 
 
-def test_random_rank_kills_inside_saves_then_a_new_job_resume_exactly(tmp_path, without_keepalive):
-    """Each job: a random rank SIGKILLed once the fit passed a random step (later for each job), or
-    (every other job) at the first save after it, as soon as its checkpoint folder exists without a
-    manifest (a kill inside a save); then the whole job killed and a new one started on the same run
-    folder, until one finishes."""
+def test_sigterm_and_random_rank_kills_inside_saves_then_a_new_job_resume_exactly(tmp_path, without_keepalive):
+    """A SIGTERM to a random rank; then in each job a random rank SIGKILLed once the fit passed a
+    random step (later for each job), or (every other job) at the first save after it, as soon as its
+    checkpoint folder exists without a manifest (a kill inside a save); then the whole job killed and
+    a new one started on the same run folder, until one finishes."""
     rng = random.Random(int(os.environ.get("KEEPALIVE_TEST_SEED", "23")))
     run_dir = str(tmp_path / "run")
     env = {"LDDP_SLOW_WRITE": "0.05", "LDDP_STEP_SLEEP": "0.03"}
-    log = []
-    for attempt, target in enumerate(sorted(rng.sample(range(4, 32), 3))):
+    # first a SIGTERM to a random rank (a preemption): one save, by all ranks, at the next boundary
+    victim, term_at = rng.choice((0, 1)), rng.randint(3, 9)
+    term = job(tmp_path, "sigterm", dict(env, LDDP_SIGTERM=f"{victim}:{term_at}"), run_dir=run_dir)
+    try:
+        assert term.wait(240) != 0  # 143: torchrun (--max-restarts) or a scheduler starts it again
+    finally:
+        term.stop()
+    saved = re.findall(r"^keepalive: SIGTERM: saved .*?step (\d+) to ", term.text(), re.M)
+    assert len(saved) == 1 and term_at <= int(saved[0]) <= term_at + 1, term.text()[-4000:]  # said by rank 0
+    log = [(victim, f"SIGTERM after step {term_at}", [], _newest_committed(run_dir), [])]
+    assert log[0][3] == int(saved[0]), log
+    for attempt, target in enumerate(sorted(rng.sample(range(term_at + 3, 32), 3))):
         before = _saving(run_dir)  # torn folders of earlier kills
         j = job(tmp_path, f"attempt{attempt}", env, run_dir=run_dir)
         mid_save = attempt % 2 == 0
@@ -220,6 +231,7 @@ def test_random_rank_kills_inside_saves_then_a_new_job_resume_exactly(tmp_path, 
     print("kills (rank, when, checkpoint folders without manifest, newest commit after it, resumed at):", log,
           "last job resumed at:", resumed_at)
     assert any(torn for _, _, torn, _, _ in log), log  # at least one kill landed inside a save
+    assert len(log) == 4 and all(r for *_, r in log[1:]), log  # each job after the SIGTERM resumed
     # every job resumes from the newest checkpoint committed before it (none goes back past a commit)
     starts = [r[0] if r else 0 for *_, r in log[1:]] + resumed_at
     for (_, _, _, committed, _), start in zip(log, starts):

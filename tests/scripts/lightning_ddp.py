@@ -17,6 +17,7 @@ Environment (test knobs): LDDP_PLAIN=1 (the same fit without keepalive), LDDP_EP
 optimizer steps), LDDP_KILL="rank:step:saved" (that rank waits until the checkpoint of step ``saved`` is
 committed, prints ``KILL``, and SIGKILLs itself before training step ``step``), LDDP_SLOW_WRITE (seconds
 each checkpoint file write takes: random kills land inside saves), LDDP_STEP_SLEEP (seconds per step),
+LDDP_SIGTERM="rank:step" (that rank sends itself SIGTERM after that step),
 LDDP_CONTROL=no-position (negative control: a resume ignores the saved data position and the loaders'
 generators, as if keepalive did not capture them), LDDP_CONTROL=rank0-parts (negative control: every
 rank resumes with rank 0's random state and data position, as if only rank 0's were saved).
@@ -103,6 +104,10 @@ class Steps(pl.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_rank == 0:
             emit(f"STEP {trainer.global_step}")
+        term = [int(v) for v in os.environ.get("LDDP_SIGTERM", "").split(":") if v]
+        if term and trainer.global_rank == term[0] and trainer.global_step == term[1]:
+            emit(f"SIGTERM rank {trainer.global_rank} after step {trainer.global_step}")
+            os.kill(os.getpid(), signal.SIGTERM)
         sleep = knob("LDDP_STEP_SLEEP", 0.0)
         if sleep:
             time.sleep(sleep)
