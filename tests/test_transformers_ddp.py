@@ -9,10 +9,12 @@ shuffled batches (``BatchSamplerShard``); 6 optimizer steps per epoch, 3 epochs.
   ``BatchSamplerShard`` gives that rank (drop_last, split_batches, the batches repeated to even the ranks out),
   and starts a resumed epoch at any of them;
 * transparency: keepalive saving at every step, no kill, both ranks bit-identical to the run without it, and
-  nothing said about epoch ends;
+  nothing said about epoch ends; one of its checkpoints inside an epoch, resumed on one process: refused in
+  one line before anything loads;
 * a random rank SIGKILLed inside an epoch, then inside a save, each job run again until done: both ranks'
   weights, optimizer states and log histories bit-identical to the run without keepalive; a resume lands inside
   an epoch (not at an epoch end);
+* the same with two loader workers per rank making (masking) the batches;
 * negative control: after the restart rank 1 reads rank 0's shard: the result differs.
 
 A new ``torchrun`` job per kill (torchrun's own ``--max-restarts`` is another file's subject). Processes are
@@ -23,6 +25,7 @@ from __future__ import annotations
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -93,14 +96,15 @@ def test_uneven_shards_are_not_positioned():
 class Job:
     """One ``torchrun --nproc_per_node=2 hf_ddp.py`` job (no restarts), in its own process session."""
 
-    def __init__(self, tmp, name: str, attempt: int = 0, **env: str):
-        self.run_dir, self.out_dir = str(tmp / f"{name}-run"), str(tmp / f"{name}-out")
+    def __init__(self, tmp, name: str, attempt: int = 0, nproc: int = 2, run_dir: Optional[str] = None,
+                 **env: str):
+        self.run_dir, self.out_dir = run_dir or str(tmp / f"{name}-run"), str(tmp / f"{name}-out")
         self.attempt = attempt
         full_env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", KEEPALIVE_PROGRESS="0",
                         TOKENIZERS_PARALLELISM="false", HFDDP_ATTEMPT=str(attempt),
                         PYTHONPATH=os.pathsep.join([os.path.join(HERE, "scripts"), ROOT, os.path.join(HERE, "shims"),
                                                     os.environ.get("PYTHONPATH", "")]), **env)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--max-restarts=0",
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--max-restarts=0",
                "--monitor-interval=0.2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
                SCRIPT, self.run_dir, self.out_dir]
         self.proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -233,6 +237,20 @@ def test_with_keepalive_and_no_kill_equals_the_trainer_without_it(tmp_path, refe
     assert "epoch ends only" not in text and "several processes" not in text, text
     for rank, final in enumerate(job.finals()):
         assert same(final, reference[rank]), f"rank {rank} differs from the run without keepalive"
+    # the run on one process, from a checkpoint inside an epoch: refused before anything loads, in one line
+    inside = os.path.join(str(tmp_path), "inside-run")
+    shutil.copytree(job.run_dir, inside)
+    for name in os.listdir(inside):
+        if name.startswith("ckpt-") and int(name.split("-")[1]) > 8:
+            shutil.rmtree(os.path.join(inside, name))
+    one = Job(tmp_path, "one", nproc=1, run_dir=inside)
+    try:
+        assert one.wait() != 0, one.text()
+    finally:
+        one.stop()
+    assert ("inside epoch 1 of a training on 2 process(es), where each one's batches are its shard of the "
+            "epoch; this one runs on 1. Nothing was loaded. Launch it on 2 process(es) to continue the run, or "
+            "start a new run (path or run=).") in one.text(), one.text()
 
 
 @pytest.mark.slow
@@ -244,6 +262,18 @@ def test_random_rank_killed_mid_epoch_and_mid_save_resumes_bit_exactly(tmp_path,
     resumed = [int(s) for s in RESUME_RE.findall(job.text())]
     assert resumed and resumed[-1] % STEPS_PER_EPOCH, f"the last resume is not inside an epoch: {resumed}"
     assert re.search(r"epoch \d+ continues at batch \d+/11", job.text()), job.text()
+    for rank, final in enumerate(job.finals()):
+        assert same(final, reference[rank]), f"rank {rank} differs from the run without keepalive ({log})"
+
+
+@pytest.mark.slow
+def test_workers_make_the_batches_random_rank_killed_mid_epoch_resumes_bit_exactly(tmp_path):
+    """Two loader workers per rank mask the batches: each worker's random state travels with its batches and
+    the resumed epoch's workers start from the saved ones (per rank)."""
+    reference = run_job(tmp_path, "plain-workers", HFDDP_MODE="plain", HFDDP_WORKERS="2").finals()
+    job, log = kill_and_rerun(tmp_path, "workers", ["mid-epoch"], random.Random(7), HFDDP_WORKERS="2")
+    resumed = [int(s) for s in RESUME_RE.findall(job.text())]
+    assert resumed and resumed[-1] % STEPS_PER_EPOCH, f"the resume is not inside an epoch: {resumed}"
     for rank, final in enumerate(job.finals()):
         assert same(final, reference[rank]), f"rank {rank} differs from the run without keepalive ({log})"
 

@@ -16,6 +16,7 @@ import torch
 from transformers import Trainer, TrainerState
 from transformers.trainer_callback import CallbackHandler
 
+from . import _hf_data
 from ._compat import Framework, Internal, Package, code_names, field, given, has, local, param, uses
 
 __all__ = ["COMPAT", "RUN_EPOCH", "GET_BATCH_SAMPLES", "LOAD_BEST_MODEL", "INNER_LOOP", "LOOP_LOCALS",
@@ -138,6 +139,21 @@ def _internals() -> List[Internal]:
                  "(seed + epoch), recognised by the class name", "_hf_data.py: install",
                  uses(_accelerate("accelerate.data_loader", "SeedableRandomSampler"), "initial_seed"),
                  package="accelerate"),
+        Internal("accelerate.data_loader.BatchSamplerShard(batch_sampler, num_processes, process_index, "
+                 "split_batches, even_batches)", "several processes: the Trainer's training batches as accelerate "
+                 "splits them between the ranks; the positioned sampler takes over these settings and runs the "
+                 "class itself over each epoch's batches (the same split)", "_hf_data.py: install, "
+                 "PositionedBatchSampler._batches",
+                 lambda: param(_accelerate("accelerate.data_loader", "BatchSamplerShard"), "batch_sampler",
+                               *_hf_data.SHARD_SETTINGS)()
+                 and uses(_accelerate("accelerate.data_loader", "BatchSamplerShard"), "batch_sampler",
+                          *_hf_data.SHARD_SETTINGS)(),
+                 token="SHARD_SETTINGS", package="accelerate"),
+        Internal("accelerate.data_loader.DataLoaderDispatcher.state", "recognised by the class name: with "
+                 "dispatch_batches=True on several processes rank 0 reads every rank's batches (checkpoints at "
+                 "epoch ends only, said once)", "_hf_data.py: install",
+                 uses(_accelerate("accelerate.data_loader", "DataLoaderDispatcher"), "state"),
+                 token="DataLoaderDispatcher", package="accelerate"),
         Internal("torch.utils.data.RandomSampler._num_samples", "None unless num_samples= was given (then the "
                  "order cannot be reproduced)", "_hf_data.py: install",
                  uses(lambda: torch.utils.data.RandomSampler, "_num_samples"), package="torch"),

@@ -11,6 +11,12 @@ handed ``steps_trained_in_current_epoch`` and wraps the loader in accelerate's `
 which drops that many batches from the front; for that one iteration the positioned sampler yields as
 many empty placeholders first (nothing is loaded for them) and then the epoch's batches.
 
+Several processes: accelerate wraps that ``BatchSampler`` in a ``BatchSamplerShard`` that gives each rank every
+``num_processes``-th batch (and repeats the first ones at the end so that every rank trains as many). The
+positioned sampler then stands in for the shard: it keeps the shard's settings and runs accelerate's own class
+over the epoch's batches, so each rank yields exactly its shard, and a resumed epoch starts at the rank's batch
+``start`` (indices only before it). Every rank runs the same number of steps, so all reach the same boundaries.
+
 Random draws while batches are made (a random collator such as ``DataCollatorForLanguageModeling``'s
 masking, augmentation in ``__getitem__``) replay exactly after a mid-epoch resume. The Trainer fetches
 an optimizer step's micro-batches before the step begins, and accelerate's loader fetches one batch
@@ -425,6 +431,10 @@ def install(loader: Any, fallback_seed: int) -> Tuple[Optional[PositionedBatchSa
     bs = base.batch_sampler
     if isinstance(bs, PositionedBatchSampler):
         return bs, ""
+    dispatcher = type(loader).__name__ == "DataLoaderDispatcher"
+    if dispatcher and int(getattr(getattr(loader, "state", None), "num_processes", 1)) > 1:
+        # rank 0 reads every rank's batches and sends each its slice: the ranks hold no position of their own
+        return None, "several processes with dispatch_batches=True: checkpoints at epoch ends only"
     shard: Optional[Dict[str, Any]] = None
     if type(bs).__name__ == "BatchSamplerShard":  # several processes: accelerate's split of the batches
         if not bs.even_batches and not bs.drop_last:

@@ -38,7 +38,14 @@ Data position (:mod:`keepalive.callbacks._hf_data`):
   is saved and restored through them: exact. Any other is positioned by the Trainer's own skip, which
   reads its pass again from the start: exact when the stream yields the same items on every pass, which
   the first mid-epoch save says once.
-* other samplers, several processes: checkpoints at epoch ends only (said once).
+* several processes (``torchrun``, ``accelerate launch``, ``notebook_launcher``; DDP): accelerate splits each
+  epoch's batches between the ranks (``BatchSamplerShard``); the positioned sampler takes over that split (run
+  by accelerate's own class over the epoch's batches) and each rank starts a resumed epoch at its batch in its
+  shard. Every rank's random states and position go into one checkpoint that rank 0 commits (manifest last:
+  a rank killed at any moment, mid-save included, leaves a whole checkpoint or none); all ranks decide
+  together when to save. Exact. Told: ``even_batches=False`` and streams on several processes (checkpoints at
+  epoch ends only).
+* other samplers: checkpoints at epoch ends only (said once).
 
 The Trainer's own checkpoints (``save_strategy`` / ``save_steps``, written to ``output_dir``) are
 independent of this callback: they may stay on (e.g. for ``load_best_model_at_end`` or to push to the
@@ -457,6 +464,7 @@ class DriveCheckpoint(CheckpointAdapter, TrainerCallback):
         data: Dict[str, Any] = {"epoch": self._epoch, "batch": self._batches, "steps_in_epoch": self._steps_in_epoch,
                 "batch_size": self._batch_size,
                 "gradient_accumulation_steps": int(trainer.args.gradient_accumulation_steps),
+                "processes": int(trainer.args.world_size),  # each rank's place is in its shard of the batches
                 "order": None if self._sampler is None else [self._sampler.kind, self._sampler.seed],
                 "stream": self._stream}
         if self._replay is not None and self._batches and not self._finishing:
@@ -511,6 +519,13 @@ class DriveCheckpoint(CheckpointAdapter, TrainerCallback):
         check_optimizer("optimizer", _inner_optimizer(trainer.optimizer), saved.get("optimizer", {}))
         data = tree.get("data") or {}
         if data.get("batch"):
+            saved_world, world = int(data.get("processes") or 1), int(trainer.args.world_size)
+            if saved_world != world:
+                raise StateMismatchError(
+                    f"the checkpoint {where} is inside epoch {data['epoch']} of a training on {saved_world} "
+                    f"process(es), where each one's batches are its shard of the epoch; this one runs on {world}. "
+                    f"Nothing was loaded. Launch it on {saved_world} process(es) to continue the run, or start a "
+                    "new run (path or run=).")
             now = (self._batch_size, int(trainer.args.gradient_accumulation_steps), self._steps_in_epoch)
             then = (data.get("batch_size"), data.get("gradient_accumulation_steps"), data.get("steps_in_epoch"))
             if now != then:

@@ -14,7 +14,8 @@ checkpoint's files are being written, ``COMMITTED n`` after each commit.
 Environment (test knobs): HFDDP_ATTEMPT (this job's number, for the PID files), HFDDP_MODE (``keepalive``,
 ``plain``: the same training without keepalive, ``broken``: negative control, from the second attempt on
 rank 1 reads rank 0's shard of the batches), HFDDP_EVERY (2 steps), HFDDP_EPOCHS (3), HFDDP_SLOW_WRITE
-(seconds each checkpoint file write takes: kills land inside saves), HFDDP_STEP_SLEEP (seconds per step).
+(seconds each checkpoint file write takes: kills land inside saves), HFDDP_STEP_SLEEP (seconds per step),
+HFDDP_WORKERS (the loader's worker processes, 0: batches made in the main process).
 """
 import json
 import os
@@ -109,6 +110,7 @@ def main(run_dir: str, out_dir: str) -> None:
         output_dir=os.path.join(out_dir, "hf"), per_device_train_batch_size=4, gradient_accumulation_steps=2,
         learning_rate=5e-3, lr_scheduler_type="linear", warmup_steps=2, logging_steps=1, report_to=[],
         disable_tqdm=True, use_cpu=True, ddp_backend="gloo", seed=42, save_strategy="no",
+        dataloader_num_workers=int(os.environ.get("HFDDP_WORKERS", "0")),
         num_train_epochs=int(os.environ.get("HFDDP_EPOCHS", "3")))
     collator = DataCollatorForLanguageModeling(hf_setup.tokenizer(), mlm_probability=0.3)
     trainer = Trainer(model=hf_setup.model(), args=args, train_dataset=hf_setup.Rows(ROWS), data_collator=collator,
