@@ -6,10 +6,10 @@ DDP model, the ``AcceleratedOptimizer`` and the ``AcceleratedScheduler`` that ``
 returned, ``ckpt.batches(dl)`` the prepared loader; the step runs inside ``accelerator.accumulate``;
 dropout and noise from the global RNG in the dataset.
 
-* ``torchrun --max-restarts=4`` with a ``DataLoaderShard`` (4 epochs): with keepalive and no kill, both ranks end
-  bit-identical to the same script without keepalive; then a random rank SIGKILLed (up to) 3 times at random
-  moments (writes slowed so that kills land inside saves), torchrun restarting the workers each time:
-  both ranks bit-identical to the uninterrupted run.
+* ``torchrun --max-restarts=4`` with a ``DataLoaderShard`` (4 epochs, ``rng_types=["torch", "generator"]``):
+  with keepalive and no kill, both ranks end bit-identical to the same script without keepalive; then a
+  random rank SIGKILLed (up to) 3 times at random moments (writes slowed so that kills land inside
+  saves), torchrun restarting the workers each time: both ranks bit-identical to the uninterrupted run.
 * ``dispatch_batches=True`` (a ``DataLoaderDispatcher``: rank 0 reads every rank's batches), restarted
   by ``notebook_launcher(..., max_restarts=1)`` (what a notebook cell runs; the elastic agent in the
   launching process): rank 1 SIGKILLs itself between two accumulation micro-batches, once a checkpoint
@@ -153,8 +153,11 @@ def test_prepared_objects_one_process_count_optimizer_steps_and_resume_into_raw_
     again.close()
 
 
+@pytest.mark.slow  # several 2-process jobs one after the other
 def test_prepared_objects_torchrun_restarts_after_random_rank_kills_bit_identical(tmp_path):
-    epochs = {"ACCEL_EPOCHS": "4"}  # 16 steps: room for 3 kills and their restarts
+    # 16 steps: room for 3 kills and their restarts; rng_types with "torch": Accelerate also sends rank 0's
+    # global torch RNG to every rank at each iter() (the default, "generator", is tests/test_accelerate_data.py's)
+    epochs = {"ACCEL_EPOCHS": "4", "ACCEL_RNG_TYPES": "torch,generator"}
     plain = TorchrunJob(tmp_path, "plain", SCRIPT, env=dict(epochs, ACCEL_PLAIN="1"))
     ref = TorchrunJob(tmp_path, "ref", SCRIPT, env=epochs)
     try:
@@ -182,6 +185,7 @@ def test_prepared_objects_torchrun_restarts_after_random_rank_kills_bit_identica
         assert_same(reference[rank], got, f"rank {rank} after {len(log)} kills vs uninterrupted")
 
 
+@pytest.mark.slow  # several 2-process jobs one after the other
 def test_dispatched_loader_notebook_launcher_kill_between_accumulation_micro_batches(tmp_path):
     dispatch = {"ACCEL_DISPATCH": "1"}
     kill = dict(dispatch, ACCEL_SELF_KILL="1:6", ACCEL_RESTARTS="1")  # after step 6: in epoch 1 (steps 5-8)

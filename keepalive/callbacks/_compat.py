@@ -257,8 +257,9 @@ def _accelerate_internals() -> List[Internal]:
                  "prepared loader iterates: its index sampler is positioned", "_torch_replay.py: _base_loader",
                  uses(shard, "base_dataloader")),
         Internal("accelerate.data_loader.DataLoaderDispatcher.base_dataloader", "the same for a loader "
-                 "prepared with dispatch_batches=True (iterated on rank 0 only)",
-                 "_torch_replay.py: _base_loader", uses(dispatcher, "base_dataloader")),
+                 "prepared with dispatch_batches=True (iterated on rank 0 only; its state and split_batches "
+                 "say how many base batches a rank's batch stands for: _Dispatch)",
+                 "_torch_replay.py: _base_loader", uses(dispatcher, "base_dataloader", "state", "split_batches")),
         Internal("accelerate.data_loader.DataLoaderDispatcher._drop_last", "whether the dispatcher completes "
                  "an uneven last batch with the iteration's first samples (told: not replayed after a resume)",
                  "_torch_replay.py: _Dispatch.completes_last_batch", uses(dispatcher, "_drop_last"),

@@ -20,7 +20,8 @@ each micro-batch that stepped, ``COMMITTED n`` after each checkpoint commit, eve
 Environment (test knobs): ACCEL_PLAIN=1 (the same training without keepalive), ACCEL_DISPATCH=1,
 ACCEL_EPOCHS (3), ACCEL_EVERY (2 optimizer steps), ACCEL_STEP_SLEEP (seconds per micro-batch),
 ACCEL_SLOW_WRITE (seconds each checkpoint file write takes: kills land inside saves),
-ACCEL_TRACE=1 (each rank prints the samples it trains, their sum and its RNG's),
+ACCEL_RNG_TYPES (Accelerator(rng_types=...), comma-separated), ACCEL_TRACE=1 (each rank prints
+the samples it trains, their sum and its RNG's),
 ACCEL_SELF_KILL="rank:step" (in the first attempt, that rank SIGKILLs itself at the first micro-batch
 after optimizer step ``step`` that does not step: between two accumulation micro-batches, once that
 step's checkpoint is committed), ACCEL_CONTROL=no-accumulation-count (negative control: keepalive is
@@ -65,7 +66,9 @@ def main(run_dir: str, out_dir: str) -> None:
         # keepalive makes a torchrun restart's rendezvous safe, whoever creates the group
         from keepalive.callbacks.torch import DriveCheckpoint
     torch.set_num_threads(1)
+    rng_types = os.environ.get("ACCEL_RNG_TYPES")
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACCUMULATE,
+                              rng_types=rng_types.split(",") if rng_types else None,
                               dataloader_config=DataLoaderConfiguration(
                                   dispatch_batches=bool(os.environ.get("ACCEL_DISPATCH"))))
     rank = accelerator.process_index
