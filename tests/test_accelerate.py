@@ -153,6 +153,32 @@ def test_prepared_objects_one_process_count_optimizer_steps_and_resume_into_raw_
     again.close()
 
 
+def test_a_dispatcher_that_completes_an_uneven_last_batch_is_told(accelerator):
+    """With 2 processes, ``DataLoaderDispatcher`` completes an epoch's last batch, when its samples do not
+    split evenly, with the first samples of the batch the iteration began with: a resumed epoch begins
+    with another batch. The position is kept; the inexactness is what the first mid-epoch save says."""
+    import types
+
+    from accelerate.data_loader import DataLoaderDispatcher
+    from torch.utils.data import TensorDataset
+
+    from keepalive.callbacks._torch_replay import LoaderReplay
+
+    said = {}
+    for n in (120, 121, 122):  # batches of 4, two read per batch of a rank: 121 leaves 1 sample (uneven)
+        loader = DataLoaderDispatcher(TensorDataset(torch.randn(n, 2)), batch_size=4, shuffle=True)
+        loader.__dict__["state"] = types.SimpleNamespace(num_processes=2, process_index=0)  # rank 0 of 2
+        replay = LoaderReplay(loader)
+        assert replay.mid_epoch and replay.dispatch is not None and replay.dispatch.base_batches == 2
+        said[n] = replay.inexact
+    assert said[120] == said[122] == ""
+    assert said[121] == (
+        "the DataLoaderDispatcher (dispatch_batches=True) completes each epoch's last, uneven batch with "
+        "samples of the epoch's first batch, and a resumed epoch's first batch is another one: from a "
+        "mid-epoch checkpoint that last batch differs from an uninterrupted run's. Make the dataset's "
+        "length a multiple of batch_size x processes, or pass drop_last=True, for an exact resume")
+
+
 @pytest.mark.slow  # several 2-process jobs one after the other
 def test_prepared_objects_torchrun_restarts_after_random_rank_kills_bit_identical(tmp_path):
     # 16 steps: room for 3 kills and their restarts; rng_types with "torch": Accelerate also sends rank 0's
