@@ -151,9 +151,7 @@ class PositionedBatchSampler(BatchSampler):
             yield _Placeholder()
         for _ in range(empties):
             yield _Empty()
-        for b, batch in enumerate(self._batches(self.order(self.epoch), start)):
-            if b < start:
-                continue  # this rank's batches before the resume point: indices only, nothing is loaded
+        for b, batch in self._batches(self.order(self.epoch), start):
             state = plan.pop(b, None)
             if state is not None:
                 rng.restore(state)
@@ -162,19 +160,20 @@ class PositionedBatchSampler(BatchSampler):
             self.last = b
             yield batch
 
-    def _batches(self, idx: torch.Tensor, start: int) -> Iterator[List[int]]:
-        """The epoch's batches of this process: all of them on one process (those before ``start`` left
-        out unmade), on several the shard accelerate's ``BatchSamplerShard`` gives this rank (its own
-        code, run on the whole epoch's batches: the same split, the same batches repeated at the end)."""
+    def _batches(self, idx: torch.Tensor, start: int) -> Iterator[Tuple[int, List[int]]]:
+        """The epoch's batches of this process from batch ``start`` on, numbered: on one process the order's
+        slices (those before ``start`` not made), on several the shard accelerate's ``BatchSamplerShard``
+        gives this rank (its own code, run on the epoch's batches: the same split, the same batches repeated
+        at the end; those before ``start`` only as indices, nothing is loaded for them)."""
         size = self.batch_size
         if self.shard is None:
-            return itertools.chain(([] for _ in range(start)),
-                                   (idx[b * size:(b + 1) * size].tolist() for b in range(start, self._global_len())))
+            return ((b, idx[b * size:(b + 1) * size].tolist()) for b in range(start, self._global_len()))
         from accelerate.data_loader import BatchSamplerShard
 
         every = (idx[b * size:(b + 1) * size].tolist() for b in range(self._global_len()))
-        return iter(BatchSamplerShard(_EpochBatches(every, size, self.drop_last, self._global_len()),  # type: ignore[arg-type]
-                                      **self.shard))
+        mine = BatchSamplerShard(_EpochBatches(every, size, self.drop_last, self._global_len()),  # type: ignore[arg-type]
+                                 **self.shard)
+        return itertools.islice(enumerate(mine), start, None)
 
     def _global_len(self) -> int:
         return self.n // self.batch_size if self.drop_last else -(-self.n // self.batch_size)
