@@ -284,21 +284,21 @@ class ProcessGroup:
             store.wait([key], timedelta(seconds=CHECK_IN_SECONDS))
             value = bytes(store.get(key))
             name, token = (value.split(b"\n", 1)[0].decode(), value.split(b"\n", 1)[1]) if value else ("", b"")
-        seen = True
+        seen = ""  # empty: seen; else what this rank found instead
         if name and not self.is_main:
             try:
-                seen = read(name) == token
-            except Exception:  # noqa: BLE001 - not found, or no such folder here: not the same folder
-                seen = False
+                seen = "" if read(name) == token else "another file of that name"
+            except Exception as exc:  # noqa: BLE001 - not found, or no such folder here: not the same folder
+                seen = type(exc).__name__
         answers = self.all_gather((seen, url))
         if self.is_main and name:
             try:
                 remove(name)
             except Exception:  # noqa: BLE001 - a stray token file harms nothing
                 pass
-        blind = [r for r, (ok, _) in enumerate(answers) if not ok]
+        blind = [r for r, (found, _) in enumerate(answers) if found]
         if blind:
-            theirs = ", ".join(f"rank {r}'s is {u}" for r, (_, u) in enumerate(answers) if r in blind)
+            theirs = ", ".join(f"rank {r}'s is {u}: {found}" for r, (found, u) in enumerate(answers) if r in blind)
             raise DistributedMisuseError(
                 f"the run folder is not shared between the ranks: rank 0 writes checkpoints to {answers[0][1]}, "
                 f"which {_ranks(blind)} cannot read through its own run folder ({theirs}); a restart there would "

@@ -134,8 +134,12 @@ def meet_before_saving(group: _distributed.ProcessGroup, path: Any) -> None:
             backend.makedirs(root)
             backend.write_bytes(backend.join(root, name), data)
 
-        group.same_folder(store.url, write, lambda name: backend.read_bytes(backend.join(root, name)),
-                          lambda name: backend.remove_file(backend.join(root, name)))
+        def read(name: str) -> bytes:
+            path = backend.join(root, name)
+            backend.exists(path)  # a bucket's file system caches listings: look again, as the store does
+            return backend.read_bytes(path)
+
+        group.same_folder(store.url, write, read, lambda name: backend.remove_file(backend.join(root, name)))
 
 
 def localize(group: _distributed.ProcessGroup, found: Optional[Found], url: str,

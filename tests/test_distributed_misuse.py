@@ -107,8 +107,9 @@ def test_run_folders_not_shared_between_ranks_are_refused_at_the_first_save(jobs
     run = jobs["folders"].run_dir
     line = ("keepalive.distributed.DistributedMisuseError: the run folder is not shared between the ranks: rank 0 "
             f"writes checkpoints to {run}/rank0, which rank 1 cannot read through its own run folder (rank 1's is "
-            f"{run}/rank1); a restart there would find no checkpoint or another one. Give every rank the same run "
-            "folder on storage every node mounts (a network file system, a bucket URL), not a node's local disk")
+            f"{run}/rank1: FileNotFoundError); a restart there would find no checkpoint or another one. Give every "
+            "rank the same run folder on storage every node mounts (a network file system, a bucket URL), not a "
+            "node's local disk")
     assert keepalive_errors(text) == {0: line, 1: line}, text
     assert not CheckpointStore(os.path.join(run, "rank0")).list()  # refused before the first checkpoint
     assert not [n for n in os.listdir(os.path.join(run, "rank0")) if n.startswith(".keepalive-shared")]
