@@ -14,7 +14,9 @@ creates the process group itself:
   steps and inside saves (slow writes; a kill as soon as a
   checkpoint folder has no manifest yet), a new job after each kill: every resume starts at or after
   the last commit before the kill, and both ranks end bit-identical to the fit without keepalive;
-* sharded strategies and processes started from the notebook are refused in one line.
+* the notebook's launch (``strategy="ddp_notebook"``: the training processes forked from the notebook's)
+  resumes exactly after a rank kill (the model Lightning hands back to the notebook), with a control;
+* sharded strategies and ``ddp_spawn`` are refused in one line.
 
 A new job per kill rather than ``--max-restarts``: a restarted attempt of a job whose process group
 Lightning created can hang on the previous attempt's rendezvous keys. Jobs run in their own process
@@ -27,6 +29,7 @@ import os
 import random
 import re
 import shutil
+import sys
 import time
 from types import SimpleNamespace
 from typing import Dict, List, Optional
@@ -242,6 +245,47 @@ def test_sigterm_and_random_rank_kills_inside_saves_then_a_new_job_resume_exactl
     assert csv_log(last) == without_keepalive.csv()
 
 
+class NotebookJob(Job):
+    """The same fit launched as from a notebook: ``strategy="ddp_notebook"``, one Python process whose
+    fit forks the two training processes."""
+
+    def command(self, nproc: int, restarts: int) -> List[str]:
+        return ["env", f"PYTHONPATH={PYTHONPATH}", sys.executable, SCRIPT, self.run_dir, self.out_dir]
+
+
+def notebook_job(tmp, name: str, env: Optional[Dict[str, str]] = None, run_dir: Optional[str] = None) -> Job:
+    return NotebookJob(tmp, name, SCRIPT, env=dict(env or {}, KEEPALIVE_PROGRESS="0", LDDP_STRATEGY="ddp_notebook"),
+                       run_dir=run_dir)
+
+
+def test_ddp_notebook_forked_processes_resume_exactly_after_a_rank_kill(tmp_path, without_keepalive):
+    crash = notebook_job(tmp_path, "nb-crash", {"LDDP_KILL": KILL})
+    try:
+        assert crash.wait(240) != 0  # Lightning's launcher raises: process 1 terminated with SIGKILL
+    finally:
+        crash.stop()
+    assert "KILL rank 1 before step 17" in crash.text() and "DONE" not in crash.text(), crash.text()[-4000:]
+    control_dir = str(tmp_path / "nb-control-run")
+    shutil.copytree(crash.run_dir, control_dir)
+    again = notebook_job(tmp_path, "nb-again", run_dir=crash.run_dir)  # the cell run again
+    control = notebook_job(tmp_path, "nb-control", {"LDDP_CONTROL": "rank0-parts"}, run_dir=control_dir)
+    try:
+        texts = [finish(again), finish(control)]
+    finally:
+        again.stop()
+        control.stop()
+    for text in texts:
+        assert [int(s) for s in RESUME_RE.findall(text)] == [16], text[-4000:]
+    reference = {k: v for k, v in without_keepalive[0].items() if k.startswith("model.")}
+
+    def model(j: Job) -> Dict[str, "torch.Tensor"]:
+        return torch.load(os.path.join(j.out_dir, "final.notebook.pt"))
+
+    assert_same(reference, model(again), "the notebook's model after the resume vs without keepalive")
+    assert_differs(reference, model(control))
+    assert csv_log(again) == without_keepalive.csv()
+
+
 def _newest_committed(run_dir: str) -> Optional[int]:
     """The step of the run's newest checkpoint that verifies (None: none)."""
     store = CheckpointStore(run_dir)
@@ -267,7 +311,6 @@ def _saving(run_dir: str) -> set:
 @pytest.mark.parametrize("strategy, says", [
     (lambda: pl.strategies.FSDPStrategy(), "FSDPStrategy shards the model over the 2 processes"),
     (lambda: pl.strategies.DDPStrategy(start_method="spawn"), "DDPStrategy(start_method='spawn')"),
-    (lambda: pl.strategies.DDPStrategy(start_method="fork"), "DDPStrategy(start_method='fork')"),
 ])
 def test_strategies_it_cannot_save_are_refused_in_one_line(strategy, says):
     trainer = SimpleNamespace(world_size=2, strategy=strategy())
@@ -278,6 +321,7 @@ def test_strategies_it_cannot_save_are_refused_in_one_line(strategy, says):
     assert 'use strategy="ddp"' in message, message
 
 
-def test_ddp_and_one_device_are_accepted():
+def test_ddp_ddp_notebook_and_one_device_are_accepted():
     ka_lightning._check_strategy(SimpleNamespace(world_size=2, strategy=pl.strategies.DDPStrategy()))
+    ka_lightning._check_strategy(SimpleNamespace(world_size=2, strategy=pl.strategies.DDPStrategy(start_method="fork")))
     ka_lightning._check_strategy(SimpleNamespace(world_size=1, strategy=pl.strategies.FSDPStrategy()))

@@ -47,8 +47,11 @@ started by Lightning itself, one process per device): replicated state (model, o
 loops, callbacks) is rank 0's, every rank's RNGs and position in its shard of the ``DistributedSampler``
 Lightning gives it are its own, gathered into one checkpoint that rank 0 commits
 (:mod:`keepalive.savepath`, the torch adapter's path); each rank resumes from its own part. Sharded
-strategies (FSDP, DeepSpeed) and processes started from the notebook (``ddp_spawn``, ``ddp_notebook``)
-are refused in one line that says what to use.
+``strategy="ddp_notebook"`` (``ddp_fork``: the processes forked from the notebook's, what a notebook
+with several GPUs uses) works the same way inside the forked processes; the notebook's own copy of the
+callback does not follow their fit (``cb.step`` and ``cb.stopped`` stay as they were; the model comes
+back from rank 0, as Lightning returns it). Sharded strategies (FSDP, DeepSpeed) and ``ddp_spawn`` (a
+pickled callback) are refused in one line that says what to use.
 
 Versions: every Lightning internal this relies on (the loop methods it stands in front of, the
 connectors it reads) is listed in :mod:`keepalive.callbacks._compat_lightning` and checked when the
@@ -445,8 +448,8 @@ _ABSENT = object()
 
 def _check_strategy(trainer: Any) -> None:
     """Refuse, in one line saying what to use, a fit on several processes whose state keepalive cannot
-    save exactly: a sharded model (FSDP, DeepSpeed, model parallel), or processes started from this one
-    (``ddp_spawn``, ``ddp_notebook`` / ``ddp_fork``)."""
+    save exactly: a sharded model (FSDP, DeepSpeed, model parallel), or processes that get this
+    callback pickled (``ddp_spawn``)."""
     if int(getattr(trainer, "world_size", 1)) <= 1:
         return
     strategy = trainer.strategy
@@ -458,13 +461,12 @@ def _check_strategy(trainer: Any) -> None:
             "strategy=\"ddp\" when the model fits on one device, or keepalive.callbacks.torch.DriveCheckpoint "
             "in a torch loop with FSDP2 (fully_shard), which saves the shards through torch.distributed.checkpoint")
     start = getattr(strategy, lc.DDP_START_METHOD, "popen")
-    if start != "popen":
+    if start not in ("popen", "fork"):
         raise RuntimeError(
-            f"keepalive's Lightning DriveCheckpoint runs where the fit's processes run the script themselves; "
-            f"this DDPStrategy(start_method={start!r}) (strategy=\"ddp_spawn\" / \"ddp_notebook\") trains in "
-            "processes started from this one, whose state this process never sees: use strategy=\"ddp\" and "
-            "start the script with torchrun --nproc_per_node=N (or python script.py: Lightning starts the "
-            "other processes)")
+            f"keepalive's Lightning DriveCheckpoint cannot follow DDPStrategy(start_method={start!r}) "
+            "(strategy=\"ddp_spawn\"): its processes train on a pickled copy of the callback, started afresh: "
+            "use strategy=\"ddp\" (the script run by torchrun --nproc_per_node=N, or python script.py: "
+            "Lightning starts the other processes), or strategy=\"ddp_notebook\" in a notebook")
 
 
 def _sigterm_exception() -> Tuple[Type[BaseException], ...]:

@@ -18,6 +18,8 @@ optimizer steps), LDDP_KILL="rank:step:saved" (that rank waits until the checkpo
 committed, prints ``KILL``, and SIGKILLs itself before training step ``step``), LDDP_SLOW_WRITE (seconds
 each checkpoint file write takes: random kills land inside saves), LDDP_STEP_SLEEP (seconds per step),
 LDDP_SIGTERM="rank:step" (that rank sends itself SIGTERM after that step),
+LDDP_STRATEGY=ddp_notebook (run as ``python lightning_ddp.py RUN OUT``: the notebook's launch, the two
+processes forked from this one; it writes the model Lightning hands back, ``OUT_DIR/final.notebook.pt``),
 LDDP_CONTROL=no-position (negative control: a resume ignores the saved data position and the loaders'
 generators, as if keepalive did not capture them), LDDP_CONTROL=rank0-parts (negative control: every
 rank resumes with rank 0's random state and data position, as if only rank 0's were saved).
@@ -154,12 +156,18 @@ def main(run_dir: str, out_dir: str) -> None:
         if rank == 0:
             ckpt.core.on_commit.append(lambda r: emit(f"COMMITTED {r.info.step}"))
         callbacks.append(ckpt)
+    strategy = os.environ.get("LDDP_STRATEGY", "ddp")
     trainer = pl.Trainer(max_epochs=int(knob("LDDP_EPOCHS", 3)), accelerator="cpu", devices=2,
-                         strategy="ddp", callbacks=callbacks, logger=CSVLogger(run_dir + "-logs"),
+                         strategy=strategy, callbacks=callbacks, logger=CSVLogger(run_dir + "-logs"),
                          log_every_n_steps=1,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          val_check_interval=0.5, num_sanity_val_steps=0, default_root_dir=out_dir)
     trainer.fit(model, datamodule=Data())
+    if strategy != "ddp":  # the processes forked from this one trained; the model came back from rank 0
+        torch.save({f"model.{k}": v.detach().clone() for k, v in model.state_dict().items()},
+                   os.path.join(out_dir, "final.notebook.pt"))
+        emit(f"DONE notebook step {trainer.global_step}")
+        return
     final = {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items()}
     for pid, s in trainer.optimizers[0].state_dict()["state"].items():
         for k, v in s.items():
