@@ -231,14 +231,15 @@ def test_sigterm_and_random_rank_kills_inside_saves_then_a_new_job_resume_exactl
     last = job(tmp_path, "last", env, run_dir=run_dir)
     text = finish(last)
     resumed_at = [int(s) for s in RESUME_RE.findall(text)]
-    print("kills (rank, when, checkpoint folders without manifest, newest commit after it, resumed at):", log,
+    print("kills (rank, when, checkpoint folders without manifest, newest commit after the job, resumed at):", log,
           "last job resumed at:", resumed_at)
     assert any(torn for _, _, torn, _, _ in log), log  # at least one kill landed inside a save
     assert len(log) == 4 and all(r for *_, r in log[1:]), log  # each job after the SIGTERM resumed
-    # every job resumes from the newest checkpoint committed before it (none goes back past a commit)
+    # no job goes back past a checkpoint committed before it started (the surviving rank 0 may still
+    # commit the save its peer died in, after the kill: then the next job starts there)
     starts = [r[0] if r else 0 for *_, r in log[1:]] + resumed_at
     for (_, _, _, committed, _), start in zip(log, starts):
-        assert start == (committed or 0), (log, resumed_at)
+        assert start >= (committed or 0), (log, resumed_at)
     assert "not bit-identical" not in text and "epoch ends only" not in text, text[-4000:]
     for rank, resumed in enumerate(finals(last)):
         assert_same(without_keepalive[rank], resumed, f"rank {rank} after {len(log)} kills vs without keepalive")
