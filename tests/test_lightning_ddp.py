@@ -142,6 +142,7 @@ def without_keepalive(tmp_path_factory):
     reference.job.stop()
 
 
+@pytest.mark.slow  # 2-process jobs, two rounds
 def test_ddp_transparent_and_exact_after_a_rank_kill_mid_epoch(tmp_path, without_keepalive):
     ref = job(tmp_path, "ref")
     crash = job(tmp_path, "crash", {"LDDP_KILL": KILL})
@@ -186,6 +187,7 @@ def test_ddp_transparent_and_exact_after_a_rank_kill_mid_epoch(tmp_path, without
     assert csv_log(ref) == csv_log(again) == without_keepalive.csv()
 
 
+@pytest.mark.slow  # five 2-process jobs one after the other
 def test_sigterm_and_random_rank_kills_inside_saves_then_a_new_job_resume_exactly(tmp_path, without_keepalive):
     """A SIGTERM to a random rank; then in each job a random rank SIGKILLed once the fit passed a
     random step (later for each job), or (every other job) at the first save after it, as soon as its
