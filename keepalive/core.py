@@ -33,6 +33,7 @@ from . import boundary as bd
 from . import distributed as _distributed
 from . import notebook, report, rng
 from . import progress as _progress
+from . import rendezvous as _rendezvous
 from . import session as _session
 from . import spool as _spool
 from .config import CheckpointConfig
@@ -170,6 +171,10 @@ class Checkpointer:
         if self._path is None:
             self._path = choose(self.writer, _distributed.GROUP, self.dcp_objects, self.spooled,
                                 self.on_commit, self.url)
+            if _distributed.GROUP.active:
+                problem = _rendezvous.unguarded_group_problem()
+                if problem:
+                    self.warn(problem, key="unguarded-rendezvous")
         return self._path
 
     @property

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from . import rendezvous as _rendezvous
 from .errors import KeepaliveError
 
 #: the key under which a distributed checkpoint keeps every rank's own part of the state
@@ -250,6 +251,11 @@ class ProcessGroup:
         group and made another: the counts of :meth:`check_in` start over with it). Each group's first
         use also notes, when this process exits, that its rank ended, so that a rank waiting in
         :meth:`check_in` for it learns at once."""
+        if _rendezvous.agent_store() and _rendezvous.guarded_generation is None:
+            # a group made before keepalive was imported, in a torchrun worker: its store is the agent's,
+            # shared by every restart attempt and unprefixed, so keys of a dead attempt (its check-in
+            # counts, its "ended" notes, its token) would be read as this attempt's: no store checks
+            return None
         try:
             world = self.dist.group.WORLD
             if self._group_store is None or self._store_of is not world:
@@ -271,7 +277,10 @@ class ProcessGroup:
         store = self._store()
         if store is None:
             return
-        key = f"{STORE_PREFIX}/shared-folder"
+        # numbered: a second checkpointer of this group (another run, the next stage) must not read
+        # the first one's token, whose file rank 0 has removed
+        self._arrivals["shared-folder"] = number = self._arrivals.get("shared-folder", 0) + 1
+        key = f"{STORE_PREFIX}/shared-folder/{number}"
         name, token = f".keepalive-shared-check-{secrets.token_hex(6)}", secrets.token_bytes(16)
         if self.is_main:
             try:

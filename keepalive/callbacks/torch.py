@@ -691,12 +691,13 @@ class DriveCheckpoint(CheckpointAdapter):
         self.core.trigger.mid_epoch = mid_epoch
         total = self.core.total_epochs
         try:
-            at_end = p.done >= len(p.rl.loader)  # type: ignore[arg-type]
-        except TypeError:
-            at_end = False
+            length: Optional[int] = len(p.rl.loader)  # type: ignore[arg-type]
+        except Exception:  # noqa: BLE001 - a loader without a length (a stream): nothing to compare
+            length = None
+        at_end = length is not None and p.done >= length
         self._check_schedule_end(total is None or (self.core.counters["epoch"] + 1 >= total and at_end))
         return self.core.advance(self.capture, steps=steps, batch=p.done, samples=samples, can_save=mid_epoch,
-                                 pending=pending or outstanding, requested=requested)
+                                 pending=pending or outstanding, requested=requested, length=length)
 
     def _claim_unstepped_epoch(self) -> None:
         """At an epoch's end with no pass that stepped a registered optimizer (the loop steps another

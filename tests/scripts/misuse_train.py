@@ -55,16 +55,6 @@ def main(run_dir: str, out_dir: str) -> None:
     ckpt = DriveCheckpoint(folder, model=model, optimizer=opt, every=3)
     if os.environ.get("MISUSE_ANNOUNCE_ALWAYS"):  # negative control: "saving ..." said on every signal
         ckpt.core.signals._announce = lambda: True
-    if misuse == "uneven":
-        # the number of batches of the pass, which the core carries in its per-boundary agreement:
-        # given here until the torch adapter passes it itself (a no-op once it does)
-        advance = ckpt.core.advance
-
-        def advance_with_length(*args, **kwargs):
-            kwargs.setdefault("length", len(loader))
-            return advance(*args, **kwargs)
-
-        ckpt.core.advance = advance_with_length
     if misuse == "warn":
         ckpt.core.warn("every rank finds this", key="same-everywhere")
         if rank == 1:
