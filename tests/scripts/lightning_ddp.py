@@ -17,7 +17,8 @@ Environment (test knobs): LDDP_PLAIN=1 (the same fit without keepalive), LDDP_EP
 optimizer steps), LDDP_KILL="rank:step:saved" (that rank waits until the checkpoint of step ``saved`` is
 committed, prints ``KILL``, and SIGKILLs itself before training step ``step``), LDDP_SLOW_WRITE (seconds
 each checkpoint file write takes: random kills land inside saves), LDDP_STEP_SLEEP (seconds per step),
-LDDP_SIGTERM="rank:step" (that rank sends itself SIGTERM after that step),
+LDDP_SIGTERM="rank:step" (that rank sends itself SIGTERM after that step), LDDP_ACCUMULATE
+(``accumulate_grad_batches``, 1),
 LDDP_STRATEGY=ddp_notebook (run as ``python lightning_ddp.py RUN OUT``: the notebook's launch, the two
 processes forked from this one; it writes the model Lightning hands back, ``OUT_DIR/final.notebook.pt``),
 LDDP_CONTROL=no-position (negative control: a resume ignores the saved data position and the loaders'
@@ -159,7 +160,7 @@ def main(run_dir: str, out_dir: str) -> None:
     strategy = os.environ.get("LDDP_STRATEGY", "ddp")
     trainer = pl.Trainer(max_epochs=int(knob("LDDP_EPOCHS", 3)), accelerator="cpu", devices=2,
                          strategy=strategy, callbacks=callbacks, logger=CSVLogger(run_dir + "-logs"),
-                         log_every_n_steps=1,
+                         log_every_n_steps=1, accumulate_grad_batches=int(knob("LDDP_ACCUMULATE", 1)),
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          val_check_interval=0.5, num_sanity_val_steps=0, default_root_dir=out_dir)
     trainer.fit(model, datamodule=Data())
