@@ -455,8 +455,9 @@ class Checkpointer:
         """The checkpoint is at (or past) the end of the training asked for: say so (even with
         ``quiet=True``: a training call that trains nothing must say why), mark finished."""
         of = f" of {total}" if total else ""
-        report.say(message or f"run '{self.store.run}' already completed {self.state.counters.epoch} "
-                   f"epoch(s){of}; nothing to do{detail}")
+        if _distributed.GROUP.is_main:  # every rank finds the same: said once
+            report.say(message or f"run '{self.store.run}' already completed {self.state.counters.epoch} "
+                       f"epoch(s){of}; nothing to do{detail}")
         self._feed(bd.Finish(True))
         self._give_back_lease()  # nothing to train: another session may open the run
 

@@ -25,8 +25,10 @@ class TorchrunJob:
         self.script = script
         self.run_dir = run_dir or str(tmp / f"{name}-run")
         self.out_dir = str(tmp / f"{name}-out")
-        full_env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
-                        PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {}))
+        extra = dict(env or {})
+        # the caller's PYTHONPATH (tests/shims for lightning) goes after the repository's
+        path = os.pathsep.join(p for p in (ROOT, extra.pop("PYTHONPATH", ""), os.environ.get("PYTHONPATH", "")) if p)
+        full_env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PYTHONPATH=path, **extra)
         self.proc = subprocess.Popen(self.command(nproc, restarts), env=full_env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, start_new_session=True)
         self.output: List[str] = []
