@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, set_seed
-from childio import emit
+from childio import emit, slow_writes, wait_committed
 from torch.utils.data import DataLoader
 from toydata import NoisyIndexed
 
@@ -47,16 +47,6 @@ def knob(name: str, default):
     return type(default)(os.environ.get(name, default))
 
 
-def wait_committed(run_dir: str, step: int, timeout: float = 120.0) -> None:
-    from keepalive.store import CheckpointStore
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        store = CheckpointStore(run_dir)
-        if any(info.step == step and store.verify(info).valid for info in store.list()):
-            return
-        time.sleep(0.05)
-    raise SystemExit(f"the checkpoint of step {step} was not committed in {timeout} s")
 
 
 def main(run_dir: str, out_dir: str) -> None:
@@ -78,15 +68,7 @@ def main(run_dir: str, out_dir: str) -> None:
         f.write(str(os.getpid()))
     slow = knob("ACCEL_SLOW_WRITE", 0.0)
     if slow:
-        from keepalive.store import CheckpointStore
-
-        original = CheckpointStore._write_one
-
-        def slow_write(self, path, chunks, hasher=None, progress=None):
-            time.sleep(slow)
-            return original(self, path, chunks, hasher, progress)
-
-        CheckpointStore._write_one = slow_write
+        slow_writes(slow)
     set_seed(42)  # what Accelerate's examples do: the same seed on every rank
 
     model = torch.nn.Sequential(torch.nn.Linear(DIM, 32), torch.nn.ReLU(), torch.nn.Dropout(0.2),

@@ -20,29 +20,18 @@ and sampler counters recorded at its ``iter()``, as if keepalive did not capture
 import os
 import signal
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import set_seed
-from childio import emit
+from childio import emit, wait_committed
 from torch.utils.data import DataLoader
 from toydata import NoisyIndexed
 
 N, DIM, CLASSES, BATCH = 96, 12, 3, 4  # 2 ranks: 12 batches of 4 per rank and epoch
 
 
-def wait_committed(run_dir: str, step: int, timeout: float = 60.0) -> None:
-    from keepalive.store import CheckpointStore
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        store = CheckpointStore(run_dir)
-        if any(info.step == step and store.verify(info).valid for info in store.list()):
-            return
-        time.sleep(0.05)
-    raise SystemExit(f"the checkpoint of step {step} was not committed in {timeout} s")
 
 
 def main(run_dir: str, out_dir: str) -> None:

@@ -3,10 +3,40 @@
 A training child prints ``STEP n`` from the main thread and ``COMMITTED n`` from the background
 writer thread; ``print`` writes the text and the newline separately, so two threads can interleave
 into ``52STEP``. One ``write`` of the whole line cannot be split that way.
+
+Also what the distributed children share: waiting for a commit before a planned kill, and slowed
+checkpoint writes (so random kills land inside saves).
 """
 import sys
+import time
 
 
 def emit(line: str) -> None:
     sys.stdout.write(line + "\n")
     sys.stdout.flush()
+
+
+def wait_committed(run_dir: str, step: int, timeout: float = 120.0) -> None:
+    """Until the checkpoint of ``step`` in ``run_dir`` is committed and valid (a planned kill after it)."""
+    from keepalive.store import CheckpointStore
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        store = CheckpointStore(run_dir)
+        if any(info.step == step and store.verify(info).valid for info in store.list()):
+            return
+        time.sleep(0.05)
+    raise SystemExit(f"the checkpoint of step {step} was not committed in {timeout} s")
+
+
+def slow_writes(seconds: float) -> None:
+    """Every file of a checkpoint written ``seconds`` later: a random kill then often lands in a save."""
+    from keepalive.store import CheckpointStore
+
+    original = CheckpointStore._write_one
+
+    def slow_write(self, path, chunks, hasher=None, progress=None):
+        time.sleep(seconds)
+        return original(self, path, chunks, hasher, progress)
+
+    CheckpointStore._write_one = slow_write

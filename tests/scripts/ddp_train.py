@@ -17,11 +17,10 @@ DDP_SEED (the ranks' dropout seed base, 1234: another one is the transparency te
 """
 import os
 import sys
-import time
 
 import torch
 import torch.distributed as dist
-from childio import emit
+from childio import emit, slow_writes
 from rank_train import knob, pair, train
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
@@ -49,15 +48,7 @@ def main(run_dir: str, out_dir: str) -> None:
 
     slow = knob("DDP_SLOW_WRITE", 0.0)
     if slow:
-        from keepalive.store import CheckpointStore
-
-        original = CheckpointStore._write_one
-
-        def slow_write(self, path, chunks, hasher=None, progress=None):
-            time.sleep(slow)
-            return original(self, path, chunks, hasher, progress)
-
-        CheckpointStore._write_one = slow_write
+        slow_writes(slow)
     if os.environ.get("DDP_BROKEN_RANKS"):
         import keepalive.distributed as kd
 

@@ -32,7 +32,7 @@ import time
 
 import lightning.pytorch as pl
 import torch
-from childio import emit
+from childio import emit, slow_writes, wait_committed
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 from toydata import NoisyIndexed
@@ -44,16 +44,6 @@ def knob(name: str, default: float) -> float:
     return float(os.environ.get(name, default))
 
 
-def wait_committed(run_dir: str, step: int, timeout: float = 120.0) -> None:
-    from keepalive.store import CheckpointStore
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        store = CheckpointStore(run_dir)
-        if any(info.step == step and store.verify(info).valid for info in store.list()):
-            return
-        time.sleep(0.05)
-    raise SystemExit(f"the checkpoint of step {step} was not committed in {timeout} s")
 
 
 class Data(pl.LightningDataModule):
@@ -125,15 +115,7 @@ def main(run_dir: str, out_dir: str) -> None:
         f.write(str(os.getpid()))
     slow = knob("LDDP_SLOW_WRITE", 0.0)
     if slow:
-        from keepalive.store import CheckpointStore
-
-        original = CheckpointStore._write_one
-
-        def slow_write(self, path, chunks, hasher=None, progress=None):
-            time.sleep(slow)
-            return original(self, path, chunks, hasher, progress)
-
-        CheckpointStore._write_one = slow_write
+        slow_writes(slow)
 
     pl.seed_everything(42, verbose=False)
     model = Net()  # the same initial weights on every rank

@@ -22,7 +22,6 @@ training without keepalive (the reference). ``MN_EPOCHS`` (2).
 import os
 import signal
 import sys
-import time
 from datetime import timedelta
 
 if os.environ.get("MN_GUARD", "1") == "1" and not os.environ.get("MN_PLAIN"):
@@ -30,7 +29,7 @@ if os.environ.get("MN_GUARD", "1") == "1" and not os.environ.get("MN_PLAIN"):
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from childio import emit  # noqa: E402
+from childio import emit, wait_committed  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 from torch.utils.data.distributed import DistributedSampler  # noqa: E402
 
@@ -63,16 +62,6 @@ def create_group() -> None:
     assert dist.is_initialized() and dist.get_world_size() == 2
 
 
-def wait_committed(run_dir: str, step: int, timeout: float = 60.0) -> None:
-    from keepalive.store import CheckpointStore
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        store = CheckpointStore(run_dir)
-        if any(info.step == step and store.verify(info).valid for info in store.list()):
-            return
-        time.sleep(0.05)
-    raise SystemExit(f"the checkpoint of step {step} was not committed in {timeout} s")
 
 
 def main(run_dir: str, out_dir: str) -> None:
