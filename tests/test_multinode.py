@@ -75,7 +75,8 @@ def assert_resumed_exactly(text: str, out_dir: str, reference) -> None:
 
 @pytest.mark.parametrize("init", ["torch", "accelerate"])
 def test_two_agents_restart_after_one_nodes_worker_is_killed(tmp_path, reference, init):
-    job = MultiNodeJob(tmp_path, f"two-nodes-{init}", SCRIPT, env={"MN_INIT": init, "MN_KILL": KILL})
+    job = MultiNodeJob(tmp_path, f"two-nodes-{init}", SCRIPT,
+                       env={"MN_INIT": init, "MN_KILL": KILL, "MN_SURVIVOR_WAITS": "1"})
     codes = job.wait(JOB_TIMEOUT)
     text = job.text()
     assert codes == [0, 0], f"agents' exit codes {codes} (None: still running after {JOB_TIMEOUT} s):\n{text}"

@@ -16,12 +16,14 @@ Each rank writes ``OUT_DIR/pid.<n>.<rank>`` (n counts this rank's starts) and, a
 ``OUT_DIR/final.<rank>.pt``; rank 0 prints ``COMMITTED n`` after each commit, every rank ``START rank r``
 once its group exists and ``DONE rank r step n`` at the end. ``MN_KILL="rank:step:saved"``: in the
 first start of that rank only (a marker file in OUT_DIR), it waits until the checkpoint of step
-``saved`` is committed and SIGKILLs itself before training step ``step``. ``MN_PLAIN=1``: the same
+``saved`` is committed and SIGKILLs itself before training step ``step``; with ``MN_SURVIVOR_WAITS=1``
+the other rank waits there, outside any collective, until its agent stops it. ``MN_PLAIN=1``: the same
 training without keepalive (the reference). ``MN_EPOCHS`` (2).
 """
 import os
 import signal
 import sys
+import time
 from datetime import timedelta
 
 if os.environ.get("MN_GUARD", "1") == "1" and not os.environ.get("MN_PLAIN"):
@@ -105,6 +107,8 @@ def main(run_dir: str, out_dir: str) -> None:
 
         kill = [int(v) for v in os.environ.get("MN_KILL", "").split(":") if v]
         marker = os.path.join(out_dir, "killed")
+        first_start = not os.path.exists(marker)
+        survivor_waits = os.environ.get("MN_SURVIVOR_WAITS") == "1"
         ckpt = DriveCheckpoint(run_dir, model=model, optimizer=opt, every=3, keep=None)
         if rank == 0:
             ckpt.core.on_commit.append(lambda r: emit(f"COMMITTED {r.info.step}"))
@@ -116,6 +120,15 @@ def main(run_dir: str, out_dir: str) -> None:
                     open(marker, "w").close()
                     emit(f"KILL rank {rank} before step {ckpt.step + 1}")
                     os.kill(os.getpid(), signal.SIGKILL)
+                if (kill and survivor_waits and rank != kill[0] and ckpt.step + 1 == kill[1]
+                        and first_start):
+                    # healthy, outside any collective (a long evaluation, a slow batch) when the other
+                    # node dies: its agent, not a gloo error, stops it (SIGTERM, its default action),
+                    # so only the failed node's TORCHELASTIC_RESTART_COUNT moves
+                    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                    emit(f"WAITING rank {rank} before step {ckpt.step + 1}")
+                    time.sleep(120)
+                    raise SystemExit("the agent did not stop this healthy worker in 120 s")
                 train(x, y)
         step = ckpt.step
         ckpt.close()
