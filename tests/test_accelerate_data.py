@@ -21,7 +21,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import time
 from typing import Dict, List
 
 import pytest
@@ -33,7 +32,7 @@ if not dist.is_available() or not dist.is_gloo_available():  # pragma: no cover
     pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
 
 from crashkit import assert_differs, assert_same  # noqa: E402
-from torchrunkit import TorchrunJob  # noqa: E402
+from torchrunkit import TorchrunJob, finish, killed  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "scripts", "accel_train.py")
@@ -45,45 +44,13 @@ def finals(job: TorchrunJob) -> List[Dict[str, "torch.Tensor"]]:
     return [torch.load(os.path.join(job.out_dir, f"final.{r}.pt")) for r in (0, 1)]
 
 
-def finish(job: TorchrunJob) -> str:
-    try:
-        assert job.wait(240) == 0, job.text()[-6000:]
-    finally:
-        job.stop()
-    return job.text()
-
-
-def killed(job: TorchrunJob, timeout: float = 240.0) -> str:
-    """Wait until the victim rank has SIGKILLed itself, then kill the whole job (every process)."""
-    deadline = time.monotonic() + timeout
-    try:
-        while "KILL rank" not in job.text():
-            assert job.proc.poll() is None, f"the job ended before its kill:\n{job.text()[-6000:]}"
-            assert time.monotonic() < deadline, f"no kill in {timeout} s:\n{job.text()[-6000:]}"
-            time.sleep(0.02)
-        victim = int(open(os.path.join(job.out_dir, f"pid.0.{KILL.split(':')[0]}")).read())
-        while _alive(victim) and time.monotonic() < deadline:
-            time.sleep(0.01)
-    finally:
-        job.stop()
-    return job.text()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
-
-
 def test_prepared_loader_two_processes_transparent_and_exact_after_a_kill_mid_epoch(tmp_path):
     # the three first jobs are independent: run them side by side
     plain = TorchrunJob(tmp_path, "plain", SCRIPT, env={"ACCEL_PLAIN": "1"})
     ref = TorchrunJob(tmp_path, "ref", SCRIPT)
     crash = TorchrunJob(tmp_path, "crash", SCRIPT, env={"ACCEL_KILL": KILL})
     try:
-        first = killed(crash)
+        first = killed(crash, int(KILL.split(":")[0]))
         ref_text = finish(ref)
         finish(plain)
     finally:

@@ -426,6 +426,18 @@ def test_accelerate_internals_exist_and_are_used_where_they_say():
     assert pinned and pinned.group(1) in SpecifierSet(ACCELERATE.packages["accelerate"].tested)
 
 
+def test_fabric_internals_exist_and_are_used_where_they_say():
+    if importlib.util.find_spec("lightning") is None:
+        pytest.skip("lightning is not installed")
+    _load_torchvision_shim()
+    from keepalive.callbacks._compat import FABRIC
+
+    FABRIC.reset()
+    assert FABRIC.missing(required_only=False) == []
+    unused = [f"{i.name}: {i.text!r} not in {i.file}" for i in FABRIC.internals if i.text not in _source(i.file)]
+    assert unused == []
+
+
 def test_a_prepared_optimizer_of_an_accelerate_without_its_wrapped_optimizer_is_refused(tmp_path, monkeypatch):
     pytest.importorskip("accelerate")
     import accelerate.optimizer as ao

@@ -183,3 +183,37 @@ class MultiNodeJob:
             if agent.poll() is None:
                 os.killpg(agent.pid, signal.SIGKILL)  # our own session (start_new_session), by id
                 agent.wait()
+
+
+def finish(job: TorchrunJob) -> str:
+    """The output of a job that must end with 0 (stopped in any case)."""
+    try:
+        assert job.wait(240) == 0, job.text()[-6000:]
+    finally:
+        job.stop()
+    return job.text()
+
+
+def killed(job: TorchrunJob, victim: int, timeout: float = 240.0) -> str:
+    """Wait until rank ``victim`` has SIGKILLed itself (it prints ``KILL rank``), then kill the whole job
+    (every process)."""
+    deadline = time.monotonic() + timeout
+    try:
+        while "KILL rank" not in job.text():
+            assert job.proc.poll() is None, f"the job ended before its kill:\n{job.text()[-6000:]}"
+            assert time.monotonic() < deadline, f"no kill in {timeout} s:\n{job.text()[-6000:]}"
+            time.sleep(0.02)
+        pid = int(open(os.path.join(job.out_dir, f"pid.0.{victim}")).read())
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        job.stop()
+    return job.text()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False

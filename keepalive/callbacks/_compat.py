@@ -32,8 +32,8 @@ from typing import Any, Callable, Iterable, Iterator, List, Optional, Sequence, 
 
 from ..errors import IncompatibleFrameworkError
 
-__all__ = ["ACCELERATE", "Internal", "Package", "Framework", "code_names", "code_consts", "local_names", "params_of",
-           "given", "has", "uses", "local", "param", "field", "module_has"]
+__all__ = ["ACCELERATE", "FABRIC", "Internal", "Package", "Framework", "code_names", "code_consts", "local_names",
+           "params_of", "given", "has", "uses", "local", "param", "field", "module_has"]
 
 Probe = Callable[[], bool]
 
@@ -272,3 +272,32 @@ def _accelerate_internals() -> List[Internal]:
 
 #: Accelerate's objects as the torch adapter takes them (checked when a prepared object is registered)
 ACCELERATE = Framework("Accelerate", [Package("accelerate", "accelerate", ">=1.1,<2")], _accelerate_internals)
+
+
+# ------------------------------------------------------------------- Lightning Fabric (torch adapter)
+def _fabric_internals() -> List[Internal]:
+    """What the torch adapter relies on in the objects ``fabric.setup`` / ``setup_dataloaders`` return:
+    the torch object each wrapper holds (``torchstate.FABRIC_WRAPPERS``), the DataLoader a Fabric loader
+    wraps (``_torch_replay._base_loader``), and its count of ``iter()`` calls (the epoch it sets on the
+    sampler; saved as a counter of the loader)."""
+    module, opt = _accelerate("lightning.fabric.wrappers", "_FabricModule"), \
+        _accelerate("lightning.fabric.wrappers", "_FabricOptimizer")
+    loader = _accelerate("lightning.fabric.wrappers", "_FabricDataLoader")
+    return [
+        Internal("lightning.fabric.wrappers._FabricModule._original_module", "the user's module inside "
+                 "(not the DDP wrapper): its state is saved", "torchstate.py: FABRIC_WRAPPERS",
+                 uses(module, "_original_module"), token='"_original_module"'),
+        Internal("lightning.fabric.wrappers._FabricOptimizer._optimizer", "the torch optimizer inside: "
+                 "registered, its step hook counts the steps", "torchstate.py: FABRIC_WRAPPERS",
+                 uses(opt, "_optimizer"), token='"_optimizer"'),
+        Internal("lightning.fabric.wrappers._FabricDataLoader._dataloader", "the torch DataLoader a Fabric "
+                 "loader iterates: its index sampler is positioned", "_torch_replay.py: _base_loader",
+                 uses(loader, "_dataloader"), token='"_dataloader"'),
+        Internal("lightning.fabric.wrappers._FabricDataLoader._num_iter_calls", "the loader's count of "
+                 "iter() calls, the epoch Fabric sets on its sampler: saved with a checkpoint as a counter",
+                 "_torch_replay.py: _counters", uses(loader, "_num_iter_calls"), token="_counters"),
+    ]
+
+
+#: Lightning Fabric's objects as the torch adapter takes them (checked when a Fabric object is registered)
+FABRIC = Framework("Lightning Fabric", [Package("lightning", "lightning", ">=2.6,<2.7")], _fabric_internals)

@@ -309,7 +309,7 @@ class LoaderReplay:
         self._positioned: Optional[_Positioned] = None
         self._folder: Optional[str] = None  # the workers' random states (workers > 0)
         if self.mode == "replay":
-            index_sampler = loader._index_sampler
+            index_sampler = _index_sampler(loader, self.base)
             self._positioned = _Positioned(index_sampler)
             self._positioned.by_samples = type(index_sampler) is BatchSampler
             # a wrapper around the DataLoader (Accelerate's) fetches ahead: note from the first batch
@@ -432,7 +432,7 @@ class LoaderReplay:
         samplers = self._samplers()
         if all(_qualname(s) in _KNOWN_SAMPLERS for _, s in samplers):
             return ""
-        index_sampler = self.loader._index_sampler
+        index_sampler = _index_sampler(self.loader, self.base)
         name = type(next(s for _, s in samplers if _qualname(s) not in _KNOWN_SAMPLERS)).__name__
         saved = rng.capture()
         memo_base = {id(self.loader.dataset): self.loader.dataset}
@@ -701,9 +701,26 @@ class _Dispatch:
 
 def _base_loader(loader: Any) -> Any:
     """The torch ``DataLoader`` an Accelerate ``DataLoaderShard`` / ``DataLoaderDispatcher`` iterates
-    (``base_dataloader``), or ``loader`` itself."""
-    base = getattr(loader, "__dict__", {}).get("base_dataloader")
+    (``base_dataloader``) or a Lightning Fabric ``_FabricDataLoader`` wraps (``_dataloader``; no
+    DataLoader itself: it copies the wrapped one's attributes, sets its sampler's epoch from its own
+    count of ``iter()`` calls and moves batches to the device), or ``loader`` itself."""
+    attrs = getattr(loader, "__dict__", {})
+    base = attrs.get("base_dataloader")
+    if base is None and fabric_loader(loader):
+        base = attrs.get("_dataloader")
     return base if isinstance(base, DataLoader) else loader
+
+
+def fabric_loader(loader: Any) -> bool:
+    """A Lightning Fabric ``_FabricDataLoader`` (``fabric.setup_dataloaders``)."""
+    return type(loader).__qualname__ == "_FabricDataLoader" and \
+        type(loader).__module__ in ("lightning.fabric.wrappers", "lightning_fabric.wrappers")
+
+
+def _index_sampler(loader: Any, base: Any) -> Any:
+    """The index sampler the iteration draws from: the loader's own (a DataLoader or a subclass), or
+    the wrapped DataLoader's for a wrapper that is none (Fabric's)."""
+    return loader._index_sampler if isinstance(loader, DataLoader) else base._index_sampler
 
 
 def _worker_state() -> Tuple[torch.Tensor, Any, bytes, int]:

@@ -55,7 +55,7 @@ from ..adapter import CheckpointAdapter
 from ..config import CheckpointConfig
 from ..core import Checkpointer
 from ..statetree import Captured, StateTree
-from ._torch_replay import DatasetKeys, ForeignIterators, LoaderReplay
+from ._torch_replay import DatasetKeys, ForeignIterators, LoaderReplay, fabric_loader
 from .torchstate import (
     RandomState,
     changed_hyperparameters,
@@ -767,8 +767,9 @@ class DriveCheckpoint(CheckpointAdapter):
 
     def _resumable(self, loader: Any) -> Tuple[LoaderReplay, str]:
         """How ``loader`` is positioned (:class:`LoaderReplay`) and its dataset's key (:class:`DatasetKeys`)."""
-        if not isinstance(loader, torch.utils.data.DataLoader):
-            raise TypeError("ckpt.batches() takes a torch.utils.data.DataLoader")
+        if not isinstance(loader, torch.utils.data.DataLoader) and not fabric_loader(loader):
+            raise TypeError("ckpt.batches() takes a torch.utils.data.DataLoader (or what Accelerate's "
+                            "prepare() / Fabric's setup_dataloaders() make of one)")
         key = self._datasets.key(loader.dataset)
         rl = self._loaders.get(key)
         if rl is None or rl.loader is not loader:

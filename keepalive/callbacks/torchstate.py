@@ -187,6 +187,8 @@ def unwrap_module(obj: Any) -> Any:
             obj = obj._orig_mod  # torch.compile's wrapper (torch._dynamo is not imported to test it)
         elif accelerate_wrapper(obj) is not None:
             obj = accelerate_wrapper(obj)
+        elif fabric_wrapper(obj) is not None:
+            obj = fabric_wrapper(obj)
         else:
             return obj
 
@@ -195,6 +197,26 @@ def unwrap_module(obj: Any) -> Any:
 #: checked against the installed accelerate by :data:`keepalive.callbacks._compat.ACCELERATE`
 ACCELERATE_WRAPPERS = {"accelerate.optimizer.AcceleratedOptimizer": "optimizer",
                        "accelerate.scheduler.AcceleratedScheduler": "scheduler"}
+
+
+#: Lightning Fabric's wrappers (``fabric.setup``) and the attribute that holds the user's torch object: the
+#: module as it was passed in (not the DDP wrapper around it), the torch optimizer (whose step hook runs
+#: when Fabric's strategy steps it); checked against the installed lightning by ``_compat.FABRIC``
+FABRIC_WRAPPERS = {"_FabricModule": "_original_module", "_FabricOptimizer": "_optimizer"}
+FABRIC_MODULES = ("lightning.fabric.wrappers", "lightning_fabric.wrappers")
+
+
+def fabric_wrapper(obj: Any) -> Any:
+    """The torch object inside a Fabric ``_FabricModule`` / ``_FabricOptimizer``, or None (lightning is
+    not imported to tell). A ``_FabricOptimizer`` poses as its optimizer's class: its MRO names it."""
+    for cls in type(obj).__mro__:
+        attr = FABRIC_WRAPPERS.get(cls.__qualname__)
+        if attr is not None and cls.__module__ in FABRIC_MODULES:
+            from ._compat import FABRIC
+
+            FABRIC.check()  # once per process: a lightning whose wrappers changed is refused here
+            return getattr(obj, attr, None)
+    return None
 
 
 def accelerate_wrapper(obj: Any) -> Any:
