@@ -2,8 +2,9 @@
 restart-safe rendezvous that ``import keepalive`` installs (keepalive/rendezvous.py).
 
 * two torchrun agents of one process each on 127.0.0.1 (what two machines do: ``--nnodes=2``, one c10d
-  rendezvous, a shared run folder), the group created by torch's own ``dist.init_process_group`` or
-  by Accelerate's ``Accelerator(cpu=True)``; the worker of ONE node SIGKILLs itself after a commit; both
+  rendezvous, a shared run folder), the group created by torch's own ``dist.init_process_group``, by
+  Accelerate's ``Accelerator(cpu=True)``, by accelerate's ``PartialState`` (what the HF Trainer makes) or
+  by Lightning Fabric's DDP strategy; the worker of ONE node SIGKILLs itself after a commit; both
   agents restart their workers (only the failed node's ``TORCHELASTIC_RESTART_COUNT`` moves, the trap
   of a prefix named by it); the job resumes at the committed step and ends bit-identical on both ranks
   to an uninterrupted run without keepalive;
@@ -73,10 +74,15 @@ def assert_resumed_exactly(text: str, out_dir: str, reference) -> None:
         assert same_weights(weights[rank], reference[rank]), f"rank {rank} differs from the reference"
 
 
-@pytest.mark.parametrize("init", ["torch", "accelerate"])
+#: who creates the group: torch, Accelerate, the HF Trainer (its TrainingArguments make accelerate's
+#: PartialState) and Lightning (Fabric's DDP strategy, the Trainer's code path)
+@pytest.mark.parametrize("init", ["torch", "accelerate", "partialstate", "fabric"])
 def test_two_agents_restart_after_one_nodes_worker_is_killed(tmp_path, reference, init):
-    job = MultiNodeJob(tmp_path, f"two-nodes-{init}", SCRIPT,
-                       env={"MN_INIT": init, "MN_KILL": KILL, "MN_SURVIVOR_WAITS": "1"})
+    env = {"MN_INIT": init, "MN_KILL": KILL, "MN_SURVIVOR_WAITS": "1"}
+    if init == "fabric":  # lightning imports torchvision: the test machine's shim (tests/shims)
+        env["PYTHONPATH"] = os.pathsep.join([os.path.join(HERE, "shims"), os.path.dirname(HERE),
+                                             os.path.join(HERE, "scripts")])
+    job = MultiNodeJob(tmp_path, f"two-nodes-{init}", SCRIPT, env=env)
     codes = job.wait(JOB_TIMEOUT)
     text = job.text()
     assert codes == [0, 0], f"agents' exit codes {codes} (None: still running after {JOB_TIMEOUT} s):\n{text}"
