@@ -58,7 +58,7 @@ pl = pytest.importorskip("lightning.pytorch")
 from crashkit import assert_differs, assert_same  # noqa: E402
 from keepalive.callbacks import lightning as ka_lightning  # noqa: E402
 from keepalive.store import CheckpointStore  # noqa: E402
-from torchrunkit import TorchrunJob  # noqa: E402
+from torchrunkit import TorchrunJob, alive, finish, killed  # noqa: E402
 
 SCRIPT = os.path.join(HERE, "scripts", "lightning_ddp.py")
 #: the children import lightning (torchvision: the shim) and the scripts' helpers
@@ -81,38 +81,6 @@ def job(tmp, name: str, env: Optional[Dict[str, str]] = None, run_dir: Optional[
 
 def finals(j: TorchrunJob) -> List[Dict[str, "torch.Tensor"]]:
     return [torch.load(os.path.join(j.out_dir, f"final.{r}.pt")) for r in (0, 1)]
-
-
-def finish(j: TorchrunJob) -> str:
-    try:
-        assert j.wait(240) == 0, j.text()[-6000:]
-    finally:
-        j.stop()
-    return j.text()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
-
-
-def killed(j: TorchrunJob, timeout: float = 240.0) -> str:
-    """Wait until the victim rank has SIGKILLed itself, then kill the whole job (every process)."""
-    deadline = time.monotonic() + timeout
-    try:
-        while "KILL rank" not in j.text():
-            assert j.proc.poll() is None, f"the job ended before its kill:\n{j.text()[-6000:]}"
-            assert time.monotonic() < deadline, f"no kill in {timeout} s:\n{j.text()[-6000:]}"
-            time.sleep(0.02)
-        victim = int(open(os.path.join(j.out_dir, f"pid.0.{KILL.split(':')[0]}")).read())
-        while _alive(victim) and time.monotonic() < deadline:
-            time.sleep(0.01)
-    finally:
-        j.stop()
-    return j.text()
 
 
 class Reference:
@@ -147,7 +115,7 @@ def test_ddp_transparent_and_exact_after_a_rank_kill_mid_epoch(tmp_path, without
     ref = job(tmp_path, "ref")
     crash = job(tmp_path, "crash", {"LDDP_KILL": KILL})
     try:
-        first = killed(crash)
+        first = killed(crash, int(KILL.split(":")[0]))
         ref_text = finish(ref)
     finally:
         ref.stop()
@@ -223,7 +191,7 @@ def test_sigterm_and_random_rank_kills_inside_saves_then_a_new_job_resume_exactl
             pid = int(open(os.path.join(j.out_dir, f"pid.0.{victim}")).read())
             os.kill(pid, 9)
             torn = sorted(_saving(run_dir) - before)
-            while _alive(pid):
+            while alive(pid):
                 time.sleep(0.01)
         finally:
             j.stop()

@@ -204,14 +204,15 @@ def killed(job: TorchrunJob, victim: int, timeout: float = 240.0) -> str:
             assert time.monotonic() < deadline, f"no kill in {timeout} s:\n{job.text()[-6000:]}"
             time.sleep(0.02)
         pid = int(open(os.path.join(job.out_dir, f"pid.0.{victim}")).read())
-        while _alive(pid) and time.monotonic() < deadline:
+        while alive(pid) and time.monotonic() < deadline:
             time.sleep(0.01)
     finally:
         job.stop()
     return job.text()
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """The process ``pid`` runs (not gone, not a zombie)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")

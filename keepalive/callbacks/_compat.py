@@ -233,8 +233,8 @@ def module_has(module: str, *names: str) -> Probe:
 
 
 # ------------------------------------------------------------------- Accelerate (torch adapter)
-def _accelerate(module: str, name: str) -> Callable[[], Any]:
-    """An accelerate class, imported when a probe runs."""
+def _class_at(module: str, name: str) -> Callable[[], Any]:
+    """A framework class (accelerate's, Fabric's), imported when a probe runs."""
     return lambda: getattr(importlib.import_module(module), name)
 
 
@@ -242,10 +242,10 @@ def _accelerate_internals() -> List[Internal]:
     """What the torch adapter relies on in the objects ``accelerator.prepare`` returns: the torch
     object each wrapper holds (``torchstate.ACCELERATE_WRAPPERS``), the DataLoader a prepared loader
     iterates (``_torch_replay._base_loader``), and the loader's epoch count (saved as a counter)."""
-    opt, sched = _accelerate("accelerate.optimizer", "AcceleratedOptimizer"), \
-        _accelerate("accelerate.scheduler", "AcceleratedScheduler")
-    shard, dispatcher = _accelerate("accelerate.data_loader", "DataLoaderShard"), \
-        _accelerate("accelerate.data_loader", "DataLoaderDispatcher")
+    opt, sched = _class_at("accelerate.optimizer", "AcceleratedOptimizer"), \
+        _class_at("accelerate.scheduler", "AcceleratedScheduler")
+    shard, dispatcher = _class_at("accelerate.data_loader", "DataLoaderShard"), \
+        _class_at("accelerate.data_loader", "DataLoaderDispatcher")
     return [
         Internal("accelerate.optimizer.AcceleratedOptimizer.optimizer", "the torch optimizer inside: "
                  "registered, its step hook counts the steps that change the weights",
@@ -280,9 +280,9 @@ def _fabric_internals() -> List[Internal]:
     the torch object each wrapper holds (``torchstate.FABRIC_WRAPPERS``), the DataLoader a Fabric loader
     wraps (``_torch_replay._base_loader``), and its count of ``iter()`` calls (the epoch it sets on the
     sampler; saved as a counter of the loader)."""
-    module, opt = _accelerate("lightning.fabric.wrappers", "_FabricModule"), \
-        _accelerate("lightning.fabric.wrappers", "_FabricOptimizer")
-    loader = _accelerate("lightning.fabric.wrappers", "_FabricDataLoader")
+    module, opt = _class_at("lightning.fabric.wrappers", "_FabricModule"), \
+        _class_at("lightning.fabric.wrappers", "_FabricOptimizer")
+    loader = _class_at("lightning.fabric.wrappers", "_FabricDataLoader")
     return [
         Internal("lightning.fabric.wrappers._FabricModule._original_module", "the user's module inside "
                  "(not the DDP wrapper): its state is saved", "torchstate.py: FABRIC_WRAPPERS",

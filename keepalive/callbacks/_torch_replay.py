@@ -55,7 +55,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, get_worker_info
 
 from .. import rng
-from .torchstate import RandomState
+from .torchstate import FABRIC_MODULES, RandomState
 
 __all__ = ["LoaderReplay", "ForeignIterators", "DatasetKeys", "batch_len", "samples_in"]
 
@@ -713,8 +713,7 @@ def _base_loader(loader: Any) -> Any:
 
 def fabric_loader(loader: Any) -> bool:
     """A Lightning Fabric ``_FabricDataLoader`` (``fabric.setup_dataloaders``)."""
-    return type(loader).__qualname__ == "_FabricDataLoader" and \
-        type(loader).__module__ in ("lightning.fabric.wrappers", "lightning_fabric.wrappers")
+    return type(loader).__qualname__ == "_FabricDataLoader" and type(loader).__module__ in FABRIC_MODULES
 
 
 def _index_sampler(loader: Any, base: Any) -> Any:
