@@ -37,6 +37,9 @@ class CheckpointConfig:
         keep_every: also keep every Nth checkpoint.
         on_deadline: what to do when the session's time limit approaches (see ``keepalive status``):
             ``"save_and_stop"`` (default), ``"save"`` or ``"ignore"``.
+        on_preempt: what to do on a cloud's preemption notice (GCE / AWS / Azure Spot VMs, watched
+            through their metadata service): ``"save_and_stop"`` (default) saves at once, even during an
+            evaluation, and stops; ``"save"`` saves and trains on; ``"ignore"``.
         deadline_margin: how long before the deadline to act (a duration; default: at least twice the
             measured save time, and one minute).
         takeover: take the run over from another live session that holds its writer lease.
@@ -59,6 +62,7 @@ class CheckpointConfig:
     keep: Optional[int] = 3
     keep_every: Optional[int] = None
     on_deadline: str = "save_and_stop"
+    on_preempt: str = "save_and_stop"
     deadline_margin: Union[str, float, None] = None
     takeover: bool = False
     background: bool = True

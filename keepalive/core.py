@@ -26,6 +26,7 @@ import atexit
 import logging
 import os
 import signal
+import time
 import weakref
 from typing import Any, Callable, Dict, Iterable, List, Mapping, MutableMapping, Optional, Union, cast
 
@@ -42,6 +43,7 @@ from .interrupts import DeferredSignals, raise_for, signal_name
 from .notebook import default_dir, resolve_run_url
 from .runs import Run, position, record_run, resuming_line
 from .savepath import Found, SavePath, choose
+from .session import cloud as _cloud
 from .statetree import Captured, Header, StateTree
 from .store import CheckpointInfo, CheckpointStore, WriteResult
 from .trigger import SaveTrigger
@@ -85,7 +87,8 @@ class Checkpointer:
         self.store = CheckpointStore(self.url, keep=cfg.keep, keep_every=cfg.keep_every,
                                      storage_options=cfg.storage_options)
         self.trigger = SaveTrigger(cfg.every, on_deadline=cfg.on_deadline, margin=cfg.deadline_margin,
-                                   remaining_fn=cfg.remaining_fn)
+                                   remaining_fn=cfg.remaining_fn, on_preempt=cfg.on_preempt,
+                                   notice_fn=_cloud_notice)
         #: what the writer commits through: the store itself, or a local spool whose checkpoints a
         #: background thread uploads (remote URLs, Drive, failing destinations: keepalive/spool)
         self.spooled = _spool.SpooledStore(self.store, cfg.spool, storage_options=cfg.storage_options,
@@ -343,10 +346,13 @@ class Checkpointer:
         self.store.lease.progress = c.as_dict()
         log.info("saving step %d (epoch %d): %s", c.step, c.epoch, reason)
         self.steps_paused = True
+        started = time.perf_counter()
         try:
             self.path.submit(self.build_tree(capture), step=c.step, epoch=c.epoch, metadata=meta, sync=sync)
         finally:
             self.steps_paused = False
+        if not sync:  # what the training waited for: the copy to host memory (a sync save waits for all)
+            self.trigger.record_stall(time.perf_counter() - started)
         self._feed(bd.Saved())
         self.trigger.saved()
 
@@ -594,6 +600,12 @@ class Checkpointer:
             if self._path is not None:
                 self._path.close()
             self._opened = False
+
+
+def _cloud_notice() -> Optional[_cloud.Notice]:
+    """The cloud's newest preemption notice (None off a cloud VM: nothing is watched there)."""
+    watcher = _cloud.watcher()
+    return watcher.notice() if watcher is not None else None
 
 
 def _exit_words(signum: int) -> str:

@@ -6,13 +6,17 @@ comes (the next step boundary when the loop can resume mid-epoch, else the next 
 there would end after the session's deadline minus a safety margin, it answers "save now" (and
 "stop" with ``on_deadline="save_and_stop"``). So the last checkpoint is written while the runtime is
 still alive, no optimizer step is lost, and no time is wasted stopping earlier than needed.
+
+A cloud's preemption notice (:mod:`keepalive.session.cloud`) is a deadline that arrives now: the next
+chance to save saves (and stops with ``on_preempt="save_and_stop"``). A maintenance notice long ahead
+is a deadline like the session's; an advisory one (AWS' rebalance recommendation) saves once.
 """
 from __future__ import annotations
 
 import logging
 import numbers
 import time
-from typing import Callable, Optional, Union
+from typing import Callable, Optional, Protocol, Union
 
 from .boundary import Due
 from .units import format_duration, parse_duration
@@ -20,6 +24,22 @@ from .units import format_duration, parse_duration
 log = logging.getLogger("keepalive.trigger")
 
 ON_DEADLINE = ("save_and_stop", "save", "ignore")
+ON_PREEMPT = ON_DEADLINE
+
+#: seconds a preemption notice leaves when the cloud does not say (GCE's Spot notice is about 30 s)
+NOTICE_SECONDS = 30.0
+
+
+class NoticeLike(Protocol):
+    """What the trigger reads of a cloud's notice (:class:`keepalive.session.cloud.Notice`)."""
+
+    @property
+    def kind(self) -> str: ...
+
+    @property
+    def detail(self) -> str: ...
+
+    def seconds_left(self, now: Optional[float] = None) -> Optional[float]: ...
 
 
 class Schedule:
@@ -62,9 +82,17 @@ class SaveTrigger:
     def __init__(self, every: Union[str, int, float, None] = "epoch", *,
                  on_deadline: str = "save_and_stop", margin: Union[str, float, None] = None,
                  remaining_fn: Optional[Callable[[], Optional[float]]] = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, on_preempt: str = "save_and_stop",
+                 notice_fn: Optional[Callable[[], Optional[NoticeLike]]] = None):
         if on_deadline not in ON_DEADLINE:
             raise ValueError(f"on_deadline must be one of {ON_DEADLINE}, not {on_deadline!r}")
+        if on_preempt not in ON_PREEMPT:
+            raise ValueError(f"on_preempt must be one of {ON_PREEMPT}, not {on_preempt!r}")
+        self.on_preempt = on_preempt
+        #: the cloud's newest notice (None: none, or not a cloud VM); asked at every boundary
+        self.notice_fn = notice_fn
+        #: the notice already acted on (a notice is acted on once; the VM goes away)
+        self.notice_hit: Optional[NoticeLike] = None
         self.schedule = Schedule(every)
         self.on_deadline = on_deadline
         self.min_margin = parse_duration(margin) if margin is not None else 30.0
@@ -73,6 +101,8 @@ class SaveTrigger:
         self.step_seconds: Optional[float] = None
         self.epoch_seconds: Optional[float] = None
         self.save_seconds: Optional[float] = None
+        #: what one save kept the training waiting (the copy to host memory; an EWMA)
+        self.stall_seconds: Optional[float] = None
         self.steps_per_epoch: Optional[int] = None
         self._last_boundary: Optional[float] = None
         #: seconds between boundaries where a save is possible (with gradient accumulation, several
@@ -107,6 +137,10 @@ class SaveTrigger:
     def record_save(self, seconds: float) -> None:
         """The measured wall time of one save until it is durable (used for the margin)."""
         self.save_seconds = max(seconds, _ewma(self.save_seconds, seconds))
+
+    def record_stall(self, seconds: float) -> None:
+        """The measured time one save kept the training waiting (the copy to host memory)."""
+        self.stall_seconds = _ewma(self.stall_seconds, seconds)
 
     def saved(self) -> None:
         self._last_save_time = self.clock()
@@ -160,10 +194,38 @@ class SaveTrigger:
             return None  # only epoch ends can be saved: decide there
         return self.epoch_seconds or 0.0
 
+    def notice_due(self, horizon: Optional[float]) -> Optional[Due]:
+        """What a cloud's notice asks for at a chance to save ``horizon`` seconds before the next one
+        (None: not here; between steps, 0): a preemption saves now; a maintenance ahead of time when
+        waiting would cross it; an advisory notice saves once and trains on."""
+        if self.notice_fn is None or self.on_preempt == "ignore":
+            return None
+        notice = self.notice_fn()
+        if notice is None or notice is self.notice_hit:
+            return None
+        left = notice.seconds_left()
+        if notice.kind == "maintenance" and left is not None and horizon is not None:
+            if left > horizon + (self.save_seconds or 0.0) + self.margin:
+                return None  # far ahead: like the session's deadline, acted on when waiting would cross it
+        elif horizon is None and notice.kind != "rebalance":
+            return None  # no chance to save here (only epoch ends can be saved): decide there
+        self.notice_hit = notice
+        if notice.kind == "rebalance":
+            reason = f"{notice.detail}: saving now, training goes on"
+            log.warning("%s", reason)
+            return Due(save=reason)
+        stop = self.on_preempt == "save_and_stop"
+        reason = f"{notice.detail}" + (" -> saving now and stopping" if stop else " -> saving now")
+        log.warning("%s", reason)
+        return Due(save=reason, stop=reason if stop else None)
+
     def _with_deadline(self, decision: Due, now: float, at_epoch_end: bool = False) -> Due:
+        horizon = self._horizon(at_epoch_end)
+        notice = self.notice_due(horizon)
+        if notice is not None:
+            return notice | decision  # the notice's reason is said; the schedule's save is the same save
         if self.on_deadline == "ignore" or self.deadline_hit:
             return decision
-        horizon = self._horizon(at_epoch_end)
         if horizon is None:
             return decision
         remaining = self.remaining()
@@ -179,5 +241,26 @@ class SaveTrigger:
         reason = (f"{ends}; the next chance to save is "
                   f"{format_duration(horizon)} away, a save takes {format_duration(self.save_seconds or 0)} "
                   f"and {format_duration(self.margin)} are kept as margin")
+        log.warning("deadline: %s -> saving now%s", reason, " and stopping" if stop else "")
+        return Due(save=f"deadline: {reason}", stop=f"deadline: {reason}" if stop else None)
+
+    def between_steps_due(self, slack: float = 0.0) -> Due:
+        """While the loop is away from its step boundaries (a long evaluation, a data stall): what
+        cannot wait for the next one. A notice, or the session's deadline within a save, the margin
+        and ``slack`` seconds (how long until this is asked again)."""
+        notice = self.notice_due(0.0)
+        if notice is not None:
+            return notice
+        if self.on_deadline == "ignore" or self.deadline_hit:
+            return Due()
+        remaining = self.remaining()
+        if remaining is None or remaining > (self.save_seconds or 0.0) + self.margin + slack:
+            return Due()
+        self.deadline_hit = True
+        ends = ("the session's time is already used up" if remaining <= 0
+                else f"the session ends in {format_duration(remaining)}")
+        reason = (f"{ends}, during a pause of the training loop (a save takes "
+                  f"{format_duration(self.save_seconds or 0)}, {format_duration(self.margin)} are kept as margin)")
+        stop = self.on_deadline == "save_and_stop"
         log.warning("deadline: %s -> saving now%s", reason, " and stopping" if stop else "")
         return Due(save=f"deadline: {reason}", stop=f"deadline: {reason}" if stop else None)
