@@ -518,6 +518,9 @@ class Checkpointer:
 
     def _carry_out(self, decision: Decision, capture: Capture) -> Decision:
         c = self.state.counters
+        news = self.trigger.take_news()
+        if news:
+            self.say(news)
         if decision.signal is not None and decision.signal_note == "unsaveable":
             self.uninstall_signal_handlers()
             self.warn(f"{signal_name(decision.signal)}: this loop cannot be saved inside an epoch "

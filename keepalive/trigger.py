@@ -138,6 +138,10 @@ class SaveTrigger:
         """The measured wall time of one save until it is durable (used for the margin)."""
         self.save_seconds = max(seconds, _ewma(self.save_seconds, seconds))
 
+    def take_news(self) -> Optional[str]:
+        """A line the user should read once (the interval ``every="auto"`` chose), or None."""
+        return None
+
     def record_stall(self, seconds: float) -> None:
         """The measured time one save kept the training waiting (the copy to host memory)."""
         self.stall_seconds = _ewma(self.stall_seconds, seconds)
