@@ -27,6 +27,7 @@ import sys
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from urllib.parse import urlsplit
 
 from .units import parse_bytes, parse_duration
 
@@ -121,6 +122,29 @@ def _positive_int(text: str) -> Optional[int]:
     return value if value > 0 else None
 
 
+def _cloud(text: str) -> Optional[str]:
+    """A cloud's name, ``none`` (not a cloud VM), or None for ``auto`` (or empty): detected."""
+    value = text.strip().lower()
+    if value in ("", "auto"):
+        return None
+    value = {"gcp": "gce", "google": "gce", "ec2": "aws", "off": "none", "no": "none"}.get(value, value)
+    return _choice("gce", "aws", "azure", "none")(value)
+
+
+def _service_url(text: str) -> Optional[str]:
+    """``http://host[:port]`` (no path: each provider's paths are kept), or None (empty)."""
+    value = text.strip().rstrip("/")
+    if not value:
+        return None
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{text!r} is not an http://host[:port] URL")
+    if parts.path or parts.query:
+        raise ValueError(f"{text!r} has a path; give only http://host[:port] (the paths are each cloud's own)")
+    _ = parts.port  # raises ValueError on a port that is not a number
+    return value
+
+
 def _bytes_or_none(text: str) -> Optional[int]:
     value = text.strip()
     return parse_bytes(value) if value else None
@@ -145,6 +169,17 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in [
     Setting("KEEPALIVE_CLOCK", None, _clock, "which start the session budget counts from: vm (the "
             "machine's start, Colab's rule), kernel (this kernel's start), process; default: the "
             "platform's", "vm|kernel|process"),
+    # a cloud VM's preemption notices
+    Setting("KEEPALIVE_CLOUD", None, _cloud, "which cloud's preemption / maintenance notices to watch: "
+            "gce, aws, azure, none (watch nothing); default auto: detected from the DMI files, never "
+            "by a network request", "gce|aws|azure|none|auto"),
+    Setting("KEEPALIVE_METADATA_URL", None, _service_url, "replaces the scheme, host and port of the "
+            "cloud's metadata service (default http://metadata.google.internal on GCE, "
+            "http://169.254.169.254 on AWS and Azure); the paths and headers stay each cloud's own",
+            "http://host:port"),
+    Setting("KEEPALIVE_DMI_DIR", "/sys/class/dmi/id", lambda t: _path(t) or "/sys/class/dmi/id",
+            "for tests: the folder of DMI files (sys_vendor, product_name, ...) the cloud is detected "
+            "from", "path"),
     # storage faults
     Setting("KEEPALIVE_SPOOL", "/tmp/keepalive-spool", lambda t: _path(t) or "/tmp/keepalive-spool",
             "root folder of the local spool (checkpoints waiting for upload)", "path"),

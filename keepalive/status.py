@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from . import runs, session
 from ._version import __version__
+from .session import cloud as _cloud
 from .session.clock import CLOCK_MEANING, ancestor_kernel, clock_starts, iso_time
 from .store import describe_processes
 from .units import format_duration
@@ -74,6 +75,21 @@ def _indexed_runs(checkpoint_dir: str, warnings: List[str]) -> List[Dict[str, An
     return entries
 
 
+def _cloud_status(warnings: List[str]) -> Optional[Dict[str, Any]]:
+    """The cloud's notices (:func:`keepalive.session.cloud.status`): None off a cloud VM (nothing
+    asked); on one, the notice endpoint's current answer (one quick try)."""
+    try:
+        report = _cloud.status()
+    except Exception as exc:  # noqa: BLE001 - status never crashes
+        warnings.append(f"could not read the cloud's notices: {exc}")
+        return None
+    if not report.get("cloud"):
+        return None
+    if report.get("notice"):
+        warnings.append(f"the cloud announced: {report['notice'].get('detail')}")
+    return report
+
+
 def _pending_uploads() -> Optional[Dict[str, Any]]:
     """Checkpoints waiting in the local spool for upload, None when none do."""
     try:
@@ -126,6 +142,7 @@ def status_report(checkpoint_dir: Optional[str] = None) -> Dict[str, Any]:
         hw = {"error": str(exc), "warnings": []}
     warnings.extend(hw.get("warnings", []))
     run_entries = _runs(checkpoint_dir, warnings)
+    cloud = _cloud_status(warnings)
 
     return {
         "platform": info.platform,
@@ -152,6 +169,7 @@ def status_report(checkpoint_dir: Optional[str] = None) -> Dict[str, Any]:
         "session_start": iso_time(info.start_time),
         "session_start_unix": info.start_time,
         "hardware": hw,
+        "cloud": cloud,
         "checkpoint_dir": checkpoint_dir,
         "runs": run_entries,
         "other_runs": _indexed_runs(checkpoint_dir, warnings),
@@ -288,6 +306,7 @@ def format_status(report: Mapping[str, Any]) -> str:
     lines = [head]
     lines += _time_lines(r)
     lines += _hardware_lines(r.get("hardware") or {})
+    lines.append(f"  cloud     {_cloud.describe(r.get('cloud') or {})}")
     lines += _run_lines(r)
     for w in r.get("warnings") or []:
         lines.append(f"  WARNING   {w}")

@@ -14,6 +14,9 @@ module (each importable alone; this package re-exports the public names):
   notebook, and a warning once per idle period when the platform's idle timeout nears.
 * :mod:`~keepalive.session.hardware` — :func:`hardware`: GPU (NVML or ``nvidia-smi``), CPU, RAM
   (GiB *and* GB, labelled), disk, ``/dev/shm``.
+* :mod:`~keepalive.session.cloud` — :func:`cloud.watcher` / :class:`cloud.NoticeWatcher`: a cloud
+  VM's preemption and maintenance notices (GCE, AWS, Azure), detected from the DMI files and watched
+  in a daemon thread; :func:`cloud.status` for ``keepalive status``.
 * :mod:`~keepalive.session.frontend` — :func:`in_notebook` / :func:`ipython_shell` /
   :func:`in_kernel`: the one place that asks whether we run in a notebook, never importing IPython.
 
@@ -23,6 +26,7 @@ framework, IPython or store.
 """
 from __future__ import annotations
 
+from . import cloud
 from .clock import CLOCKS, iso_time, parse_start
 from .frontend import in_kernel, in_notebook, ipython_shell, is_notebook_shell
 from .hardware import GIB, SHM_WARN_BYTES, both_units, gpus, hardware, shm_warning
@@ -61,5 +65,5 @@ __all__ = [
     "IdleTracker", "IdleCallback", "tracker", "track_ipython", "check_idle_warning",
     "idle_warning_callbacks", "hardware", "gpus", "shm_warning", "both_units", "GIB", "SHM_WARN_BYTES",
     "vm_disk_path", "default_checkpoint_dir", "storage_warning", "parse_start", "iso_time",
-    "ipython_shell", "in_notebook", "in_kernel", "is_notebook_shell",
+    "ipython_shell", "in_notebook", "in_kernel", "is_notebook_shell", "cloud",
 ]
