@@ -10,6 +10,10 @@ still alive, no optimizer step is lost, and no time is wasted stopping earlier t
 A cloud's preemption notice (:mod:`keepalive.session.cloud`) is a deadline that arrives now: the next
 chance to save saves (and stops with ``on_preempt="save_and_stop"``). A maintenance notice long ahead
 is a deadline like the session's; an advisory one (AWS' rebalance recommendation) saves once.
+
+``every="auto"`` picks the interval from what a save is measured to cost the training and from the
+platform's expected time between interruptions (:mod:`keepalive.autointerval`); the trigger feeds it
+the step times, each save's stall and the moment its write is durable.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import numbers
 import time
 from typing import Callable, Optional, Protocol, Union
 
+from .autointerval import AutoInterval, Uptime, expected_uptime
 from .boundary import Due
 from .units import format_duration, parse_duration
 
@@ -43,18 +48,22 @@ class NoticeLike(Protocol):
 
 
 class Schedule:
-    """The parsed ``every=``: ``"epoch"``, an int (optimizer steps) or a duration (``"10min"``)."""
+    """The parsed ``every=``: ``"epoch"``, an int (optimizer steps), a duration (``"10min"``) or
+    ``"auto"`` (the interval chosen from measured save costs: :mod:`keepalive.autointerval`)."""
 
     def __init__(self, every: Union[str, int, float, None] = "epoch"):
         self.epoch = False
+        self.auto = False
         self.steps: Optional[int] = None
         self.seconds: Optional[float] = None
         if isinstance(every, str) and every.strip().isdigit():
             every = int(every.strip())  # "500" is 500 steps, as 500 is (a duration has a unit)
         if every is None or every == "epoch":
             self.epoch = True
+        elif isinstance(every, str) and every.strip().lower() == "auto":
+            self.auto = True
         elif isinstance(every, bool):
-            raise ValueError("every= takes 'epoch', an int (steps) or a duration like '10min'")
+            raise ValueError("every= takes 'epoch', 'auto', an int (steps) or a duration like '10min'")
         elif isinstance(every, numbers.Integral):  # int, numpy and torch integers alike
             if every < 1:
                 raise ValueError("every= steps must be >= 1")
@@ -76,14 +85,16 @@ class SaveTrigger:
     """Decides at each boundary whether to save now and whether to stop before the deadline.
 
     ``remaining_fn`` returns the session's remaining seconds (``None`` without a budget); it defaults
-    to :func:`keepalive.session.remaining_seconds`.
+    to :func:`keepalive.session.remaining_seconds`. ``uptime_fn`` (``every="auto"``): the expected time
+    between interruptions; default :func:`keepalive.autointerval.expected_uptime` (the platform profile).
     """
 
     def __init__(self, every: Union[str, int, float, None] = "epoch", *,
                  on_deadline: str = "save_and_stop", margin: Union[str, float, None] = None,
                  remaining_fn: Optional[Callable[[], Optional[float]]] = None,
                  clock: Callable[[], float] = time.monotonic, on_preempt: str = "save_and_stop",
-                 notice_fn: Optional[Callable[[], Optional[NoticeLike]]] = None):
+                 notice_fn: Optional[Callable[[], Optional[NoticeLike]]] = None,
+                 uptime_fn: Callable[[], Uptime] = expected_uptime):
         if on_deadline not in ON_DEADLINE:
             raise ValueError(f"on_deadline must be one of {ON_DEADLINE}, not {on_deadline!r}")
         if on_preempt not in ON_PREEMPT:
@@ -94,6 +105,10 @@ class SaveTrigger:
         #: the notice already acted on (a notice is acted on once; the VM goes away)
         self.notice_hit: Optional[NoticeLike] = None
         self.schedule = Schedule(every)
+        #: every="auto": the interval from measured costs (None for the other schedules)
+        self.auto: Optional[AutoInterval] = AutoInterval(uptime_fn) if self.schedule.auto else None
+        #: when the last save became durable (clock): tells a write that ended before its stall was timed
+        self._durable_at: Optional[float] = None
         self.on_deadline = on_deadline
         self.min_margin = parse_duration(margin) if margin is not None else 30.0
         self._remaining_fn = remaining_fn
@@ -129,22 +144,36 @@ class SaveTrigger:
 
     def start_epoch(self) -> None:
         now = self.clock()
+        if self.auto is not None:
+            self.auto.skip_step()  # the first interval holds the loader's start, not a step
         self._epoch_start = now
         self._last_boundary = now
         self._last_consistent = now
         self._steps_in_epoch = 0
 
     def record_save(self, seconds: float) -> None:
-        """The measured wall time of one save until it is durable (used for the margin)."""
+        """The measured wall time of one save until it is durable (used for the margin). Called
+        from the writer's thread."""
         self.save_seconds = max(seconds, _ewma(self.save_seconds, seconds))
+        self._durable_at = self.clock()
+        if self.auto is not None:
+            self.auto.durable()
 
     def take_news(self) -> Optional[str]:
         """A line the user should read once (the interval ``every="auto"`` chose), or None."""
-        return None
+        return self.auto.news() if self.auto is not None else None
+
+    def auto_state(self) -> Optional[dict]:
+        """``every="auto"``'s figures, JSON-safe (for ``keepalive status``); None for other schedules."""
+        return self.auto.state() if self.auto is not None else None
 
     def record_stall(self, seconds: float) -> None:
-        """The measured time one save kept the training waiting (the copy to host memory)."""
+        """The measured time one save kept the training waiting (the copy to host memory); its
+        write goes on in the background."""
         self.stall_seconds = _ewma(self.stall_seconds, seconds)
+        if self.auto is not None:
+            began = self.clock() - seconds
+            self.auto.stall(seconds, already_durable=self._durable_at is not None and self._durable_at >= began)
 
     def saved(self) -> None:
         self._last_save_time = self.clock()
@@ -163,6 +192,8 @@ class SaveTrigger:
         now = self.clock()
         if self._last_boundary is not None:
             self.step_seconds = _ewma(self.step_seconds, now - self._last_boundary)
+            if self.auto is not None:
+                self.auto.step(now - self._last_boundary)
         self._last_boundary = now
         if consistent:
             if self._last_consistent is not None:
@@ -175,6 +206,8 @@ class SaveTrigger:
             return self._with_deadline(Due(save=f"every {s.steps} steps"), now)
         if s.seconds is not None and now - self._last_save_time >= s.seconds:
             return self._with_deadline(Due(save=f"every {s.text}"), now)
+        if self.auto is not None and now - self._last_save_time >= self.auto.interval():
+            return self._with_deadline(Due(save=f"every {format_duration(self.auto.interval())} (auto)"), now)
         return self._with_deadline(Due(), now)
 
     def after_epoch(self) -> Due:
@@ -188,6 +221,11 @@ class SaveTrigger:
         self._steps_in_epoch = 0
         if self.schedule.epoch:
             return self._with_deadline(Due(save="end of epoch"), now, at_epoch_end=True)
+        if self.auto is not None:
+            self.auto.skip_step()  # the next interval holds the epoch's end (evaluation), not a step
+            if not self.auto.measured:  # the first save measures what a save costs
+                return self._with_deadline(Due(save="end of the first epoch (auto: measures a save's cost)"),
+                                           now, at_epoch_end=True)
         return self._with_deadline(Due(), now, at_epoch_end=True)
 
     def _horizon(self, at_epoch_end: bool) -> Optional[float]:

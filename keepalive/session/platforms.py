@@ -33,7 +33,8 @@ from ..units import format_duration, parse_duration
 from .clock import ancestor_kernel, iso_time, parse_start, read_clock
 from .frontend import frontend_name, in_kernel
 
-__all__ = ["PLATFORMS", "PROFILES", "PlatformProfile", "get_profile", "SessionInfo", "detect",
+__all__ = ["PLATFORMS", "PROFILES", "PlatformProfile", "get_profile", "SPOT_VM_MTBF_SECONDS",
+           "SPOT_VM_MTBF_SOURCE", "SessionInfo", "detect",
            "configure", "remaining_seconds", "elapsed_seconds", "default_checkpoint_dir", "budget_used_up",
            "storage_warning", "vm_disk_path", "run_index_dir"]
 
@@ -60,6 +61,13 @@ class PlatformProfile:
     clock_source: str
     persistent_dir: Optional[str] = None   # where files survive the session
     notes: str = ""
+    #: the expected time between unplanned interruptions (a crash, a disconnect, a recycled VM: not
+    #: the budget's end, which the deadline trigger saves before); every="auto" saves more often where
+    #: it is shorter (Young/Daly, keepalive.autointerval). Not published by any platform: an estimate
+    #: on the pessimistic side, since too short a figure costs at most the 1 % budget, too long a one
+    #: loses more work per interruption
+    mtbf_seconds: float = 24 * 3600.0
+    mtbf_source: str = "estimate: a machine of one's own runs for days; a day is assumed"
 
 
 PROFILES: Tuple[PlatformProfile, ...] = (
@@ -72,42 +80,52 @@ PROFILES: Tuple[PlatformProfile, ...] = (
         "vm", "the budget runs from the VM start; kernel restarts do not reset it",
         "/content/drive/MyDrive",
         "Pro+ cannot be detected from inside the VM: set KEEPALIVE_PROFILE=colab-pro+ or "
-        "KEEPALIVE_BUDGET=24h"),
+        "KEEPALIVE_BUDGET=24h",
+        3 * 3600.0, "estimate: free runtimes are recycled before their lifetime 'when busy' and tabs "
+                    f"disconnect ({_COLAB_FAQ}); no rate is published, a few hours is assumed"),
     PlatformProfile(
         "colab-pro+", "colab",
         24 * 3600.0, f"Pro+: up to 24 h with background execution ({_COLAB_SIGNUP})",
         90 * 60.0, "idle disconnect after ~90 min (community figure; background execution may "
                    "outlive it)",
         "vm", "the budget runs from the VM start; kernel restarts do not reset it",
-        "/content/drive/MyDrive", "selected only by KEEPALIVE_PROFILE=colab-pro+ or configure(profile=...)"),
+        "/content/drive/MyDrive", "selected only by KEEPALIVE_PROFILE=colab-pro+ or configure(profile=...)",
+        12 * 3600.0, "estimate: paid runtimes are not recycled for load like free ones; no rate is "
+                     "published, half the 24 h lifetime is assumed"),
     PlatformProfile(
         "kaggle", "kaggle",
         12 * 3600.0, f"12 h per CPU/GPU session ({_KAGGLE_DOCS})",
         20 * 60.0, f"interactive sessions stop after 20 min idle ({_KAGGLE_DOCS}); "
                    f"{_KAGGLE_GPU_DOCS} says 60 min: the shorter figure is used",
         "kernel", "the budget restarts with the kernel",
-        "/kaggle/working", "/kaggle/working (20 GB) is kept when the notebook is saved"),
+        "/kaggle/working", "/kaggle/working (20 GB) is kept when the notebook is saved",
+        6 * 3600.0, "estimate: a session is rarely cut before its 12 h, but a kernel dies of "
+                    "memory or a lost connection; no rate is published, half the lifetime is assumed"),
     PlatformProfile(
         "kaggle-tpu", "kaggle",
         9 * 3600.0, f"9 h per TPU session ({_KAGGLE_DOCS})",
         20 * 60.0, f"interactive sessions stop after 20 min idle ({_KAGGLE_DOCS}); "
                    f"{_KAGGLE_GPU_DOCS} says 60 min: the shorter figure is used",
         "kernel", "the budget restarts with the kernel",
-        "/kaggle/working"),
+        "/kaggle/working", "",
+        4.5 * 3600.0, "estimate: no rate is published, half the 9 h TPU lifetime is assumed"),
     PlatformProfile(
         "paperspace", "paperspace",
         None, "lifetime depends on the plan and the auto-shutdown chosen at "
               "start (not readable here): set KEEPALIVE_BUDGET",
         None, "no idle timeout known",
         "vm", "the notebook's auto-shutdown timer runs from the container start",
-        "/storage"),
+        "/storage", "",
+        6 * 3600.0, "estimate: no interruption rate is published; a quarter day is assumed"),
     PlatformProfile(
         "databricks", "databricks",
         None, "no session limit (cluster auto-termination is configured per cluster: "
               "set KEEPALIVE_BUDGET)",
         None, "no idle timeout known",
         "kernel", "elapsed time runs from the notebook's Python process",
-        "/dbfs"),
+        "/dbfs", "",
+        12 * 3600.0, "estimate: clusters restart for updates and auto-termination; no rate is "
+                     "published, half a day is assumed"),
     PlatformProfile(
         "jupyter", "jupyter",
         None, "a local/self-hosted kernel has no session limit",
@@ -122,6 +140,17 @@ PROFILES: Tuple[PlatformProfile, ...] = (
 )
 
 _BY_NAME: Dict[str, PlatformProfile] = {p.name: p for p in PROFILES}
+
+#: the expected time between interruptions on a cloud VM (keepalive.session.cloud.detect) that may
+#: be a Spot / preemptible one; every="auto" uses it where it is shorter than the profile's
+SPOT_VM_MTBF_SECONDS = 2 * 3600.0
+SPOT_VM_MTBF_SOURCE = (
+    "estimate: a Spot VM is reclaimed whenever the provider needs the capacity back (GCE preemptible "
+    "VMs also stop after 24 h at the latest: https://cloud.google.com/compute/docs/instances/preemptible); "
+    "the published rates are averages over a region's fleet per month (AWS' Spot Instance Advisor, "
+    "'frequency of interruption'), while GPU capacity in demand is reclaimed within hours: 2 h is "
+    "assumed. The preemption notice saves at once besides; this figure covers the notice that comes "
+    "too late or not at all")
 
 
 def get_profile(name: str) -> PlatformProfile:
