@@ -26,13 +26,15 @@ import atexit
 import logging
 import os
 import signal
+import threading
 import time
 import weakref
-from typing import Any, Callable, Dict, Iterable, List, Mapping, MutableMapping, Optional, Union, cast
+from typing import Any, Callable, Dict, Iterable, List, Mapping, MutableMapping, Optional, Tuple, Union, cast
 
 from . import boundary as bd
 from . import distributed as _distributed
 from . import notebook, report, rng
+from . import pauses as _pauses
 from . import progress as _progress
 from . import rendezvous as _rendezvous
 from . import session as _session
@@ -48,7 +50,7 @@ from .statetree import Captured, Header, StateTree
 from .store import CheckpointInfo, CheckpointStore, WriteResult
 from .trigger import SaveTrigger
 from .units import format_duration
-from .writer import AsyncWriter
+from .writer import AsyncWriter, SnapshotChanged
 
 log = logging.getLogger("keepalive")
 
@@ -120,7 +122,27 @@ class Checkpointer:
         self._opened = False
         self._reserved = False
         self.signals = DeferredSignals(lambda: self.state.pending.signal, self._forget_signal,
-                                       announce=lambda: not _distributed.GROUP.active)
+                                       announce=lambda: not _distributed.GROUP.active,
+                                       noted=self._wake_guard)
+        # Saves between steps (keepalive/pauses.py): the training thread's boundaries and the guard's
+        # save take turns; the mark is the state at the last consistent boundary
+        self._lock = threading.RLock()
+        self._mark: Optional[_pauses.Mark] = None
+        self._last_capture: Optional[Capture] = None
+        self._last_call = time.monotonic()
+        #: the tensors of the newest state tree built (their version counters prove nothing changed)
+        self._tracked: List[Any] = []
+        #: the adapter's cheap summary of what it captures beside tensors, as a pair: (the objects'
+        #: state, e.g. a scheduler's step count; the loop's position, e.g. batches handed out). A save
+        #: between steps is made only while both are what they were at the last boundary; a moved
+        #: position means a training step is under way (no pause: the next boundary saves)
+        self.fingerprint: Optional[Callable[[], Tuple[Any, Any]]] = None
+        #: closed by the guard while it copies the state; optimizer steps wait at it (torch adapters)
+        self.step_gate = _pauses.StepGate()
+        self._guard: Optional[_pauses.PauseGuard] = None
+        #: what came due during a pause and could not be saved there: owed to the next boundary
+        self._owed = bd.Due()
+        self._refusal_told = False
         #: why the adapter's loop cannot be saved inside an epoch (said when an interrupt comes)
         self.mid_epoch_obstacle: Optional[str] = None
         self._in_loop = False
@@ -321,7 +343,7 @@ class Checkpointer:
 
         encode(self.build_tree(capture))
 
-    def build_tree(self, capture: Capture) -> StateTree:
+    def build_tree(self, capture: Capture, rng_state: Optional[Dict[str, Any]] = None) -> StateTree:
         c = self.state.counters
         header: Header = {"format": STATE_FORMAT, "framework": self.framework}
         if self.epoch_batches:
@@ -332,14 +354,23 @@ class Checkpointer:
         tree.update(capture())
         if self.plan:
             tree["plan"] = dict(self.plan)
-        tree["rng"] = rng.capture()
+        tree["rng"] = rng.capture() if rng_state is None else rng_state
         return tree
 
     def save(self, capture: Capture, *, sync: bool = False, reason: str = "by hand",
-             finished: bool = False) -> None:
-        """Checkpoint now: the state is copied to host memory, the write goes on in the background."""
+             finished: bool = False, tree: Optional[StateTree] = None,
+             check: Optional[Callable[[], Optional[str]]] = None) -> None:
+        """Checkpoint now: the state is copied to host memory, the write goes on in the background.
+        (``tree``: the state already built; ``check``: asked after the copy, names what changed
+        meanwhile; then nothing is written: :class:`~keepalive.writer.SnapshotChanged`.)"""
+        with self._lock:
+            self._save(capture, sync=sync, reason=reason, finished=finished, tree=tree, check=check)
+
+    def _save(self, capture: Capture, *, sync: bool, reason: str, finished: bool, tree: Optional[StateTree],
+              check: Optional[Callable[[], Optional[str]]]) -> None:
         self._open()
-        if reason != "by hand":  # a loop in another cell than the one that made the checkpointer
+        if reason != "by hand" and threading.current_thread() is threading.main_thread():
+            # a loop in another cell than the one that made the checkpointer
             notebook.record_context(self.metadata, refresh=True)
         c = self.state.counters
         meta = dict(self.metadata, reason=reason, finished=finished, counters=c.as_dict())
@@ -348,7 +379,13 @@ class Checkpointer:
         self.steps_paused = True
         started = time.perf_counter()
         try:
-            self.path.submit(self.build_tree(capture), step=c.step, epoch=c.epoch, metadata=meta, sync=sync)
+            if tree is None:
+                tree = self.build_tree(capture)
+            self._tracked = _pauses.tensors_of(tree)
+            if check is not None:
+                self.writer.submit(tree, step=c.step, epoch=c.epoch, metadata=meta, sync=sync, check=check)
+            else:
+                self.path.submit(tree, step=c.step, epoch=c.epoch, metadata=meta, sync=sync)
         finally:
             self.steps_paused = False
         if not sync:  # what the training waited for: the copy to host memory (a sync save waits for all)
@@ -407,6 +444,14 @@ class Checkpointer:
         the loop cannot be resumed inside an epoch; ``pending``: gradients are being accumulated;
         ``length``: the batches of this epoch's pass, when the framework knows it (ranks with
         different numbers of batches are then told at the first boundary, not by a hang)."""
+        with self._lock:
+            decision = self._advance(capture, steps=steps, batch=batch, samples=samples, can_save=can_save,
+                                     pending=pending, requested=requested, length=length)
+            self._remember(capture, consistent=can_save and not pending)
+            return decision
+
+    def _advance(self, capture: Capture, *, steps: Optional[int], batch: Optional[int], samples: int,
+                 can_save: bool, pending: bool, requested: bool, length: Optional[int]) -> Decision:
         self._before_boundary(capture)
         n = int(steps if steps is not None else self.state.counted_steps if self.watched else 1)
         consistent = can_save and not pending
@@ -415,7 +460,7 @@ class Checkpointer:
             requested=requested))
         event = bd.evolve(event, last=self._last_batch())
         due = self.trigger.after_step(n, consistent=consistent)  # sees the counters moved
-        decision = self._feed(bd.evolve(event, due=due))
+        decision = self._feed(bd.evolve(event, due=due | self._take_owed()))
         if consistent:
             c = self.state.counters
             decision = self._agree(decision, _distributed.Position(_distributed.BATCH_END, c.epoch, c.batch,
@@ -428,6 +473,13 @@ class Checkpointer:
         count it, then save / stop as due (``last``: the training's end, always saved; ``requested``:
         the user asked for a save after this epoch's batches; ``count=False``: the training ended
         without an epoch end, e.g. stopped by another callback)."""
+        with self._lock:
+            decision = self._end_epoch(capture, last=last, epoch=epoch, requested=requested, count=count)
+            self._remember(capture, consistent=not last)
+            return decision
+
+    def _end_epoch(self, capture: Capture, *, last: bool, epoch: Optional[int], requested: bool,
+                   count: bool) -> Decision:
         self._before_boundary(capture)
         steps = self.state.counted_steps
         if count and self.state.counters.batch > 0:
@@ -435,7 +487,7 @@ class Checkpointer:
         self.state, event = bd.count(self.state, bd.EpochEnd(epoch=epoch, last=last, requested=requested,
                                                              count=count))
         due = self.trigger.after_step(steps) if steps else bd.Due()  # see the counters moved
-        due = due | self.trigger.after_epoch()
+        due = due | self.trigger.after_epoch() | self._take_owed()
         decision = self._feed(bd.evolve(event, due=due))
         if not last:
             c = self.state.counters
@@ -485,17 +537,163 @@ class Checkpointer:
         return self._carry_out(self._feed(bd.StageEnd(reason=reason, finished=finished, due=due)), capture)
 
     # ----------------------------------------------------------------------------- boundaries
-    def active(self) -> None:
-        """A batch ran that is no boundary (a validation pass): the run is alive, not idle."""
+    def active(self, capture: Optional[Capture] = None) -> None:
+        """A batch ran that is no boundary (a validation pass): the run is alive, not idle. What
+        cannot wait for the next step boundary (a signal, a preemption notice, the deadline) is saved
+        here when the state is still that of the last step (:mod:`keepalive.pauses`)."""
+        self._last_call = time.monotonic()
         self.store.lease.progress = self.state.counters.as_dict()
         _session.note_activity()
+        if self._mark is not None and capture is not None:
+            with self._lock:
+                self._pause_save(capture, in_thread=False)
+
+    # -------------------------------------------------------------------- saves between steps
+    def _remember(self, capture: Capture, consistent: bool) -> None:
+        """After a boundary: the mark a save between steps starts from (none after an inconsistent
+        one: gradients are pending, the loader is ahead)."""
+        self._last_call = time.monotonic()
+        self._last_capture = capture
+        if not consistent or self.state.finished or self.state.stopped:
+            self._mark = None
+            return
+        self._mark = _pauses.Mark(counters=self.state.counters, rng=rng.capture(),
+                                  optimizer_steps=self.optimizer_steps,
+                                  versions=_pauses.version_sum(self._tracked),
+                                  fingerprint=self.fingerprint() if self.fingerprint is not None else None,
+                                  at=self._last_call)
+
+    def _take_owed(self) -> bd.Due:
+        owed, self._owed = self._owed, bd.Due()
+        return owed
+
+    def _wake_guard(self) -> None:
+        if self._guard is not None:
+            self._guard.wake()
+
+    def _guard_act(self) -> None:
+        """The guard's thread, while the loop has not called keepalive for a while."""
+        capture = self._last_capture
+        if (self._mark is None or capture is None or not self.step_gate.used or _distributed.GROUP.active
+                or not self._lock.acquire(blocking=False)):
+            return
+        try:
+            with self.step_gate.closed() as between_steps:
+                if between_steps:
+                    self._pause_save(capture, in_thread=True)
+        finally:
+            self._lock.release()
+
+    def _pause_save(self, capture: Capture, in_thread: bool) -> None:
+        """Save now what cannot wait for the next boundary, if the state is still the mark's."""
+        signum = self.signals.peek()
+        due = bd.Due()
+        if signum is None:
+            due = self.trigger.between_steps_due(slack=_pauses.POLL_SECONDS + _pauses.PAUSE_SECONDS)
+            if due.save is None and due.stop is None:
+                return
+        reason = f"{signal_name(signum)} received" if signum is not None else (due.stop or due.save or "")
+        problem, stepping = self._unchanged_since_mark()
+        tree: Optional[StateTree] = None
+        mark = self._mark
+        assert mark is not None
+        if problem is None and self.state.unsaved:
+            tree = self.build_tree(capture, rng_state=mark.rng)
+            problem = self._tree_problem(tree, mark)
+        if problem is not None:
+            self._owed = self._owed | due  # the next boundary saves it (a signal stays queued)
+            if not stepping:  # a step under way is no pause: its boundary comes soon, nothing to say
+                self._tell_refusal(reason, problem)
+            return
+        if tree is not None:
+            check = (lambda: self._tree_problem(tree, mark)) if in_thread else None
+            try:
+                self.save(capture, sync=True, reason=f"{reason} (during a pause of the training loop)",
+                          tree=tree, check=check)
+            except SnapshotChanged as exc:
+                self._owed = self._owed | due
+                log.debug("the state changed while it was copied: %s", exc)
+                return
+        self._after_pause_save(signum, due, in_thread)
+
+    def _unchanged_since_mark(self) -> Tuple[Optional[str], bool]:
+        """What moved since the mark (None: nothing), and whether a training step is under way."""
+        mark = self._mark
+        if mark is None:
+            return "no step ended yet", True
+        if self.optimizer_steps != mark.optimizer_steps or self.state.counters != mark.counters:
+            return "an optimizer step ran since the last step boundary", True
+        if self.fingerprint is not None:
+            objects, where = self.fingerprint()
+            if where != mark.fingerprint[1]:
+                return "the next batch is under way", True
+            if objects != mark.fingerprint[0]:
+                return "the loop changed state beside the tensors since its last step (e.g. a scheduler stepped)", False
+        return None, False
+
+    def _tree_problem(self, tree: StateTree, mark: _pauses.Mark) -> Optional[str]:
+        """What changed in ``tree``'s tensors since ``mark`` (a forward's BatchNorm statistics, an EMA
+        updated in place), or None."""
+        if _pauses.version_sum(_pauses.tensors_of(tree)) != mark.versions:
+            return "a tensor of the state was changed in place since the last step (a forward pass in "\
+                   "training mode, an EMA update)"
+        if self.fingerprint is not None and self.fingerprint() != mark.fingerprint:
+            return "the loop changed its state while it was copied"
+        return None
+
+    def _tell_refusal(self, reason: str, problem: str) -> None:
+        if self._refusal_told:
+            return
+        self._refusal_told = True
+        self.warn(f"{reason.split(' -> ')[0]} while the training loop paused between steps (an evaluation?), but "
+                  f"its state is no longer that of its last step ({problem}): the save waits for the next step "
+                  "boundary. To have it saved at once during an evaluation, step an epoch's scheduler (or "
+                  "update an EMA) after the evaluation, not between the training batches and it",
+                  key="pause-refused")
+
+    def _after_pause_save(self, signum: Optional[int], due: bd.Due, in_thread: bool) -> None:
+        where = position(self.state.counters.as_dict())
+        self._mark = None if signum is not None else self._mark
+        if signum is not None:
+            self.say(f"{signal_name(signum)}: saved {where} to {self.url} during a pause of the training loop"
+                     f"{_exit_words(signum)}")
+            self._give_back_lease()
+            if in_thread:
+                # the signal is still queued: the handler, run again in the main thread, acts at once
+                # (a real signal, so that a sleep or a wait in the main thread ends now)
+                signal.pthread_kill(threading.main_thread().ident or 0, signum)
+                return
+            self.signals.take()
+            self.uninstall_signal_handlers()
+            raise_for(signum)
+        self._flush_for_notice()
+        if due.stop is not None:
+            self._feed(bd.Deadline(due.stop))  # the loop stops at its next boundary (nothing new to save)
+            self.say(f"saved {where} to {self.url} during a pause of the training loop; the training stops at its "
+                     f"next step. Why: {self._stop_words(due.stop)}.")
+        else:
+            self.say(f"saved {where} to {self.url} during a pause of the training loop ({due.save})")
+
+    def _flush_for_notice(self) -> None:
+        """After a save a cloud's notice asked for: the uploads within the time the notice leaves,
+        then the notice is acknowledged (Azure lets the VM go early)."""
+        notice = self.trigger.notice_hit
+        if notice is None:
+            return
+        left = notice.seconds_left()
+        self.spooled.flush(max(1.0, left - 2.0) if left is not None else None, end_of_run=False)
+        watcher = _cloud.watcher()
+        if watcher is not None and notice.kind != "rebalance" and self.trigger.on_preempt == "save_and_stop":
+            watcher.acknowledge(notice)  # type: ignore[arg-type]
 
     def _before_boundary(self, capture: Capture) -> None:
         self.active()
         if not self._reserved:  # the first boundary prepares the first save's host buffer
             self._reserved = True
             try:
-                self.path.reserve(self.build_tree(capture))
+                tree = self.build_tree(capture)
+                self._tracked = _pauses.tensors_of(tree)
+                self.path.reserve(tree)
             except Exception as exc:  # noqa: BLE001 - an optimisation only; the save will say more
                 log.debug("could not reserve the snapshot buffer: %s", exc)
         self._drain_signals()
@@ -577,10 +775,16 @@ class Checkpointer:
         """Defer SIGINT and SIGTERM to the next consistent boundary (:mod:`keepalive.interrupts`)."""
         self.signals.install()
         self._in_loop = True  # also off the main thread, where no handler can be installed
+        if self._guard is None:
+            self._guard = _pauses.PauseGuard(lambda: self._last_call, self._guard_act)
 
     def uninstall_signal_handlers(self) -> None:
         self.signals.uninstall()
         self._in_loop = False
+        if self._guard is not None:
+            self._guard.stop()
+            self._guard = None
+        self._mark = None
 
     def _forget_signal(self) -> None:
         self.state = bd.evolve(self.state, pending=bd.evolve(self.state.pending, signal=None))

@@ -40,8 +40,10 @@ class DeferredSignals:
 
     def __init__(self, noted_elsewhere: Callable[[], Optional[int]],
                  forget_elsewhere: Callable[[], None] = lambda: None,
-                 announce: Callable[[], bool] = lambda: True):
+                 announce: Callable[[], bool] = lambda: True, noted: Callable[[], None] = lambda: None):
         self._noted_elsewhere, self._forget_elsewhere = noted_elsewhere, forget_elsewhere
+        #: told when a signal is noted (the core's pause guard looks at once)
+        self._noted = noted
         #: whether "saving at the end of this step" may be said when a signal comes: not where the save
         #: needs other processes that may be gone (torchrun's agent stops the survivors of a failed
         #: rank with SIGTERM: no save follows); the saved line says it there
@@ -89,8 +91,9 @@ class DeferredSignals:
             self.uninstall()
             raise_for(signum)
         self._queue.append(signum)
+        self._noted()
         if not self._announce():
             return
         # shown even with quiet=True: the user pressed a key and must learn what happens now
-        report.say(f"{signal_name(signum)} received; saving at the end of this step "
-                   "(send it again to stop at once)", stream="stderr")
+        report.say(f"{signal_name(signum)} received; saving at the end of this step, or now if the loop "
+                   "pauses between steps (send it again to stop at once)", stream="stderr")

@@ -32,6 +32,10 @@ class CommitTarget(Protocol):
                progress: Optional[Callable[[int], None]] = None) -> WriteResult: ...
 
 
+class SnapshotChanged(RuntimeError):
+    """The state changed while it was copied to host memory: the copy is not one state."""
+
+
 class AsyncWriter:
     """Commits snapshots of the state in a background thread, one at a time."""
 
@@ -61,12 +65,18 @@ class AsyncWriter:
         return self._thread is not None and self._thread.is_alive()
 
     def submit(self, tree: Any, *, step: int, epoch: Optional[int],
-               metadata: Optional[Mapping[str, Any]] = None, sync: bool = False) -> Optional[WriteResult]:
-        """Snapshot ``tree`` now and commit it (in the background unless ``sync``)."""
+               metadata: Optional[Mapping[str, Any]] = None, sync: bool = False,
+               check: Optional[Callable[[], Optional[str]]] = None) -> Optional[WriteResult]:
+        """Snapshot ``tree`` now and commit it (in the background unless ``sync``). ``check``, asked
+        after the copy, names what changed while it was copied (:class:`SnapshotChanged`: nothing is
+        committed)."""
         self.wait()
         t0 = time.perf_counter()
         files = self.snapshot.take(tree)
         self.snapshot_seconds = time.perf_counter() - t0
+        changed = check() if check is not None else None
+        if changed:
+            raise SnapshotChanged(changed)
         job = dict(files=files, step=step, epoch=epoch, metadata=dict(metadata or {}))
         if sync or not self.background:
             self._run(job)

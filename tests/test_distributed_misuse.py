@@ -40,7 +40,7 @@ UNEVEN = ("keepalive.distributed.DistributedMisuseError: the ranks have differen
           "(torch.utils.data.distributed.DistributedSampler(dataset): every rank gets as many samples; "
           "drop_last=True drops the uneven tail instead of repeating samples) rather than splitting the data by "
           "rank yourself, or cut every rank's shard to the same number of batches; stopping every rank here")
-SAVING_NOW = "SIGTERM received; saving at the end of this step"
+SAVING_NOW = "SIGTERM received; saving at the end of this step, or now"
 
 #: name -> (MISUSE, extra environment)
 PROGRAMS: Dict[str, Tuple[str, Dict[str, str]]] = {

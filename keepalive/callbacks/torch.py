@@ -138,6 +138,7 @@ class DriveCheckpoint(CheckpointAdapter):
                  config: Optional[CheckpointConfig] = None, **options: Any):
         cfg, objects = CheckpointConfig.from_arguments(path, config, options)
         self.core = Checkpointer(config=cfg, framework="torch")
+        self.core.fingerprint = self._fingerprint
         self._resumed = False
         #: how many times each name was registered: a stage may register a new object under a name
         #: (the saved generation tells which object a checkpoint's state belongs to)
@@ -786,6 +787,20 @@ class DriveCheckpoint(CheckpointAdapter):
         return rl, key
 
     # ------------------------------------------------------------------------------- save/state
+    def _fingerprint(self) -> Tuple[Any, Any]:
+        """What :meth:`capture` reads beside tensors, cheaply: the core saves during a pause of the
+        loop (an evaluation) only while this is what it was at the last step boundary. A scheduler
+        stepped before the evaluation, a batch handed out, a pass ended or begun all change it."""
+        objects = tuple(_state_summary(obj) for obj in self.objects.values()
+                        if not isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)))
+        # the training passes' positions as capture() reads them (from the open pass or, once it
+        # ended, from where it was left): an evaluation's own passes are not the training's state
+        streams = {p.key: (p.done, p.position, p.out) for p in self._passes if p.trains}
+        for key, where in self._left.items():
+            streams.setdefault(key, (where.get("batches"), where.get("samples"), False))
+        return objects, (tuple(sorted(streams.items())), self._position, self._samples_out,
+                         self._leaving is not None, self._pending_now)
+
     def capture(self) -> Captured:
         for name in self._foreign.untold():
             self.core.warn(
@@ -860,3 +875,26 @@ class DriveCheckpoint(CheckpointAdapter):
             self._save_requested = True
             return
         super().save(sync=sync)
+
+
+def _state_summary(obj: Any) -> Any:
+    """A cheap, comparable summary of a registered object's state (a scheduler: its step counts;
+    anything else: its state_dict's plain values, tensors by their version)."""
+    inner = getattr(obj, "scheduler", obj)  # accelerate's wrapper
+    if isinstance(inner, torch.optim.lr_scheduler.LRScheduler):
+        return (inner.last_epoch, getattr(inner, "_step_count", None))
+    try:
+        state = obj.state_dict()
+    except Exception:  # noqa: BLE001 - whatever it is, a change of it cannot be seen
+        return None
+    return _plain(state)
+
+
+def _plain(x: Any) -> Any:
+    if isinstance(x, dict):
+        return tuple((k, _plain(v)) for k, v in x.items())
+    if isinstance(x, (list, tuple)):
+        return tuple(_plain(v) for v in x)
+    if isinstance(x, torch.Tensor):
+        return ("tensor", x._version, x.data_ptr())
+    return x if isinstance(x, (int, float, str, bool, type(None))) else repr(x)

@@ -15,7 +15,8 @@ from torch.nn.parameter import is_lazy
 from ..adapter import check_fits
 from ..errors import StateMismatchError
 
-__all__ = ["RandomState", "watch_steps", "changed_hyperparameters", "check_module", "check_objects", "check_optimizer",
+__all__ = ["RandomState", "watch_steps", "gate_steps", "changed_hyperparameters", "check_module", "check_objects",
+           "check_optimizer",
            "frozen_parameters", "gradients", "gradients_pending", "hyperparameters", "restore_gradients",
            "restore_requires_grad", "accelerate_wrapper", "schedule_lrs", "schedule_settings",
            "scheduler_with_settings", "unwrap_module", "unwrapped_keys", "without_lazy"]
@@ -33,6 +34,24 @@ def watch_steps(core: Any, optimizer: torch.optim.Optimizer) -> None:
         if target is not None:
             target.optimizer_stepped(index)
 
+    optimizer.register_step_post_hook(stepped)
+    gate_steps(core, optimizer)  # after the counting hook: the gate opens once the step is counted
+
+
+def gate_steps(core: Any, optimizer: torch.optim.Optimizer) -> None:
+    """Let ``core``'s pause guard save from its thread while the loop pauses between steps: a step of
+    ``optimizer`` waits at its start while the guard copies the state
+    (:class:`keepalive.pauses.StepGate`). Adapters whose framework counts the steps call this alone."""
+    gate = core.step_gate
+    gate.used = True
+
+    def stepping(*_: Any) -> None:
+        gate.enter_step()
+
+    def stepped(*_: Any) -> None:
+        gate.leave_step()
+
+    optimizer.register_step_pre_hook(stepping)
     optimizer.register_step_post_hook(stepped)
 
 
