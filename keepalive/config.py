@@ -30,9 +30,16 @@ class CheckpointConfig:
             or an fsspec URL (``gs://b/runs/x``, ``s3://...``). Default: ``$KEEPALIVE_DIR``, else the
             mounted Drive's ``MyDrive/keepalive``, else ``./keepalive-checkpoints``, plus ``run``.
         run: the run's name below the default folder when no ``path`` is given (default ``default``).
-        every: when to save: ``"epoch"`` (default), an int (optimizer steps) or a duration
-            (``"90s"``, ``"10min"``, ``"1h"``). Saves inside an epoch happen only where the loop can be
-            resumed there; otherwise a due save waits for the epoch end.
+        every: when to save: ``"epoch"`` (default), an int (optimizer steps), a duration
+            (``"90s"``, ``"10min"``, ``"1h"``) or ``"auto"``: the interval that loses least, from what a
+            save is measured to cost the training (its stall plus its background write's slowing of
+            the steps) and the platform's expected time between interruptions (Young/Daly,
+            ``sqrt(2 * MTBF * cost)``; shorter on Colab's free tier and on a cloud VM that may be a
+            Spot one), never costing more than 1 % of the training time and never more often than
+            once a minute; the first save comes at the first epoch end or after 5 minutes. The
+            interval is said once (and again when it changes twofold) and shown by ``keepalive
+            status``. Saves inside an epoch happen only where the loop can be resumed there;
+            otherwise a due save waits for the epoch end.
         keep: how many recent checkpoints stay (default 3; None keeps all).
         keep_every: also keep every Nth checkpoint.
         on_deadline: what to do when the session's time limit approaches (see ``keepalive status``):

@@ -74,3 +74,33 @@ def test_without_mid_epoch_saves_the_deadline_is_decided_at_epoch_ends():
 
 def test_answers_combine():
     assert (Due(save="a") | Due(save="b", stop="s")) == Due(save="a", stop="s")
+
+
+@pytest.mark.parametrize("text", ["auto", "AUTO", " auto "])
+def test_every_auto_is_a_schedule_of_its_own(text):
+    from keepalive.autointerval import Uptime
+    from keepalive.trigger import Schedule
+
+    s = Schedule(text)
+    assert s.auto and not s.epoch and s.steps is None and s.seconds is None
+    t = SaveTrigger(text, clock=Clock(), remaining_fn=lambda: None, uptime_fn=lambda: Uptime(3600.0, "test"))
+    assert t.auto_state()["interval_seconds"] == 300.0 and not t.auto_state()["measured"]
+    with pytest.raises(ValueError, match="not a duration"):
+        Schedule("automatic")
+
+
+def test_with_every_auto_the_deadline_still_saves_and_stops_in_time():
+    from keepalive.autointerval import Uptime
+
+    clock, left = Clock(), [3600.0]
+    t = SaveTrigger("auto", clock=clock, remaining_fn=lambda: left[0], margin=30,
+                    uptime_fn=lambda: Uptime(3600.0, "test"))
+    t.mid_epoch = True
+    t.start_epoch()
+    for _ in range(3):
+        clock.now += 10.0
+        assert t.after_step() == Due()
+    left[0] = 35.0
+    clock.now += 10.0
+    due = t.after_step()
+    assert due.save and due.save.startswith("deadline: the session ends in") and due.stop == due.save
