@@ -642,8 +642,9 @@ class DriveCheckpoint(CheckpointAdapter):
                 if p.trains:
                     if self._boundary(p, stepped).stop:
                         return
-                else:  # not a boundary: what comes due waits for the training loop's next one
-                    core.active()
+                else:  # not a boundary (an evaluation): what cannot wait is saved here when the state is
+                    # still the last step's (keepalive.pauses), the data where that step left it
+                    core.active(self.capture)
             completed = True
         finally:
             if not completed and p.trains and p.rl.mid_epoch:  # where its last batch end was
