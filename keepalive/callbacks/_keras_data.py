@@ -80,7 +80,8 @@ from . import _compat_keras as kc
 from ._keras_state import tf_global_seed
 
 __all__ = ["PassPosition", "ResumableData", "bind_passes", "batch_samples", "default_data_seed", "inexact_input",
-           "pass_length", "resume_at", "sample_batch", "set_epoch_length", "tf_dataset_kind", "unbind_passes"]
+           "pass_length", "resume_at", "sample_batch", "set_epoch_length", "skip_pass", "tf_dataset_kind",
+           "unbind_passes", "unskip_pass"]
 
 
 def default_data_seed() -> int:
@@ -276,7 +277,9 @@ def resume_at(data: Optional[ResumableData], saved: Mapping[str, Any], epoch: in
     if saved.get("batches_per_epoch") not in (None, per_epoch):
         problems.append(f"the data now has {per_epoch} batches per epoch, the checkpoint was made "
                         f"with {saved.get('batches_per_epoch')}")
-    if batch >= per_epoch:  # the data changed size since the save
+    # batch == per_epoch: saved during the epoch's validation, after all its batches (an epoch with no
+    # batch left: skip_pass); past the epoch, or at its end with another length: the data changed size
+    if batch > per_epoch or (batch == per_epoch and saved.get("batches_per_epoch") != per_epoch):
         problems.append(f"the checkpoint is at batch {batch} of epoch {epoch}, but the data now has "
                         f"{per_epoch} batches per epoch; epoch {epoch} restarts at its first batch")
         batch = 0
@@ -296,6 +299,30 @@ def set_epoch_length(iterator: Any, callbacks: List[Any], batches: int) -> None:
     for cb in callbacks:
         if isinstance(cb, keras.callbacks.ProgbarLogger) and getattr(cb, "target", None):
             cb.target = batches
+
+
+def skip_pass(iterator: Any, data: ResumableData) -> None:
+    """fit's next pass over the data yields no batch: the epoch resumed was saved during its
+    validation, after all its batches, so it goes on to its validation and its end at once. The pass
+    is bound (ResumableData's next pass is the next epoch's) and the data adapter told of the pass's
+    start and end, as a pass over the remaining zero batches would. Undone by :func:`unskip_pass`."""
+    adapter = getattr(iterator, "data_adapter", None)
+
+    def no_batches() -> Any:
+        data.next_pass()
+        if adapter is not None:
+            adapter.on_epoch_begin()
+            adapter.on_epoch_end()
+        return
+        yield  # a generator, as the method it stands in for
+
+    iterator._enumerate_iterator = no_batches  # per instance: fit iterates the pass through it
+
+
+def unskip_pass(iterator: Any) -> None:
+    """Undo :func:`skip_pass` (fit's passes yield their batches again)."""
+    if iterator is not None:
+        iterator.__dict__.pop("_enumerate_iterator", None)
 
 
 def batch_samples(adapter: Any, first: int, n: int) -> int:

@@ -13,7 +13,7 @@ Keras' own layers use ``SeedGenerator`` states, which are restored.
 from __future__ import annotations
 
 import sys
-from typing import Any, Dict, Mapping, Optional, Sequence
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 import keras
 import numpy as np
@@ -26,7 +26,7 @@ from . import _compat_keras as kc
 __all__ = ["CALLBACK_STATE", "assign", "assign_if_fits", "callback_state", "callback_states", "capture_tree",
            "describe",
            "ensure_built", "fit_locals", "history_state", "keyed_callbacks", "learning_rate_plan", "load_start",
-           "load_variables", "optimizer_steps", "set_learning_rate",
+           "load_variables", "optimizer_steps", "replay_last_logs", "set_learning_rate", "state_fingerprint",
            "restore_callback_states", "restore_history", "restore_metrics", "seed_mismatch",
            "set_callback_state", "set_torch_rng", "stage_of", "tf_global_seed", "variable_array"]
 
@@ -293,20 +293,75 @@ def ensure_built(model: Any, batch: Any) -> Optional[str]:
             "on a batch before fit.")
 
 
-def fit_locals(model: Any) -> Dict[str, Any]:
-    """The local variables of the ``fit`` call that runs the callbacks (``iterator``, ``callbacks``,
-    ``epochs``, ``initial_epoch``: :data:`kc.FIT_LOCALS` names them in Keras), found by walking up from
-    the callback hook; empty if the layout is unknown."""
+def _fit_frame_locals(model: Any) -> Dict[str, Any]:
+    """The local variables of the ``fit`` call that runs the callbacks, found by walking up from the
+    callback hook to the frame whose ``self`` is the model; empty if the layout is unknown."""
     names = kc.FIT_LOCALS
-    frame: Any = sys._getframe(1)
+    frame: Any = sys._getframe(2)
     for _ in range(16):
         if frame is None:
             break
         loc = frame.f_locals
         if loc.get("self") is model and names["iterator"] in loc and names["callbacks"] in loc:
-            return {key: loc.get(name) for key, name in names.items()}
+            return dict(loc)
         frame = frame.f_back
     return {}
+
+
+def fit_locals(model: Any) -> Dict[str, Any]:
+    """The local variables of the ``fit`` call that runs the callbacks (``iterator``, ``callbacks``,
+    ``epochs``, ``initial_epoch``: :data:`kc.FIT_LOCALS` names them in Keras); empty if the layout is
+    unknown."""
+    loc = _fit_frame_locals(model)
+    return {key: loc.get(name) for key, name in kc.FIT_LOCALS.items()} if loc else {}
+
+
+def replay_last_logs(model: Any, saved: Mapping[str, Any]) -> bool:
+    """An epoch resumed after all its batches (saved during its validation) trains no batch, so
+    ``fit`` would take the epoch's logs from an empty dict: put the last batch's logs (saved) into
+    the dict ``fit`` holds (the same object: filled in place), from which it computes the epoch's
+    logs as in the run that saved (the model's metrics when the keys match, restored). False when
+    ``fit``'s logs cannot be reached (then the epoch's training logs are missing)."""
+    logs = _fit_frame_locals(model).get("logs")
+    if not isinstance(logs, dict) or logs:
+        return False
+    logs.update(saved)
+    return True
+
+
+def _token(value: Any) -> Any:
+    """A cheap, comparable stand-in for a callback attribute: a scalar's repr (NaN equals NaN), else
+    the object's identity (a list of best weights is replaced, not changed in place)."""
+    if value is None or isinstance(value, (bool, int, float, str, np.generic)):
+        return repr(value)
+    return (type(value).__name__, id(value))
+
+
+def state_fingerprint(model: Any, callbacks: Sequence[Any]) -> Tuple[Any, ...]:
+    """What a checkpoint reads beside the variables' values that code between two training steps
+    (a callback's ``on_test_begin``) may change, cheaply (read at every step boundary): the
+    optimizer's iterations and learning-rate variable, on the torch backend the version counters of
+    the model's and the optimizer's tensors (an in-place change), and the stateful callbacks' state.
+    TensorFlow and JAX variables have no version counter: a weight that code between steps changes
+    in place is not seen there."""
+    opt = model.optimizer
+    parts: list = [optimizer_steps(opt) if opt is not None else 0]
+    inner = getattr(opt, "inner_optimizer", opt)
+    lr = getattr(inner, "_learning_rate", None)
+    parts.append(repr(variable_array(lr).item()) if hasattr(lr, "assign") else None)
+    if keras.backend.backend() == "torch":
+        variables = list(model.variables) + (list(opt.variables) if opt is not None else [])
+        parts.append(sum(int(getattr(getattr(v, "value", None), "_version", 0)) for v in variables))
+    for key, cb in keyed_callbacks(callbacks).items():
+        if _has_state_dict(cb):
+            state = cb.state_dict()
+            parts.append((key, tuple((k, _token(v)) for k, v in sorted(state.items())) if isinstance(state, dict)
+                          else _token(state)))
+            continue
+        for cls, attrs in CALLBACK_STATE.items():
+            if isinstance(cb, cls):
+                parts.append((key, tuple(_token(getattr(cb, a, None)) for a in attrs)))
+    return tuple(parts)
 
 
 # ---------------------------------------------------------------------------------- callbacks

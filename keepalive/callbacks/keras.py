@@ -52,9 +52,10 @@ from __future__ import annotations
 import os
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Union, cast
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union, cast
 
 import keras
+import numpy as np
 
 from ..adapter import CheckpointAdapter
 from ..config import CheckpointConfig
@@ -73,7 +74,9 @@ from ._keras_data import (
     resume_at,
     sample_batch,
     set_epoch_length,
+    skip_pass,
     unbind_passes,
+    unskip_pass,
 )
 
 __all__ = ["DriveCheckpoint", "ResumableData"]
@@ -160,6 +163,7 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
         self._fits = _Fits()  # this model's fits on this run (set at the start of each fit)
         self._base = {"epoch": 0, "step": 0}  # the counters where this stage began
         self._reset_fit_state()
+        self.core.fingerprint = self._fingerprint
         _LIVE.add(self)
 
     def _reset_fit_state(self) -> None:
@@ -175,6 +179,10 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
         self._offset = 0  # the batch a resumed epoch starts at
         self._nothing_to_do = False
         self._torch_rng_again: Any = None
+        # saves during fit's validation (keepalive.pauses): the running means and logs of the epoch's
+        # training batches, as they were after its last batch (the validation resets the metrics)
+        self._evaluating = False
+        self._last_batch: Optional[Dict[str, Any]] = None
 
     @property
     def mid_epoch(self) -> bool:
@@ -406,11 +414,14 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
         if batch and self.data is not None:
             self._short_epoch = epoch
             set_epoch_length(it, self._callbacks, self.data.batches_per_epoch - batch)
+            if batch == self.data.batches_per_epoch:  # saved during the epoch's validation
+                skip_pass(it, self.data)
         self._place(batch=batch)
         problem = kstate.seed_mismatch(it, tree.get("rng") or {}) if self.data is None else None
         if problem:
             core.warn(problem, key="seed")
         self._pending = {"metrics": objects.get("metrics") if batch else None,
+                         "last_logs": saved.get("last_logs") if batch else None,
                          "callbacks": saved.get("callbacks") or {},
                          "history": saved.get("history"), "rng": tree.get("rng")}
         start = epoch
@@ -479,6 +490,11 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
         if metrics is not None and not kstate.restore_metrics(self.model, metrics):
             self.core.warn(f"the compiled metrics differ from the checkpoint's; epoch {epoch}'s logged "
                            "metrics cover only the batches after the resume", key="metrics")
+        last_logs = self._pending.pop("last_logs", None) if self._pending else None
+        if last_logs is not None and not kstate.replay_last_logs(self.model, last_logs):
+            self.core.warn(f"epoch {epoch} resumes after its last batch, but this Keras version's fit "
+                           "cannot be given that batch's logs: the epoch's logged training metrics are "
+                           "missing (the weights are exact)", key="last-logs")
 
     def on_train_batch_begin(self, batch: int, logs: Logs = None) -> None:
         if self._torch_rng_again is not None:
@@ -506,6 +522,43 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
                                 can_save=core.trigger.mid_epoch and not last)
         if decision.stop:
             self.model.stop_training = True
+        elif last and core.trigger.mid_epoch:
+            self._mark_pause(logs)
+
+    def _mark_pause(self, logs: Logs) -> None:
+        """After the epoch's last batch, before its validation: a consistent state that a resume can
+        start from (an epoch with no batch left: its validation and its end run again), though not a
+        boundary where a scheduled save lands (the epoch end comes next). Remembered for a save during
+        the validation (:mod:`keepalive.pauses`), with the training's running means and last logs,
+        which the validation then replaces."""
+        self._last_batch = {"metrics": [np.array(kstate.variable_array(v)) for v in self.model.metrics_variables],
+                            "logs": dict(logs or {})}
+        with self.core._lock:  # the core's mark, as a boundary that can save makes it
+            self.core._remember(self.capture, consistent=True)
+
+    def _fingerprint(self) -> Tuple[Any, Any]:
+        """The core's check that nothing moved since the last boundary (:mod:`keepalive.pauses`): what
+        capture reads beside the variables' values, and where the training's pass over the data is."""
+        return kstate.state_fingerprint(self.model, self._callbacks), (self._offset, self._pass_done)
+
+    # ------------------------------------------------------------- fit's validation (a pause)
+    def on_test_begin(self, logs: Logs = None) -> None:
+        # fit's own validation (evaluate called by fit with fit's callbacks), not an evaluate of the user
+        self._evaluating = self._active and bool(self._fit)
+        self._pause()
+
+    def on_test_batch_end(self, batch: int, logs: Logs = None) -> None:
+        self._pause()
+
+    def on_test_end(self, logs: Logs = None) -> None:
+        self._pause()
+        self._evaluating = False
+
+    def _pause(self) -> None:
+        """A validation batch: the training is alive, and what cannot wait for the epoch end (a signal,
+        a preemption notice, the deadline) is saved now, as of the last training batch."""
+        if self._evaluating:
+            self.core.active(self.capture)
 
     def on_epoch_end(self, epoch: int, logs: Logs = None) -> None:
         if self._tail is None:  # no tail installed: do the epoch end here
@@ -518,7 +571,9 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
         self._offset = 0
         if self._short_epoch is not None and self.data is not None:
             set_epoch_length(self._fit["iterator"], self._callbacks, self.data.batches_per_epoch)
+            unskip_pass(self._fit["iterator"])
             self._short_epoch = None
+        self._last_batch = None
         done = int(epoch) + 1
         last = done >= self._epochs() or bool(self.model.stop_training)
         if core.end_epoch(self.capture, last=last, epoch=self._base["epoch"] + done).stop:
@@ -559,6 +614,7 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
             if self._pass is not None:
                 self._pass.unbind()
                 self._pass = None
+            unskip_pass(self._fit.get("iterator"))
             lst = getattr(self._fit.get("callbacks"), "callbacks", None)
             if self._tail is not None and isinstance(lst, list) and self._tail in lst:
                 lst.remove(self._tail)
@@ -584,4 +640,8 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
         if position is not None:
             data["pass"] = position
         tree["data"] = data
+        if self._evaluating and self._last_batch is not None:
+            # saved during the validation: the epoch's training batches are done, its end is not
+            tree["objects"]["metrics"] = self._last_batch["metrics"]
+            tree["keras"]["last_logs"] = self._last_batch["logs"]
         return tree
