@@ -88,6 +88,14 @@ class _FitState:
     epoch_ended: bool = False      # the running epoch's work is done (after_validate reached)
     epochs_done: int = 0
     completed: bool = False        # the fit ended through fastai's own path (normally or cancelled)
+    #: moves of the training loop away from its last boundary that no boundary counts yet: a training
+    #: batch begun, an epoch's work (its validation included) ended. Part of the loop position the
+    #: core compares before saving between steps: it changes before any callback of that batch or of
+    #: after_epoch can change what a checkpoint holds
+    moves: int = 0
+    #: the capture of the last boundary, with the position it was taken at (an evaluation's batches
+    #: move learn.iter, the next epoch learn.epoch): what a save between steps writes
+    capture: Optional[Callable[[], Captured]] = None
     plan: Dict[str, Any] = field(default_factory=dict)  # what the code asks of it (_fastai_state.fit_plan)
 
 
@@ -141,6 +149,7 @@ class DriveCheckpoint(RunViews, Callback):  # RunViews: no epoch / step (a callb
     def core(self) -> Checkpointer:  # type: ignore[override]
         if self._core is None:
             self._core = Checkpointer(config=self._config, framework="fastai")
+            self._core.fingerprint = self._fingerprint
         return self._core
 
     def __repr__(self) -> str:
@@ -181,9 +190,20 @@ class DriveCheckpoint(RunViews, Callback):  # RunViews: no epoch / step (a callb
                 return None  # finished before the restart: no event, nothing runs
             st.epoch_ended = False
             self.core.start_epoch()
-            return call(f, fc.EPOCH_EVENT, ex, _then(lambda: self._epoch_end(learn, st), final))
+            return call(_then_always(f, lambda: self._moved(st)), fc.EPOCH_EVENT, ex,
+                        _then(lambda: self._epoch_end(learn, st), final))
         if event_type == fc.BATCH_EVENT and learn.training:
-            return call(f, fc.BATCH_EVENT, ex, _then(lambda: self._step_end(learn, st), final))
+            # The pause guard's thread may copy the state only between training batches: a batch
+            # waits at its start while it copies (fastai's own Optimizer has no torch step hooks)
+            gate = self.core.step_gate
+            self._moved(st)
+            gate.enter_step()
+            try:
+                return call(f, fc.BATCH_EVENT, ex, _then(lambda: self._step_end(learn, st), final))
+            finally:
+                gate.leave_step()
+        if event_type == fc.BATCH_EVENT:  # an evaluation's batch (validation, get_preds in a callback)
+            return call(f, fc.BATCH_EVENT, ex, _then(lambda: self._paused(st), final))
         return call(f, event_type, ex, final)
 
     def _run_fit(self, learn: Learner, call: Callable, f, ex, final) -> Any:
@@ -369,6 +389,7 @@ class DriveCheckpoint(RunViews, Callback):  # RunViews: no epoch / step (a callb
                     mbar.update(0)
         core.total_epochs = core.counters["epoch"] - st.skip_until + learn.n_epoch
         core.check_storable(lambda: self._state_tree(learn, st, "epoch"))  # fails now, not at a save
+        core.step_gate.used = True  # training batches hold the gate (_events): the guard may save between
         core.install_signal_handlers()
 
     def restore(self, tree: StateTree) -> None:
@@ -469,15 +490,23 @@ class DriveCheckpoint(RunViews, Callback):  # RunViews: no epoch / step (a callb
         if st.positioned:
             data.rewind(st.dl)
 
+    def before_validate(self) -> None:
+        st = self._fit
+        if st is not None and st.begun:
+            self._paused(st)
+
     def after_validate(self) -> None:
         st = self._fit
         if st is not None and st.begun and self.learn.epoch >= st.skip_until:
             st.epoch_ended = True
+            self._paused(st)
 
     # ------------------------------------------------------------------------------- boundaries
     def _step_end(self, learn: Learner, st: _FitState) -> None:
         ga = getattr(learn, "gradient_accumulation", None)  # partial gradients are not saved
-        decision = self.core.advance(lambda: self._state_tree(learn, st, "step"), batch=learn.iter + 1,
+        at = (learn.epoch, learn.iter + 1)
+        st.capture = lambda: self._state_tree(learn, st, "step", at)
+        decision = self.core.advance(st.capture, batch=learn.iter + 1,
                                      samples=find_bs(learn.yb) if len(learn.yb) else find_bs(learn.xb),
                                      can_save=st.positioned, pending=bool(getattr(ga, "count", 0)))
         if decision.stop:
@@ -491,7 +520,9 @@ class DriveCheckpoint(RunViews, Callback):  # RunViews: no epoch / step (a callb
             # the fit's end is saved in _fit_end, after the other callbacks' after_fit
             self.core.count_epoch()
             return
-        if self.core.end_epoch(lambda: self._state_tree(learn, st, "epoch")).stop:
+        at = (learn.epoch + 1, 0)
+        st.capture = lambda: self._state_tree(learn, st, "epoch", at)
+        if self.core.end_epoch(st.capture).stop:
             st.stopped = True
             raise CancelFitException()
 
@@ -510,10 +541,35 @@ class DriveCheckpoint(RunViews, Callback):  # RunViews: no epoch / step (a callb
             here.live = {"fits": self._fits.upto(st.index), "counters": dict(self.core.counters)}
             self.core.fit_trained(st.plan)
 
+    # ------------------------------------------------------------------------ saves between steps
+    @staticmethod
+    def _moved(st: _FitState) -> None:
+        st.moves += 1
+
+    def _paused(self, st: _FitState) -> None:
+        """The loop is between training steps (an evaluation): the core saves now what cannot wait
+        (a signal, a preemption notice, the deadline) if nothing moved since the last boundary."""
+        self.core.active(st.capture)
+
+    def _fingerprint(self) -> Tuple[Any, Any]:
+        """What the captures read beside tensors (optimizer hyper-parameters, the Recorder, trackers,
+        the ParamScheduler's record, the loggers' files), and where the loop is: the fit, the epoch,
+        the batches begun and epochs' work ended since (:attr:`_FitState.moves`), the training
+        iterations. Asked by the core at each boundary and before a save between steps."""
+        st, learn = self._fit, self.learn
+        if st is None or learn is None:
+            return None, None
+        return (state.summary(learn),
+                (st.index, getattr(learn, "epoch", None), st.moves, getattr(learn, "train_iter", None)))
+
     # ---------------------------------------------------------------------------------- capture
-    def _state_tree(self, learn: Learner, st: _FitState, kind: str) -> Captured:
+    def _state_tree(self, learn: Learner, st: _FitState, kind: str,
+                    at: Optional[Tuple[int, int]] = None) -> Captured:
+        """``at``: (epoch, batch) of the boundary the capture was made for (else read from the learner)."""
         objects = state.capture_objects(learn)
-        if kind == "step":
+        if at is not None:
+            epoch, batch = at
+        elif kind == "step":
             epoch, batch = learn.epoch, learn.iter + 1
         elif kind == "epoch":
             epoch, batch = learn.epoch + 1, 0
@@ -544,6 +600,16 @@ class DriveCheckpoint(RunViews, Callback):  # RunViews: no epoch / step (a callb
         if self._fit is None or self.learn is None:
             raise RuntimeError("DriveCheckpoint.save() works while a fit runs (e.g. from a callback)")
         self.core.save(self.capture, sync=sync, reason="by hand")
+
+
+def _then_always(f: Callable[[], Any], after: Callable[[], Any]) -> Callable[[], None]:
+    """``f()``, then ``after()`` however ``f`` ended (fastai's Cancel... exceptions included)."""
+    def run() -> None:
+        try:
+            f()
+        finally:
+            after()
+    return run
 
 
 def _then(first: Callable[[], Any], final: Callable[[], Any]) -> Callable[[], None]:
