@@ -674,6 +674,13 @@ class Checkpointer:
         else:
             self.say(f"saved {where} to {self.url} during a pause of the training loop ({due.save})")
 
+    def _notice_in(self, reason: str) -> Optional[_cloud.Notice]:
+        """The cloud's notice a decision's ``reason`` comes from, if it does."""
+        notice = self.trigger.notice_hit
+        if notice is None or not reason.startswith(notice.detail):
+            return None
+        return notice  # type: ignore[return-value]
+
     def _flush_for_notice(self) -> None:
         """After a save a cloud's notice asked for: the uploads within the time the notice leaves,
         then the notice is acknowledged (Azure lets the VM go early)."""
@@ -736,7 +743,19 @@ class Checkpointer:
             had = "training had finished; " if decision.signal_note == "finished" else ""
             self.say(f"{signal_name(decision.signal)}: {had}saved {where} to {self.url}{_exit_words(decision.signal)}")
             raise_for(decision.signal)
-        if decision.stop:
+        notice = self._notice_in(decision.reason)
+        if notice is not None and (decision.save or decision.flush):
+            self._flush_for_notice()
+        if decision.stop and notice is not None:
+            self.say(f"stopping before the VM is reclaimed: saved {where} to {self.url}. Why: {notice.detail}. "
+                     "On a new VM run the same code again (or %resume_training) to continue from here; "
+                     "on_preempt='save' saves and trains on instead.")
+            if _session.in_notebook():
+                self._stop_to_raise = (f"training stopped: {notice.detail}; saved {where} to {self.url}. The cells "
+                                       "after this one did not run. Run the same code again on a new VM to continue.")
+        elif notice is not None and decision.save:
+            self.say(f"{notice.detail}: saved {where} to {self.url}; the training goes on")
+        elif decision.stop:
             why = self._stop_words(decision.reason)
             self.say(f"stopping before the session ends: saved {where} to {self.url}. Why: {why}. In a new "
                      "session run the same code again (or %resume_training) to continue from here.")
