@@ -32,9 +32,13 @@ from __future__ import annotations
 import email.utils
 import hashlib
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
 import urllib.parse
+import urllib.request
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Dict, List, Optional, Tuple
@@ -43,6 +47,8 @@ CLOUDS = ("gce", "aws", "azure")
 MODES = ("ok", "garbage", "error", "hang", "slow")
 GARBAGE = b"<html>\x00\xff not what a metadata service says {{"
 AWS_TOKEN = "AQAEAtesttoken=="
+#: answered in every mode, not counted: how many requests a server in a child process has seen
+CONTROL_COUNT = "/_metaserver/count"
 
 
 @dataclass
@@ -282,6 +288,9 @@ class _Handler(BaseHTTPRequestHandler):
         length = int(self.headers.get("Content-Length") or 0)
         body = self.rfile.read(length) if length else b""
         request = Request(self.command, self.path, {k.lower(): v for k, v in self.headers.items()}, body)
+        if request.path == CONTROL_COUNT:  # the request count, for a server in a child process
+            self._send(200, {}, str(owner.count).encode())
+            return
         owner._note(request)
         mode = owner.mode
         if mode == "hang":
@@ -295,6 +304,9 @@ class _Handler(BaseHTTPRequestHandler):
             status, headers, payload = 200, {"ETag": "garbage"}, GARBAGE
         else:
             status, headers, payload = owner.answer(request)
+        self._send(status, headers, payload)
+
+    def _send(self, status: int, headers: Dict[str, str], payload: bytes) -> None:
         try:
             self.send_response(status)
             for key, value in headers.items():
@@ -306,3 +318,44 @@ class _Handler(BaseHTTPRequestHandler):
             pass  # the client gave up (its timeout): nothing to tell it
 
     do_GET = do_PUT = do_POST = _handle
+
+
+class MetadataServerProcess:
+    """The same server in a child process (``python tests/metaserver.py CLOUD MODE``), for
+    measurements where the server's own Python work must not share the test process's GIL, as the
+    real service does not. Only ``url``, ``count`` and the mode given at start::
+
+        with MetadataServerProcess("aws", mode="hang") as srv: ...
+    """
+
+    def __init__(self, cloud: str = "gce", *, mode: str = "ok"):
+        self.cloud, self.mode = cloud, mode
+        self.proc: Optional[subprocess.Popen] = None
+        self.url = ""
+
+    def __enter__(self) -> "MetadataServerProcess":
+        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), self.cloud, self.mode],
+                                     stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
+        self.url = self.proc.stdout.readline().strip()  # the child prints its URL once it listens
+        if not self.url.startswith("http://"):
+            self.__exit__()
+            raise RuntimeError(f"the metadata server did not start: {self.url!r}")
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait(30)
+            self.proc = None
+
+    @property
+    def count(self) -> int:
+        with urllib.request.urlopen(self.url + CONTROL_COUNT, timeout=30) as answer:
+            return int(answer.read())
+
+
+if __name__ == "__main__":
+    with MetadataServer(sys.argv[1], mode=sys.argv[2] if len(sys.argv) > 2 else "ok") as _srv:
+        print(_srv.url, flush=True)
+        threading.Event().wait()  # until killed

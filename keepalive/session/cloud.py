@@ -292,7 +292,9 @@ class _AwsSpot(_Probe):
         if not self.v1 and (self.token is None or time.monotonic() > self.token_until):
             answer = _request(base, "PUT", "/latest/api/token",
                               {"X-aws-ec2-metadata-token-ttl-seconds": str(self.TOKEN_TTL)}, self.timeout)
-            if answer.status == 200 and answer.text:
+            if answer.status == 200:
+                if not answer.text or not answer.text.isascii() or not answer.text.isprintable():
+                    raise Unanswered(f"not a token: {_short(answer.text)!r}")  # it goes into a header
                 self.token, self.token_until = answer.text, time.monotonic() + self.TOKEN_TTL - 60
             elif answer.status in (403, 404, 405):
                 self.v1 = True  # IMDSv2 switched off: plain GETs work
@@ -510,14 +512,19 @@ class NoticeWatcher:
         with self._lock:
             self._states[_AzureEvents.path].last_answer = said
 
-    def stop(self) -> None:
-        """End the threads (a long poll in flight ends with its request; they are daemons)."""
+    def stop(self, wait: float = 0.0) -> None:
+        """End the threads (daemons: a request in flight ends with its timeout); ``wait``: up to so
+        many seconds for them to end."""
         self._stop.set()
+        end = time.monotonic() + wait
+        for thread in self._threads:
+            thread.join(max(0.0, end - time.monotonic()))
 
     def check_once(self, quick: bool = True) -> Optional[Notice]:
-        """Ask each endpoint once, in this thread (``keepalive status``); stop at the first that does
-        not answer. ``quick``: no long poll, AWS asks only the interruption notice."""
-        for probe in self._probes:
+        """Ask in this thread (``keepalive status``). ``quick``: the preemption notice's endpoint
+        once, no long poll (AWS: the token, then the interruption notice); else every endpoint
+        once, stopping at the first that does not answer."""
+        for probe in self._probes[:1] if quick else self._probes:
             if not self._ask(probe, quick):
                 break
         return self._notice
