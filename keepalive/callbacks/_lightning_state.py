@@ -131,6 +131,36 @@ def restore_metrics(module: torch.nn.Module, saved: Dict[str, Any]) -> None:
         m._computed = None
 
 
+def copy_tensors(saved: Dict[str, Any]) -> Dict[str, Any]:
+    """:func:`capture_metrics`' result with its tensors copied (the metrics update them in place)."""
+    return {name: {"states": {attr: v.clone() if isinstance(v, torch.Tensor) else
+                              [t.clone() if isinstance(t, torch.Tensor) else t for t in v] if isinstance(v, list)
+                              else v for attr, v in s["states"].items()},
+                   "update_count": s["update_count"]} for name, s in saved.items()}
+
+
+# ------------------------------------------------------------------- a validation run again
+#: the fit loop's entry for the progress of the validation inside the epoch loop
+VAL_PROGRESS = "epoch_loop.val_loop.batch_progress"
+
+
+def validation_again(ckpt: Dict[str, Any], at_start: Dict[str, Any]) -> Dict[str, Any]:
+    """The checkpoint with its validation's progress as Lightning writes it for a validation that was
+    interrupted at its first batch (``at_start``: the progress when it started): a restart from it runs
+    the validation again, whole (``_EvaluationLoop.restarted_mid_evaluation``), then the rest of the
+    training batch's end. Other loop counters are those of the batch's end, before its validation."""
+    fit_loop = (ckpt.get("loops") or {}).get("fit_loop")
+    if not isinstance(fit_loop, dict) or VAL_PROGRESS not in fit_loop:
+        return ckpt
+    done = int(at_start["total"]["completed"])
+    progress = dict(at_start, is_last_batch=False,
+                    total=dict(at_start["total"], ready=done + 1, started=done + 1, processed=done, completed=done),
+                    current=dict(at_start["current"], ready=1, started=1, processed=0, completed=0))
+    out = dict(ckpt)
+    out["loops"] = dict(ckpt["loops"], fit_loop=dict(fit_loop, **{VAL_PROGRESS: progress}))
+    return out
+
+
 # --------------------------------------------------------------------------- trainer metrics
 def capture_trainer_metrics(trainer: Any) -> Dict[str, Any]:
     lc = trainer._logger_connector

@@ -78,7 +78,8 @@ from ..statetree import Captured, StateTree
 from . import _compat_lightning as lc
 from . import _lightning_data as data
 from . import _lightning_state as lstate
-from .torchstate import check_module
+from .torch import _state_summary
+from .torchstate import check_module, gate_steps
 
 __all__ = ["DriveCheckpoint"]
 
@@ -108,6 +109,12 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
         self.why_not: Optional[str] = None      # why the training data cannot be positioned
         self._pending: Optional[Dict[str, Any]] = None  # restored right before training continues
         self._validated = False                 # a validation ran since the last boundary
+        #: while a validation of the fit runs: the state it started from (what a save during it holds)
+        self._validation: Optional[Dict[str, Any]] = None
+        self._validation_over = False           # its end hooks ran: the loop moves on from here
+        self._counted_before_validation = False  # the batch's boundary was made before its validation
+        self._resumed_in_validation = False     # this fit resumed from a save made during a validation
+        self._gated: "weakref.WeakSet[Any]" = weakref.WeakSet()  # optimizers whose steps the guard waits for
         self._dropped_descriptive = False
 
     def __repr__(self) -> str:
@@ -145,11 +152,54 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
         core = self.core
         core.total_epochs = trainer.max_epochs if (trainer.max_epochs or -1) > 0 else None
         core.check_storable(self.capture)  # a value that cannot be stored fails now, not at a save
+        core.fingerprint = self._fingerprint
+        for optimizer in trainer.optimizers:  # automatic and manual optimization: torch optimizers
+            if optimizer not in self._gated:  # the guard's thread copies the state only between their steps
+                self._gated.add(optimizer)
+                gate_steps(core, optimizer)
         core.install_signal_handlers()
 
+    # ------------------------------------------------------------------- validation of the fit
+    # Lightning validates inside the epoch loop's on_advance_end, after the training batch is done but
+    # before that batch's boundary (and before its plateau schedulers and logger counters move): the
+    # batch's boundary is made at the validation's start instead, and a save during the validation
+    # holds that state, with the validation loop's progress as Lightning writes it for a validation that
+    # was interrupted: a resume runs the validation again, from its first batch, then goes on.
+    def _before_validation(self, trainer: Any) -> None:
+        """The validation loop of the fit is about to run (before it builds its loader's iterator, which
+        draws a random seed): the training batch's boundary, and the state a save during it holds."""
+        self._validated = True
+        self._validation = {
+            "val_progress": trainer.fit_loop.epoch_loop.val_loop.batch_progress.state_dict(),
+            # what the validation's logging changes (copied now: a save during it holds the start's)
+            OWN: {"metrics": lstate.copy_tensors(lstate.capture_metrics(trainer.lightning_module)),
+                  "trainer_metrics": lstate.capture_trainer_metrics(trainer)},
+            "loggers": lstate.capture_csv(trainer)}
+        self._validation_over = False
+        self._step_boundary(trainer, before_validation=True)
+
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
-        if not trainer.sanity_checking:
-            self._validated = True
+        if self._resumed_in_validation and not trainer.sanity_checking and self._fitting(trainer):
+            # the interrupted validation's batch Lightning counted as started: not started after all
+            self._resumed_in_validation = False
+            total = trainer.fit_loop.epoch_loop.val_loop.batch_progress.total
+            total.ready = total.started = total.processed
+
+    def on_validation_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int,
+                                dataloader_idx: int = 0) -> None:
+        if self._validation is not None and not trainer.sanity_checking:
+            # a signal, a notice or the deadline that came during the validation is saved now
+            self.core.active(self.capture)
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        if self._validation is not None and not trainer.sanity_checking:
+            # its end hooks (EarlyStopping, ModelCheckpoint, the module's) move the state on: no save
+            # between steps until the next boundary
+            self._validation_over = True
+
+    def _fitting(self, trainer: Any) -> bool:
+        """A validation of this callback's fit (not ``trainer.validate()``)."""
+        return self.trainer is trainer and trainer.state.fn == "fit"  # TrainerFn is a str enum
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         self._end(trainer)
@@ -203,6 +253,7 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
         # the CSV logs go on in the run's version, as they stood at the checkpoint
         lstate.restore_csv(trainer, lt.get("loggers") or [], lambda msg, key: core.warn(msg, key=key))
         lstate.watch_new_csv(trainer)  # those the checkpoint has no entry for (an older keepalive's)
+        self._resumed_in_validation = bool(lt.get("in_validation"))
         own = saved.get(OWN) or lt  # this rank's (an older checkpoint kept them with the replicated state)
         self._pending = {"rng": tree.get("rng"), "results": own.get("results") or [],
                          "metrics": own.get("metrics") or {}, "trainer_metrics": own.get("trainer_metrics")}
@@ -286,6 +337,14 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
         orig_reset = self._wrap(epoch_loop, lc.EPOCH_RESET, epoch_reset)
         orig_end = self._wrap(fit_loop, lc.EPOCH_END, epoch_end)
         orig_batch_end = self._wrap(epoch_loop, lc.BATCH_END, batch_end)
+
+        def validation_run(*a: Any, **k: Any) -> Any:
+            if not trainer.sanity_checking and self._fitting(trainer):
+                self._before_validation(trainer)
+            return orig_validation_run(*a, **k)
+
+        # the epoch loop's validation (inside the epoch or at its end): its start is the batch's boundary
+        orig_validation_run = self._wrap(epoch_loop.val_loop, "run", validation_run)
         if callable(getattr(fit_loop, lc.LOAD_LOADER_STATES, None)):
             orig_load = getattr(fit_loop, lc.LOAD_LOADER_STATES)
 
@@ -337,20 +396,29 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
         self.core.warn(str(why), key=f"lightning-data:{why}")
 
     # -------------------------------------------------------------------------------- boundaries
-    def _step_boundary(self, trainer: Any) -> None:
-        """After a training batch, its validation (if any) and its logging."""
+    def _step_boundary(self, trainer: Any, before_validation: bool = False) -> None:
+        """After a training batch and its logging; before its validation, if it has one (called then
+        by :meth:`on_validation_start`; the call after the validation makes no second boundary)."""
         core = self.core
+        if not before_validation and self._counted_before_validation:
+            self._counted_before_validation = False
+            self._validated = False
+            self._validation, self._validation_over = None, False
+            return
+        self._counted_before_validation = before_validation
         epoch_loop = trainer.fit_loop.epoch_loop
         steps = int(trainer.global_step) - core.counters["step"]
         if trainer.lightning_module.automatic_optimization:
             pending = bool(epoch_loop._should_accumulate())
         else:
             pending = steps == 0  # no optimizer step in this batch: gradients may be accumulated
-        validated, self._validated = self._validated, False
+        validated, self._validated = self._validated and not before_validation, False
         if self.why_not is None and self.data.why_now() is not None:  # found out while iterating
             self._cannot_position(self.data.why_now())
         bp = epoch_loop.batch_progress
-        can_save = (self.why_not is None and not validated and not bp.is_last_batch
+        # the last batch's boundary before its (epoch-end) validation can be saved: the resume runs the
+        # validation again, then the epoch's end
+        can_save = (self.why_not is None and not validated and (before_validation or not bp.is_last_batch)
                     and not trainer.should_stop)
         decision = core.advance(self.capture, steps=max(steps, 0), batch=int(bp.current.completed),
                                 samples=self._batch_samples(trainer), can_save=can_save, pending=pending)
@@ -359,7 +427,11 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
 
     def _epoch_boundary(self, trainer: Any) -> None:
         """After an epoch: its validation, epoch-end hooks, epoch schedulers and epoch metrics done."""
-        self._validated = False
+        self._validated = self._counted_before_validation = self._validation_over = False
+        self._validation = None
+        # a resume at the epoch's last batch (saved during its validation) fetches no batch in that
+        # epoch: its position must not apply to the next epoch's pass
+        self.data.forget_resume()
         if self.core.stopped:
             return  # the checkpoint of the deadline stop is the run's; this partial epoch's end is not
         core = self.core
@@ -390,6 +462,23 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
     def _batch_samples(self, trainer: Any) -> int:
         return self.data.take_samples()
 
+    def _fingerprint(self) -> Tuple[Any, Any]:
+        """What :meth:`capture` reads beside tensors, cheaply: the core saves during a validation only
+        while this is what it was at the last boundary. The objects' state: the step and loop counters,
+        the schedulers, the other callbacks' state (an ``on_validation_start`` that steps a scheduler or
+        a callback that counts); the position: the training data handed out, the validation's phase."""
+        trainer = self.trainer
+        if trainer is None:
+            return None, None
+        epoch_loop = trainer.fit_loop.epoch_loop
+        schedulers = tuple(_state_summary(config.scheduler) for config in trainer.lr_scheduler_configs)
+        callbacks = tuple(_state_summary(cb) for cb in trainer.callbacks if cb is not self)
+        objects = (int(trainer.global_step), epoch_loop._batches_that_stepped, schedulers, callbacks,
+                   _progress(epoch_loop.batch_progress), _progress(trainer.fit_loop.epoch_progress))
+        streams = tuple((i, s.batches, s.samples) for i, s in sorted(self.data.streams.items()))
+        return objects, (streams, self.data.samples_out, self._validation is not None, self._validation_over,
+                         bool(trainer.should_stop))
+
     # ----------------------------------------------------------------------------------- capture
     def capture(self) -> Captured:
         trainer = self.trainer
@@ -397,14 +486,19 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
             raise RuntimeError("DriveCheckpoint: no fit is running")
         ckpt = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         ckpt = lstate.storable_checkpoint(ckpt, self._say_once)
+        validation = self._validation
+        if validation is not None:  # at or during a validation of the fit: the state it started from
+            ckpt = lstate.validation_again(ckpt, validation["val_progress"])
         lt: Dict[str, Any] = {
             "format": FORMAT, "version": pl.__version__, "checkpoint": ckpt,
             "finished": bool(self.core.finished), "should_stop": bool(trainer.should_stop),
-            "loggers": lstate.capture_csv(trainer)}
+            "loggers": validation["loggers"] if validation is not None else lstate.capture_csv(trainer),
+            "in_validation": validation is not None}
         # what each rank accumulates itself (the epoch's self.log values before their sync, torchmetrics
         # states, the last logged values): with the data position, in the part the core keeps per rank
-        own: Dict[str, Any] = {"metrics": lstate.capture_metrics(trainer.lightning_module),
-                               "trainer_metrics": lstate.capture_trainer_metrics(trainer)}
+        own: Dict[str, Any] = dict(validation[OWN]) if validation is not None else {
+            "metrics": lstate.capture_metrics(trainer.lightning_module),
+            "trainer_metrics": lstate.capture_trainer_metrics(trainer)}
         saved: Dict[str, Any] = {"positioned": self.why_not is None, OWN: own}
         if self.core.counters["batch"]:
             own["results"] = lstate.capture_results(trainer.fit_loop.epoch_loop._results)
@@ -444,6 +538,11 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
 
 
 _ABSENT = object()
+
+
+def _progress(progress: Any) -> Any:
+    """A loop progress's counters as a comparable value."""
+    return repr(progress.state_dict())
 
 
 def _check_strategy(trainer: Any) -> None:
