@@ -126,6 +126,7 @@ class AutoInterval:
         self._skip = False
         self._told: Optional[float] = None
         self._last_stall: Optional[float] = None
+        self._stalls = 0
         self._last_write: Optional[float] = None
 
     # ------------------------------------------------------------------------------------ feeds
@@ -155,6 +156,7 @@ class AutoInterval:
         ``already_durable`` (a write that finished before the copy's end was timed)."""
         self.stall_seconds = _ewma(self.stall_seconds, seconds)
         self._last_stall = seconds
+        self._stalls += 1
         self._unpaid_stall = seconds
         if self._window is not None:  # a write still in flight from before: its measure is spoilt
             self._excess, self._excess_steps = 0.0, 0
@@ -183,8 +185,10 @@ class AutoInterval:
 
     @property
     def measured(self) -> bool:
-        """Whether one save's stall and write have been measured (until then: :data:`FIRST_SAVE_SECONDS`)."""
-        return self.stall_seconds is not None and self.write_seconds is not None
+        """Whether a save's stall has been measured (until then: :data:`FIRST_SAVE_SECONDS`). Its
+        write's cost counts from when it is known: a process that does not write (a rank other than
+        the writer under DDP) never learns it, and must not wait for it."""
+        return self.stall_seconds is not None
 
     @property
     def cost_seconds(self) -> Optional[float]:
@@ -224,8 +228,8 @@ class AutoInterval:
         """The line to say once the interval is known, and again when it changed by
         :data:`RETELL_FACTOR` or more since it was last said (once the change has settled);
         None otherwise."""
-        if not self.measured:
-            return None
+        if not self.measured or (self.write_seconds is None and self._stalls < 2):
+            return None  # said with the first write's cost, once known (or at the next save)
         interval = self.interval()
         if self._told is not None:
             change = max(interval / self._told, self._told / interval)

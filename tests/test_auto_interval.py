@@ -232,3 +232,24 @@ def test_a_real_torch_loop_with_every_auto_saves_and_says_the_line(tmp_path, cap
     # saved at the first epoch end (the measuring save) and at the end; nothing in between (1 min apart)
     steps = sorted(info.step for info in CheckpointStore(str(tmp_path / "run")).list())
     assert steps == [10, 30]
+
+
+def test_a_process_that_does_not_write_is_measured_by_its_stall_and_saves_at_one_epoch_end_only():
+    # under DDP a rank other than the writer copies its state (the stall) but commits nothing: no
+    # record_save ever comes. It must not ask for a save at every epoch end (the agreement would make
+    # every rank save there), nor wait for a write's cost it never learns
+    clock = Clock()
+    t = SaveTrigger("auto", clock=clock, remaining_fn=lambda: None, uptime_fn=lambda: Uptime(3 * HOURS, "test"))
+    saves = []
+    for epoch in range(4):
+        t.start_epoch()
+        for _ in range(10):
+            clock.now += 1.0
+            assert t.after_step().save is None
+        if t.after_epoch().save:
+            clock.now += 0.5
+            t.record_stall(0.5)
+            t.saved()
+            saves.append(epoch)
+    assert saves == [0]
+    assert t.auto_state()["interval_seconds"] == pytest.approx(young_daly(3 * HOURS, 0.5))
