@@ -363,9 +363,9 @@ MEDIAN_BOUND, TOTAL_BOUND = 1.10, 1.5
 
 
 def step_time_ratios(start_background: Callable[[], Callable[[], None]], rounds: int = 3,
-                     steps: int = 500) -> List[Tuple[float, float]]:
+                     steps: int = 400) -> List[Tuple[float, float]]:
     """(median step time, block total) with ``start_background()`` running (it returns its stop)
-    over without: six pairs of adjacent blocks of ``steps`` steps, the median of the pairs' ratios
+    over without: five pairs of adjacent blocks of ``steps`` steps, the median of the pairs' ratios
     (adjacent pairs cancel the drift of the machine's load). Another round (of at most ``rounds``)
     only while a bound is exceeded."""
     import torch
@@ -376,7 +376,7 @@ def step_time_ratios(start_background: Callable[[], Callable[[], None]], rounds:
         step_times(50)  # warm up
         for _round in range(rounds):
             medians, totals = [], []
-            for _block in range(6):
+            for _block in range(5):
                 without = step_times(steps)
                 stop = start_background()
                 try:
@@ -435,7 +435,7 @@ def test_the_step_time_measurement_catches_a_thread_that_holds_the_training_up()
             thread.join()
         return stop
 
-    (median, total), = step_time_ratios(start, rounds=1, steps=300)
+    (median, total), = step_time_ratios(start, rounds=1, steps=150)
     assert total > TOTAL_BOUND, (median, total)
 
 
