@@ -52,7 +52,7 @@ import urllib.parse
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
-from .. import settings
+from .. import report, settings
 from ..units import format_duration
 
 __all__ = ["CLOUDS", "Notice", "NoticeWatcher", "detect", "detect_from_files", "watcher", "status", "reset",
@@ -565,7 +565,7 @@ class NoticeWatcher:
                 return
             self._notice, self._notice_key = found, key
             callbacks = list(self._callbacks)
-        log.warning("cloud notice: %s", found.detail)
+        log.info("cloud notice: %s", found.detail)  # the core says it, once, at the next boundary
         for callback in callbacks:
             self._call(callback, found)
 
@@ -610,8 +610,9 @@ def watcher() -> Optional[NoticeWatcher]:
             if cloud is not None:
                 try:
                     _WATCHER = NoticeWatcher(cloud)
-                except Exception:  # noqa: BLE001 - no watching is better than no training
-                    log.warning("could not start watching the %s notices", cloud, exc_info=True)
+                except Exception as exc:  # noqa: BLE001 - no watching is better than no training
+                    report.warn(f"could not start watching the {cloud} VM's preemption notices ({exc}); "
+                                "a notice will not be seen, SIGTERM still is", key="cloud-watcher")
             _DECIDED = True
     return _WATCHER
 
