@@ -530,3 +530,25 @@ def test_keepalive_status_does_not_wait_for_a_hanging_service(tmp_path):
         assert report["last_answer"].startswith("no answer (") and report["errors"] == 1
         assert srv.count == 1  # the token request hung: nothing more was asked
         assert elapsed < 60  # (the 1 s timeout; the process start dominates under load)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_decides_again(monkeypatch):
+    """A forked child has none of its parent's threads: its watcher() is a new one, not the parent's
+    dead copy (torch's DataLoader workers and multiprocessing fork the training process)."""
+    with MetadataServer("aws") as srv:
+        monkeypatch.setenv("KEEPALIVE_CLOUD", "aws")
+        monkeypatch.setenv("KEEPALIVE_METADATA_URL", srv.url)
+        parent = cloud.watcher()
+        assert parent is not None and parent.watched
+        pid = os.fork()
+        if pid == 0:  # the child: exit code 0 only when it starts a watcher of its own
+            code = 1
+            try:
+                child = cloud.watcher()
+                code = 0 if child is not None and child is not parent and child.watched else 1
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert cloud.watcher() is parent and parent.watched
