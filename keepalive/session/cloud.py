@@ -670,6 +670,6 @@ def describe(report: Mapping[str, Any]) -> str:
     answer = report.get("last_answer")
     tail = f"last answer {answer!r} ({_stamp(report.get('last_checked'))})" if answer else "no answer yet"
     if report.get("errors"):
-        tail += f", {report['errors']} failed tries"
+        tail += f", {report['errors']} failed {'try' if report['errors'] == 1 else 'tries'}"
     return f"{head}; {tail}"
 
