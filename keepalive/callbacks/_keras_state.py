@@ -28,7 +28,7 @@ __all__ = ["CALLBACK_STATE", "assign", "assign_if_fits", "callback_state", "call
            "ensure_built", "fit_locals", "history_state", "keyed_callbacks", "learning_rate_plan", "load_start",
            "load_variables", "optimizer_steps", "replay_last_logs", "set_learning_rate", "state_fingerprint",
            "restore_callback_states", "restore_history", "restore_metrics", "seed_mismatch",
-           "set_callback_state", "set_torch_rng", "stage_of", "tf_global_seed", "variable_array"]
+           "set_callback_state", "set_torch_rng", "stage_of", "tf_global_seed", "variable_array", "weights_checksum"]
 
 
 # ------------------------------------------------------------------------------- framework RNGs
@@ -335,6 +335,16 @@ def _token(value: Any) -> Any:
     if value is None or isinstance(value, (bool, int, float, str, np.generic)):
         return repr(value)
     return (type(value).__name__, id(value))
+
+
+def weights_checksum(model: Any) -> Tuple[str, ...]:
+    """One sum per model variable (on its device, then a scalar each to the host): what tells, on
+    backends without version counters (TensorFlow, JAX), that code between two training steps changed
+    the weights in place (``SwapEMAWeights`` puts the EMA weights into the model for the validation).
+    Costs one small reduction per variable: taken once per epoch (after its last batch) and when a
+    save during the validation is about to be made, not at every step."""
+    return tuple(repr(float(keras.ops.convert_to_numpy(keras.ops.sum(keras.ops.cast(v.value, "float64")))))
+                 for v in model.variables)
 
 
 def state_fingerprint(model: Any, callbacks: Sequence[Any]) -> Tuple[Any, ...]:

@@ -182,6 +182,7 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
         # saves during fit's validation (keepalive.pauses): the running means and logs of the epoch's
         # training batches, as they were after its last batch (the validation resets the metrics)
         self._evaluating = False
+        self._check_weights = False
         self._last_batch: Optional[Dict[str, Any]] = None
 
     @property
@@ -534,12 +535,21 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
         self._last_batch = {"metrics": [np.array(kstate.variable_array(v)) for v in self.model.metrics_variables],
                             "logs": dict(logs or {})}
         with self.core._lock:  # the core's mark, as a boundary that can save makes it
-            self.core._remember(self.capture, consistent=True)
+            self._check_weights = True
+            try:
+                self.core._remember(self.capture, consistent=True)
+            finally:
+                self._check_weights = False
 
     def _fingerprint(self) -> Tuple[Any, Any]:
         """The core's check that nothing moved since the last boundary (:mod:`keepalive.pauses`): what
-        capture reads beside the variables' values, and where the training's pass over the data is."""
-        return kstate.state_fingerprint(self.model, self._callbacks), (self._offset, self._pass_done)
+        capture reads beside the variables' values, and where the training's pass over the data is.
+        Before and during the validation also the weights' sums (no version counters on TensorFlow /
+        JAX: an EMA swapped into the model for the validation would otherwise be saved as its weights)."""
+        objects = kstate.state_fingerprint(self.model, self._callbacks)
+        if self._check_weights or self._evaluating:
+            objects += kstate.weights_checksum(self.model)
+        return objects, (self._offset, self._pass_done)
 
     # ------------------------------------------------------------- fit's validation (a pause)
     def on_test_begin(self, logs: Logs = None) -> None:

@@ -14,8 +14,8 @@ KE_PLAIN=1: the same training without keepalive (the reference).
 KE_SLOW_EPOCH (1), KE_EVAL_SECONDS (8): that epoch's validation sleeps that long in all, in a callback
     listed after DriveCheckpoint (its hook runs after keepalive's, as a slow metric would).
 KE_DEADLINE=s: the session's deadline comes s seconds after the slow validation starts.
-KE_LR_BEFORE_EVAL=1: a callback lowers the learning rate when the slow validation begins (the state is
-    no longer that of the last step: the save waits for the epoch end).
+KE_EMA_SWAP=1: Adam(use_ema=True) and Keras' SwapEMAWeights, which puts the EMA weights into the model
+    for each validation (the state is no longer that of the last step: the save waits for the epoch end).
 KE_NO_PAUSE_SAVE=1: negative control: saves between steps switched off.
 """
 import os
@@ -39,10 +39,9 @@ def knob(name, default):
 class Report(keras.callbacks.Callback):
     """The lines the test reads, and the slow validation of one epoch."""
 
-    def __init__(self, slow_epoch: int, eval_seconds: float, deadline: list, lr_before_eval: bool):
+    def __init__(self, slow_epoch: int, eval_seconds: float, deadline: list):
         super().__init__()
         self.slow_epoch, self.eval_seconds, self.deadline = slow_epoch, eval_seconds, deadline
-        self.lr_before_eval = lr_before_eval
         self.epoch, self.slow = 0, False
 
     def on_epoch_begin(self, epoch, logs=None):
@@ -56,9 +55,6 @@ class Report(keras.callbacks.Callback):
         self.slow = self.epoch == self.slow_epoch and self.eval_seconds > 0
         if not self.slow:
             return
-        if self.lr_before_eval:  # state changed after the last step, before the validation
-            lr = self.model.optimizer.learning_rate
-            lr.assign(lr * 0.5)
         emit(f"EVAL START {self.epoch}")
         if os.environ.get("KE_DEADLINE"):
             self.deadline[0] = time.time() + knob("KE_DEADLINE", 0.0)
@@ -97,7 +93,8 @@ def main(run_dir: str, out_file: str) -> None:
     xv, yv = rs.randn(32, 6).astype("float32"), rs.randn(32, 1).astype("float32")
     model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(16, activation="relu"),
                               keras.layers.Dropout(0.3), keras.layers.Dense(1)])
-    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    ema = bool(os.environ.get("KE_EMA_SWAP"))
+    model.compile(optimizer=keras.optimizers.Adam(0.01, use_ema=ema, ema_overwrite_frequency=None), loss="mse")
     deadline = [None]
     callbacks = []
     if not os.environ.get("KE_PLAIN"):
@@ -108,9 +105,10 @@ def main(run_dir: str, out_file: str) -> None:
         ckpt = DriveCheckpoint(run_dir, every="epoch", **options)
         ckpt.core.on_commit.append(lambda r: emit(f"COMMITTED {r.info.step}"))
         callbacks.append(ckpt)
-    callbacks += [Report(knob("KE_SLOW_EPOCH", 1), knob("KE_EVAL_SECONDS", 8.0), deadline,
-                         bool(os.environ.get("KE_LR_BEFORE_EVAL"))),
+    callbacks += [Report(knob("KE_SLOW_EPOCH", 1), knob("KE_EVAL_SECONDS", 8.0), deadline),
                   keras.callbacks.ReduceLROnPlateau(monitor="val_loss", factor=0.5, patience=0, min_delta=1e9)]
+    if ema:  # after keepalive's callback: it swaps when the validation has begun
+        callbacks.append(keras.callbacks.SwapEMAWeights(swap_on_epoch=False))
     data = ResumableData(x, y, batch_size=8)
     if os.environ.get("KE_PLAIN"):  # each epoch's order, as DriveCheckpoint binds it per pass
         bind = keras.callbacks.LambdaCallback(on_epoch_begin=lambda epoch, logs: setattr(data, "epoch", epoch))
