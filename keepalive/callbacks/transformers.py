@@ -70,6 +70,7 @@ from __future__ import annotations
 
 import os
 import sys
+import weakref
 from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Tuple, Union
 
 import torch
@@ -85,7 +86,7 @@ from ..state import frozen_copy  # loaded tensors are views on the file buffer: 
 from ..statetree import Captured, StateTree
 from . import _compat_transformers as hfc
 from . import _hf_data
-from .torchstate import check_optimizer
+from .torchstate import check_optimizer, gate_steps
 
 __all__ = ["DriveCheckpoint"]
 
@@ -107,7 +108,11 @@ class DriveCheckpoint(CheckpointAdapter, TrainerCallback):
         hfc.COMPAT.check()  # every Trainer internal this adapter uses exists (else one line says which)
         cfg = CheckpointConfig.strict(path, config, options, "DriveCheckpoint")
         self.core = Checkpointer(config=cfg, framework="transformers")
+        self.core.fingerprint = self._fingerprint
         self._trainer: Optional[Trainer] = None
+        #: the torch optimizers whose steps wait while the core's pause guard copies the state (once each)
+        self._gated: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+        self._fetches = 0               # fetches of a step's micro-batches begun (a step under way)
         self._sampler: Optional[_hf_data.PositionedBatchSampler] = None
         self._stream = ""               # an IterableDataset: "stateful" / "reread" (see _hf_data.stream_kind)
         self._replay: Optional[_hf_data.Replay] = None  # the random states a mid-epoch resume replays
@@ -206,6 +211,12 @@ class DriveCheckpoint(CheckpointAdapter, TrainerCallback):
             control.should_training_stop = True
             return
         core.check_storable(self.capture)  # a value that cannot be stored fails now
+        optimizer = _inner_optimizer(trainer.optimizer)
+        if isinstance(optimizer, torch.optim.Optimizer) and optimizer not in self._gated:
+            # the Trainer counts its steps itself; the gate only lets the core's pause guard save while
+            # an evaluation calls no hook for long (one slow batch, a metric computation)
+            self._gated.add(optimizer)
+            gate_steps(core, optimizer)
         core.install_signal_handlers()
 
     @property
@@ -310,6 +321,38 @@ class DriveCheckpoint(CheckpointAdapter, TrainerCallback):
                 self._replay.end_pass()
             core.uninstall_signal_handlers()
             core.close()
+
+    def on_prediction_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                           **kwargs: Any) -> None:
+        """An evaluation batch ran (the Trainer's evaluation inside ``train()``): no boundary, a pause of the
+        training loop. A signal, a preemption notice or the deadline that comes now is saved now when the
+        state is still that of the last step boundary (the core checks it: :mod:`keepalive.pauses`)."""
+        if not self._active:
+            return  # trainer.evaluate() / predict() outside train()
+        try:
+            self.core.active(self.capture)
+        except BaseException:  # a signal saved here now takes effect: train() ends
+            self._active = False
+            raise
+
+    def _fingerprint(self) -> Tuple[Any, Any]:
+        """What :meth:`capture` reads beside tensors, cheaply, as the core's pair (objects' state, loop
+        position). The state during the evaluation at an epoch's end is the state of its last step's
+        boundary (all batches done, the epoch end not counted: a resume runs the epoch-end work again);
+        the evaluation the Trainer runs for a step (``eval_strategy="steps"``) comes before that step's
+        boundary, and the moved ``global_step`` makes the core wait for it."""
+        trainer = self._trainer
+        if trainer is None:
+            return None, None
+        st = trainer.state
+        scheduler = getattr(trainer.lr_scheduler, "scheduler", trainer.lr_scheduler)  # accelerate's wrapper
+        objects = (getattr(scheduler, "last_epoch", None), getattr(scheduler, "_step_count", None),
+                   len(st.log_history), st.best_metric, st.best_global_step, st.best_model_checkpoint,
+                   st.total_flos, st.num_input_tokens_seen, float(trainer._total_loss_scalar),
+                   int(trainer._globalstep_last_logged), float(trainer.current_flos),
+                   repr(_callback_states(trainer)), self._best[0] if self._best is not None else None)
+        position = (st.global_step, st.epoch, self._epoch, self._batches, self._fetches, self._finishing)
+        return objects, position
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                 **kwargs: Any) -> None:
@@ -664,6 +707,7 @@ class _BatchFetcher:
         cb._step_boundary(trainer.control)
         if cb.core.stopped or trainer.control.should_training_stop:
             return [], None  # saved (deadline): no batch of the next step is made
+        cb._fetches += 1  # the next step is under way: no save between steps until its boundary
         replay = cb._replay
         if replay is None:
             return fetch(epoch_iterator, *args, **kwargs)
