@@ -21,6 +21,9 @@ _SCRATCH = tempfile.mkdtemp(prefix="keepalive-tests-")
 os.environ.setdefault("KEEPALIVE_SPOOL", os.path.join(_SCRATCH, "spool"))
 os.environ.setdefault("KEEPALIVE_DIR", os.path.join(_SCRATCH, "checkpoints"))
 atexit.register(shutil.rmtree, _SCRATCH, True)
+# A test run on a cloud VM (a CI runner on GCE / AWS / Azure) never asks the real metadata service:
+# the tests that watch notices set KEEPALIVE_CLOUD and KEEPALIVE_METADATA_URL themselves.
+os.environ.setdefault("KEEPALIVE_CLOUD", "none")
 
 # gcsfs reads these when it is imported / builds a filesystem: set them before any test imports it.
 _GCS_PORT = servers.free_port()

@@ -43,6 +43,7 @@ LAYERS: Dict[str, int] = {
     "session": 3, "trigger": 3, "progress": 3, "notebook": 3, "distributed": 3,
     "boundary": 3, "savepath": 3, "interrupts": 3,  # the boundary state machine, the save paths, deferred signals
     "rendezvous": 3,  # the restart-safe env:// rendezvous of torchrun workers (import keepalive installs it)
+    "pauses": 3, "autointerval": 3,  # saves between steps (marks, the step gate, the guard); every="auto"
     # 4 core
     "config": 4, "core": 4, "adapter": 4, "status": 4,
     # 5 adapters
