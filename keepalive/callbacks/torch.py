@@ -426,7 +426,11 @@ class DriveCheckpoint(CheckpointAdapter):
                 try:
                     yield core.counters["epoch"]
                 except GeneratorExit:
-                    if _closed_by_break(sys._getframe(1)):
+                    try:
+                        caller: Any = sys._getframe(1)
+                    except ValueError:  # closed with no Python frame above it (at the interpreter's exit)
+                        caller = None
+                    if _closed_by_break(caller):
                         self._leave(n)
                     raise
                 self._resume_rng = None  # the resumed epoch's passes are positioned
