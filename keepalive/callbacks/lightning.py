@@ -37,9 +37,11 @@ When: ``every=`` (epochs, optimizer steps = ``trainer.global_step``, a duration)
 deadline (then ``trainer.should_stop`` ends the fit cleanly: ``cb.stopped``), at the end of training, on
 Ctrl-C / SIGTERM (at the end of the running batch). Saves inside an epoch land between two batches,
 after that batch's validation and logging, never while gradients are accumulated (``accumulate_grad_
-batches``; with manual optimization a batch without an optimizer step counts as accumulating) and never
-right after a mid-epoch validation (a Lightning restart would skip re-running it): a save due there
-is made at the next such boundary.
+batches``; with manual optimization a batch without an optimizer step counts as accumulating). A batch
+followed by a validation (inside the epoch or at its end) has its boundary at the validation's start:
+a save there, or one made during the validation (a signal, a preemption notice, the deadline: saved
+at once, see keepalive.pauses), holds the state before the validation, and a resume runs the validation
+again from its first batch.
 
 Works with ``lightning.pytorch`` and, by duck typing, with a ``pytorch_lightning`` ``Trainer`` (the same
 code under its older name). Several processes: ``strategy="ddp"`` (the script run by ``torchrun`` or
@@ -78,8 +80,7 @@ from ..statetree import Captured, StateTree
 from . import _compat_lightning as lc
 from . import _lightning_data as data
 from . import _lightning_state as lstate
-from .torch import _state_summary
-from .torchstate import check_module, gate_steps
+from .torchstate import check_module, gate_steps, state_summary
 
 __all__ = ["DriveCheckpoint"]
 
@@ -108,7 +109,6 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
         self.data = data.TrainData(lambda msg, key: self.core.warn(msg, key=key))  # this fit's training loaders
         self.why_not: Optional[str] = None      # why the training data cannot be positioned
         self._pending: Optional[Dict[str, Any]] = None  # restored right before training continues
-        self._validated = False                 # a validation ran since the last boundary
         #: while a validation of the fit runs: the state it started from (what a save during it holds)
         self._validation: Optional[Dict[str, Any]] = None
         self._validation_over = False           # its end hooks ran: the loop moves on from here
@@ -168,7 +168,6 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
     def _before_validation(self, trainer: Any) -> None:
         """The validation loop of the fit is about to run (before it builds its loader's iterator, which
         draws a random seed): the training batch's boundary, and the state a save during it holds."""
-        self._validated = True
         self._validation = {
             "val_progress": trainer.fit_loop.epoch_loop.val_loop.batch_progress.state_dict(),
             # what the validation's logging changes (copied now: a save during it holds the start's)
@@ -188,8 +187,9 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
     def on_validation_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int,
                                 dataloader_idx: int = 0) -> None:
         if self._validation is not None and not trainer.sanity_checking:
-            # a signal, a notice or the deadline that came during the validation is saved now
-            self.core.active(self.capture)
+            # a signal, a notice or the deadline that came during the validation is saved now (one
+            # process only: with several, a save is a collective the other ranks are not in)
+            self.core.active(self.capture if int(getattr(trainer, "world_size", 1)) <= 1 else None)
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
         if self._validation is not None and not trainer.sanity_checking:
@@ -341,6 +341,8 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
         def validation_run(*a: Any, **k: Any) -> Any:
             if not trainer.sanity_checking and self._fitting(trainer):
                 self._before_validation(trainer)
+                if self.core.stopped:
+                    return []  # the deadline's stop, saved at this boundary: no validation first
             return orig_validation_run(*a, **k)
 
         # the epoch loop's validation (inside the epoch or at its end): its start is the batch's boundary
@@ -402,7 +404,6 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
         core = self.core
         if not before_validation and self._counted_before_validation:
             self._counted_before_validation = False
-            self._validated = False
             self._validation, self._validation_over = None, False
             return
         self._counted_before_validation = before_validation
@@ -412,13 +413,12 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
             pending = bool(epoch_loop._should_accumulate())
         else:
             pending = steps == 0  # no optimizer step in this batch: gradients may be accumulated
-        validated, self._validated = self._validated and not before_validation, False
         if self.why_not is None and self.data.why_now() is not None:  # found out while iterating
             self._cannot_position(self.data.why_now())
         bp = epoch_loop.batch_progress
         # the last batch's boundary before its (epoch-end) validation can be saved: the resume runs the
         # validation again, then the epoch's end
-        can_save = (self.why_not is None and not validated and (before_validation or not bp.is_last_batch)
+        can_save = (self.why_not is None and (before_validation or not bp.is_last_batch)
                     and not trainer.should_stop)
         decision = core.advance(self.capture, steps=max(steps, 0), batch=int(bp.current.completed),
                                 samples=self._batch_samples(trainer), can_save=can_save, pending=pending)
@@ -427,7 +427,7 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
 
     def _epoch_boundary(self, trainer: Any) -> None:
         """After an epoch: its validation, epoch-end hooks, epoch schedulers and epoch metrics done."""
-        self._validated = self._counted_before_validation = self._validation_over = False
+        self._counted_before_validation = self._validation_over = False
         self._validation = None
         # a resume at the epoch's last batch (saved during its validation) fetches no batch in that
         # epoch: its position must not apply to the next epoch's pass
@@ -471,8 +471,8 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
         if trainer is None:
             return None, None
         epoch_loop = trainer.fit_loop.epoch_loop
-        schedulers = tuple(_state_summary(config.scheduler) for config in trainer.lr_scheduler_configs)
-        callbacks = tuple(_state_summary(cb) for cb in trainer.callbacks if cb is not self)
+        schedulers = tuple(state_summary(config.scheduler) for config in trainer.lr_scheduler_configs)
+        callbacks = tuple(state_summary(cb) for cb in trainer.callbacks if cb is not self)
         objects = (int(trainer.global_step), epoch_loop._batches_that_stepped, schedulers, callbacks,
                    _progress(epoch_loop.batch_progress), _progress(trainer.fit_loop.epoch_progress))
         streams = tuple((i, s.batches, s.samples) for i, s in sorted(self.data.streams.items()))

@@ -1,8 +1,9 @@
 """A Lightning ``Trainer.fit`` whose validation is slow in one epoch, for the "save during validation" tests.
 
 A tiny MLP with dropout (the global RNG is drawn every step), AdamW and a StepLR stepped per step;
-validation at the epoch end (``--val-check 1.0``) or inside the epoch (``--val-check 0.5``). In the
-validation of epoch ``--slow-epoch`` each validation batch sleeps ``--val-sleep`` s: in the module's
+8 batches per epoch, validation inside the epoch and at its end (``--val-check 0.5``). In the
+validation after batch ``--slow-batch`` (8: the epoch-end one) of epoch ``--slow-epoch`` each
+validation batch (4) sleeps ``--val-sleep`` s: in the module's
 ``validation_step`` (``--sleep-in step``: no keepalive hook runs meanwhile, so its guard thread saves)
 or in a callback's ``on_validation_batch_end`` after keepalive's (``--sleep-in hook``: keepalive's
 hook saves). Prints ``VAL_START <step>`` when that validation starts (after keepalive's boundary) and
@@ -25,8 +26,9 @@ p.add_argument("run")
 p.add_argument("--out", required=True)
 p.add_argument("--keepalive", action="store_true")
 p.add_argument("--epochs", type=int, default=3)
-p.add_argument("--val-check", type=float, default=1.0)
+p.add_argument("--val-check", type=float, default=0.5)
 p.add_argument("--slow-epoch", type=int, default=1)
+p.add_argument("--slow-batch", type=int, default=8, help="the validation after this batch of the epoch is slow")
 p.add_argument("--val-sleep", type=float, default=0.0)
 p.add_argument("--sleep-in", default="hook", choices=["hook", "step"])
 p.add_argument("--deadline-in-val", type=float, default=0.0)
@@ -86,8 +88,8 @@ class SlowValidation(pl.Callback):
     """After keepalive's hooks: says when the slow validation starts, and sleeps in its batches."""
 
     def on_validation_start(self, trainer, pl_module):
-        slow["on"] = not trainer.sanity_checking and trainer.current_epoch == args.slow_epoch \
-            and args.val_sleep > 0 and not os.environ.get("PREEMPT_RESUMED")
+        slow["on"] = (not trainer.sanity_checking and trainer.current_epoch == args.slow_epoch and args.val_sleep > 0
+                      and trainer.fit_loop.epoch_loop.batch_progress.current.completed == args.slow_batch)
         if slow["on"]:
             if args.deadline_in_val:
                 deadline["at"] = time.time() + args.deadline_in_val
