@@ -26,12 +26,11 @@ torch = pytest.importorskip("torch")
 
 from crashkit import assert_differs, assert_same  # noqa: E402
 from metaserver import MetadataServer  # noqa: E402
-from torchrunkit import TorchrunJob  # noqa: E402
+from test_distributed import Job  # noqa: E402  (torchrun jobs of tests/scripts/ddp_train.py)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 SCRIPT = os.path.join(HERE, "scripts", "preempt_torch.py")
-DDP_SCRIPT = os.path.join(HERE, "scripts", "ddp_train.py")
 BOUND = 5.0  # seconds from the signal / the deadline / the notice to the committed checkpoint
 PAUSED = "during a pause of the training loop"
 REFUSED = ("SIGTERM received while the training loop paused between steps (an evaluation?), but its state is no "
@@ -396,12 +395,8 @@ def test_notice_during_a_30s_evaluation_is_saved_within_5s(tmp_path, reference):
     assert_same(results([first, second], out), reference())
 
 
-class DDPJob(TorchrunJob):
-    def __init__(self, tmp, name: str, **kwargs):
-        super().__init__(tmp, name, DDP_SCRIPT, **kwargs)
-
-    def finals(self) -> List[Dict[str, "torch.Tensor"]]:
-        return [torch.load(os.path.join(self.out_dir, f"final.{r}.pt")) for r in (0, 1)]
+class DDPJob(Job):
+    """test_distributed's torchrun job of tests/scripts/ddp_train.py, which can wait for a line."""
 
     def wait_output(self, text: str, timeout: float = 150.0) -> None:
         end = time.monotonic() + timeout

@@ -49,6 +49,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union, 
 
 import torch
 
+from .. import distributed as _distributed
 from .. import plan as _plan
 from .. import rng
 from ..adapter import CheckpointAdapter
@@ -69,6 +70,7 @@ from .torchstate import (
     schedule_lrs,
     schedule_settings,
     scheduler_with_settings,
+    state_summary,
     unwrap_module,
     unwrapped_keys,
     watch_steps,
@@ -647,8 +649,10 @@ class DriveCheckpoint(CheckpointAdapter):
                     if self._boundary(p, stepped).stop:
                         return
                 else:  # not a boundary (an evaluation): what cannot wait is saved here when the state is
-                    # still the last step's (keepalive.pauses), the data where that step left it
-                    core.active(self.capture)
+                    # still the last step's (keepalive.pauses), the data where that step left it. Not
+                    # under a process group: a save there is a collective that the other ranks, in
+                    # their own evaluation, would not join; the next boundary (agreed) saves
+                    core.active(None if _distributed.GROUP.active else self.capture)
             completed = True
         finally:
             if not completed and p.trains and p.rl.mid_epoch:  # where its last batch end was
@@ -796,7 +800,7 @@ class DriveCheckpoint(CheckpointAdapter):
         """What :meth:`capture` reads beside tensors, cheaply: the core saves during a pause of the
         loop (an evaluation) only while this is what it was at the last step boundary. A scheduler
         stepped before the evaluation, a batch handed out, a pass ended or begun all change it."""
-        objects = tuple(_state_summary(obj) for obj in self.objects.values()
+        objects = tuple(state_summary(obj) for obj in self.objects.values()
                         if not isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)))
         # the training passes' positions as capture() reads them (from the open pass or, once it
         # ended, from where it was left): an evaluation's own passes are not the training's state
@@ -882,24 +886,7 @@ class DriveCheckpoint(CheckpointAdapter):
         super().save(sync=sync)
 
 
-def _state_summary(obj: Any) -> Any:
-    """A cheap, comparable summary of a registered object's state (a scheduler: its step counts;
-    anything else: its state_dict's plain values, tensors by their version)."""
-    inner = getattr(obj, "scheduler", obj)  # accelerate's wrapper
-    if isinstance(inner, torch.optim.lr_scheduler.LRScheduler):
-        return (inner.last_epoch, getattr(inner, "_step_count", None))
-    try:
-        state = obj.state_dict()
-    except Exception:  # noqa: BLE001 - whatever it is, a change of it cannot be seen
-        return None
-    return _plain(state)
 
-
-def _plain(x: Any) -> Any:
-    if isinstance(x, dict):
-        return tuple((k, _plain(v)) for k, v in x.items())
-    if isinstance(x, (list, tuple)):
-        return tuple(_plain(v) for v in x)
-    if isinstance(x, torch.Tensor):
-        return ("tensor", x._version, x.data_ptr())
-    return x if isinstance(x, (int, float, str, bool, type(None))) else repr(x)
+#: the name other adapters imported before it moved to torchstate (lightning.py: import state_summary
+#: from torchstate instead)
+_state_summary = state_summary

@@ -16,7 +16,7 @@ from ..adapter import check_fits
 from ..errors import StateMismatchError
 
 __all__ = ["RandomState", "watch_steps", "gate_steps", "changed_hyperparameters", "check_module", "check_objects",
-           "check_optimizer",
+           "check_optimizer", "state_summary",
            "frozen_parameters", "gradients", "gradients_pending", "hyperparameters", "restore_gradients",
            "restore_requires_grad", "accelerate_wrapper", "schedule_lrs", "schedule_settings",
            "scheduler_with_settings", "unwrap_module", "unwrapped_keys", "without_lazy"]
@@ -387,3 +387,27 @@ def _text_as_ints(x: Any) -> Any:
             return int(x["int"])
         return {k: _text_as_ints(v) for k, v in x.items()}
     return x
+
+
+def state_summary(obj: Any) -> Any:
+    """A cheap, comparable summary of an object's state, for an adapter's fingerprint
+    (:attr:`keepalive.core.Checkpointer.fingerprint`): a scheduler: its step counts; anything else:
+    its state_dict's plain values, tensors by their version counter and storage."""
+    inner = getattr(obj, "scheduler", obj)  # accelerate's wrapper
+    if isinstance(inner, torch.optim.lr_scheduler.LRScheduler):
+        return (inner.last_epoch, getattr(inner, "_step_count", None))
+    try:
+        state = obj.state_dict()
+    except Exception:  # noqa: BLE001 - whatever it is, a change of it cannot be seen
+        return None
+    return _plain(state)
+
+
+def _plain(x: Any) -> Any:
+    if isinstance(x, dict):
+        return tuple((k, _plain(v)) for k, v in x.items())
+    if isinstance(x, (list, tuple)):
+        return tuple(_plain(v) for v in x)
+    if isinstance(x, torch.Tensor):
+        return ("tensor", x._version, x.data_ptr())
+    return x if isinstance(x, (int, float, str, bool, type(None))) else repr(x)
