@@ -885,8 +885,3 @@ class DriveCheckpoint(CheckpointAdapter):
             return
         super().save(sync=sync)
 
-
-
-#: the name other adapters imported before it moved to torchstate (lightning.py: import state_summary
-#: from torchstate instead)
-_state_summary = state_summary
