@@ -47,6 +47,10 @@ BOUND = 5.0        # saved and durable within this many seconds of the signal
 REFUSED = ("keepalive: warning: SIGTERM received while the training loop paused between steps (an evaluation?), "
            "but its state is no longer that of its last step (the loop changed state beside the tensors since "
            "its last step (e.g. a scheduler stepped)): the save waits for the next step boundary.")
+EVAL_STEPS = ("keepalive: warning: SIGTERM came during the evaluation the Trainer runs for step 3 "
+              "(eval_strategy=\"steps\"), before keepalive's boundary of that step: the save waits for the "
+              "evaluation's end. During an evaluation at an epoch's end (eval_strategy=\"epoch\") keepalive saves "
+              "at once")
 
 
 class Child:
@@ -157,6 +161,7 @@ def runs(tmp_path_factory) -> Dict[str, Scenario]:
         "refused": Scenario(folder("refused"), "--counter"),
         "blind": Scenario(folder("blind"), "--counter", "--broken-fingerprint"),
         "no-pause-save": Scenario(folder("nopause"), "--no-pause-save", resume=False),
+        "eval-steps": Scenario(folder("evalsteps"), "--eval-steps", "3", resume=False),
     }
     threads = [threading.Thread(target=s.interrupt) for s in scenarios.values()]
     ref_dir = folder("reference")
@@ -249,3 +254,13 @@ def test_control_b_without_saves_between_steps_the_save_waits_for_the_evaluation
     assert committed and committed[0] >= end, s.text
     assert committed[0] - s.sent > BOUND, s.text
     assert "during a pause of the training loop" not in s.text
+
+
+def test_evaluation_for_a_step_is_told_and_saved_after_it(runs):
+    """eval_strategy="steps": the Trainer evaluates for a step before keepalive's boundary of that step (a
+    checkpoint holds the Trainer's work for its step): the save waits for the evaluation's end, said once."""
+    s = _interrupted(runs, "eval-steps")
+    assert s.text.count(EVAL_STEPS) == 1, s.text
+    committed = s.times("COMMITTED 3 ")
+    (end,) = s.times("EVAL END")
+    assert committed and committed[0] >= end, s.text

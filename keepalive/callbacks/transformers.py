@@ -82,6 +82,7 @@ from ..adapter import CheckpointAdapter, check_fits
 from ..config import CheckpointConfig
 from ..core import Checkpointer
 from ..errors import StateMismatchError
+from ..interrupts import signal_name
 from ..state import frozen_copy  # loaded tensors are views on the file buffer: what is kept gets copies
 from ..statetree import Captured, StateTree
 from . import _compat_transformers as hfc
@@ -329,11 +330,24 @@ class DriveCheckpoint(CheckpointAdapter, TrainerCallback):
         state is still that of the last step boundary (the core checks it: :mod:`keepalive.pauses`)."""
         if not self._active:
             return  # trainer.evaluate() / predict() outside train()
+        core = self.core
+        deadline, notice = core.trigger.deadline_hit, core.trigger.notice_hit
         try:
-            self.core.active(self.capture)
+            core.active(self.capture)
         except BaseException:  # a signal saved here now takes effect: train() ends
             self._active = False
             raise
+        signum = core.signals.peek()
+        came = (signal_name(signum) if signum is not None else "a preemption notice"
+                if core.trigger.notice_hit is not notice else "the deadline"
+                if core.trigger.deadline_hit != deadline else None)
+        if self._pending_step and came:
+            # eval_strategy="steps": the Trainer evaluates for a step before the step's boundary (the
+            # boundary is after the Trainer's work for it, so that a checkpoint holds its results)
+            core.warn(f"{came} came during the evaluation the Trainer runs for step {state.global_step} "
+                      "(eval_strategy=\"steps\"), before keepalive's boundary of that step: the save waits for the "
+                      "evaluation's end. During an evaluation at an epoch's end (eval_strategy=\"epoch\") keepalive "
+                      "saves at once", key="hf-eval-steps")
 
     def _fingerprint(self) -> Tuple[Any, Any]:
         """What :meth:`capture` reads beside tensors, cheaply, as the core's pair (objects' state, loop

@@ -11,7 +11,7 @@ seconds after the first evaluation starts (none before). ``--counter``: a statef
 counts epochs at each epoch end, i.e. after the last step's boundary and before the evaluation.
 ``--no-pause-save``: keepalive's saves between steps switched off (the control: saved after the evaluation).
 ``--broken-fingerprint``: keepalive's fingerprint blind to the objects' state (the control: a save during the
-evaluation that is not the last boundary's state).
+evaluation that is not the last boundary's state). ``--eval-steps N``: ``eval_strategy="steps"`` every N steps.
 """
 import argparse
 import json
@@ -45,6 +45,7 @@ p.add_argument("--deadline-in-eval", type=float, default=None)
 p.add_argument("--counter", action="store_true")
 p.add_argument("--no-pause-save", action="store_true")
 p.add_argument("--broken-fingerprint", action="store_true")
+p.add_argument("--eval-steps", type=int, default=None)
 args = p.parse_args()
 torch.set_num_threads(1)
 hf_logging.set_verbosity_error()
@@ -96,8 +97,9 @@ if args.slow_eval:
 targs = TrainingArguments(
     output_dir=args.run + "-hf-unused", per_device_train_batch_size=4, per_device_eval_batch_size=1,
     gradient_accumulation_steps=2, num_train_epochs=args.epochs, learning_rate=5e-3, lr_scheduler_type="linear",
-    warmup_steps=2, logging_steps=2, eval_strategy="epoch", report_to=[], disable_tqdm=True, use_cpu=True,
-    seed=42, save_strategy="no", dataloader_num_workers=0)
+    warmup_steps=2, logging_steps=2, report_to=[], disable_tqdm=True, use_cpu=True,
+    seed=42, save_strategy="no", dataloader_num_workers=0,
+    **({"eval_strategy": "steps", "eval_steps": args.eval_steps} if args.eval_steps else {"eval_strategy": "epoch"}))
 callbacks = [Steps()]
 ckpt = None
 if args.mode == "keepalive":
