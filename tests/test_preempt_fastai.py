@@ -35,7 +35,7 @@ BOUND = 5.0  # saved and durable within this many seconds of the signal
 # keepalive's progress bar shares stdout: a line may begin after the bar's carriage return
 COMMITTED = re.compile(r"COMMITTED (\d+) ([\d.]+)\s*$")
 LOSS = re.compile(r"LOSS (\d+) (\S+)\s*$")
-EVAL = re.compile(r"EVAL (START|END) ([\d.]+)\s*$")
+EVAL = re.compile(r"(?:EVAL|PROLOGUE) (START|END) ([\d.]+)\s*$")  # the slow part: validation or prologue
 
 
 @dataclass
@@ -150,8 +150,25 @@ def test_sigterm_during_validation_saved_at_once(tmp_path, reference):
     latency = at - got.signal_at
     assert 0 < latency < BOUND, f"saved {latency:.2f} s after the signal"
     assert got.exited_at < got.eval_start + 9.0, "exited only after the validation"
-    print(f"\nSIGTERM during validation: committed {latency:.2f} s after the signal, exited "
-          f"{got.exited_at - got.signal_at:.2f} s after it")
+    ended = float(re.search(r"EXIT 143 ([\d.]+)", got.text).group(1))  # the training call ended
+    assert ended - got.signal_at < BOUND
+    print(f"\nSIGTERM during validation: committed {latency:.2f} s after the signal, the training call "
+          f"ended {ended - got.signal_at:.2f} s after it, the process {got.exited_at - got.signal_at:.2f} s")
+    _resume(tmp_path, reference, got, N_ITER)
+
+
+def test_sigterm_in_next_epoch_prologue(tmp_path, reference):
+    """SIGTERM 1 s into a 6 s prologue of the second epoch (before its first batch), no checkpoint at
+    the first epoch's end (every=1000 steps): the state of that epoch end is saved at once, with its
+    position and loaders' random states; the resume ends bit-identical."""
+    got = _run(tmp_path / "run", tmp_path / "w.st", "--slow-epoch", "1", "--eval-seconds", "0",
+               "--slow-prologue", "6", "--every", "1000", sigterm_in_eval=True)
+    assert got.rc == 143, got.text[-3000:]
+    assert re.search(r"SIGTERM: saved epoch 1, step 4 to .* during a pause of the training loop", got.text), \
+        got.text[-3000:]
+    step, at = got.commits[-1]
+    assert step == N_ITER and 0 < at - got.signal_at < BOUND
+    assert got.eval_end is None, "exited only after the prologue"
     _resume(tmp_path, reference, got, N_ITER)
 
 

@@ -46,7 +46,7 @@ import contextlib
 import os
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from fastai.callback.core import Callback, CancelFitException
 from fastai.callback.schedule import LRFinder
@@ -93,10 +93,24 @@ class _FitState:
     #: core compares before saving between steps: it changes before any callback of that batch or of
     #: after_epoch can change what a checkpoint holds
     moves: int = 0
-    #: the capture of the last boundary, with the position it was taken at (an evaluation's batches
-    #: move learn.iter, the next epoch learn.epoch): what a save between steps writes
+    #: the capture of the last boundary, with its position fixed there (an evaluation's batches move
+    #: learn.iter, the next epoch's prologue learn.epoch, pct_train and the loaders' RNGs): what a
+    #: save between steps writes
     capture: Optional[Callable[[], Captured]] = None
     plan: Dict[str, Any] = field(default_factory=dict)  # what the code asks of it (_fastai_state.fit_plan)
+
+
+@dataclass(frozen=True)
+class _At:
+    """Where a boundary left the fit, as a checkpoint of it says: epochs done, batches done in the
+    running one, the learner's training iterations and schedule position, and (at an epoch end,
+    where a resume starts the next epoch's data from them) the loaders' RNGs."""
+
+    epoch: int
+    batch: int
+    train_iter: int
+    pct_train: float
+    dl_rngs: Optional[List[Any]] = None
 
 
 class _EventsHook:
@@ -495,6 +509,12 @@ class DriveCheckpoint(RunViews, Callback):  # RunViews: no epoch / step (a callb
         if st is not None and st.begun:
             self._paused(st)
 
+    def after_cancel_train(self) -> None:
+        # the epoch's training pass ended before its last batch: a save during the validation would
+        # resume at the last batch done and train the batches this run skipped
+        if self._fit is not None:
+            self._moved(self._fit)
+
     def after_validate(self) -> None:
         st = self._fit
         if st is not None and st.begun and self.learn.epoch >= st.skip_until:
@@ -504,7 +524,8 @@ class DriveCheckpoint(RunViews, Callback):  # RunViews: no epoch / step (a callb
     # ------------------------------------------------------------------------------- boundaries
     def _step_end(self, learn: Learner, st: _FitState) -> None:
         ga = getattr(learn, "gradient_accumulation", None)  # partial gradients are not saved
-        at = (learn.epoch, learn.iter + 1)
+        at = _At(learn.epoch, learn.iter + 1, int(getattr(learn, "train_iter", 0)),
+                 float(getattr(learn, "pct_train", 0.0)))
         st.capture = lambda: self._state_tree(learn, st, "step", at)
         decision = self.core.advance(st.capture, batch=learn.iter + 1,
                                      samples=find_bs(learn.yb) if len(learn.yb) else find_bs(learn.xb),
@@ -520,7 +541,8 @@ class DriveCheckpoint(RunViews, Callback):  # RunViews: no epoch / step (a callb
             # the fit's end is saved in _fit_end, after the other callbacks' after_fit
             self.core.count_epoch()
             return
-        at = (learn.epoch + 1, 0)
+        at = _At(learn.epoch + 1, 0, int(getattr(learn, "train_iter", 0)), float(getattr(learn, "pct_train", 0.0)),
+                 data.dl_rngs(learn))
         st.capture = lambda: self._state_tree(learn, st, "epoch", at)
         if self.core.end_epoch(st.capture).stop:
             st.stopped = True
@@ -555,20 +577,21 @@ class DriveCheckpoint(RunViews, Callback):  # RunViews: no epoch / step (a callb
         """What the captures read beside tensors (optimizer hyper-parameters, the Recorder, trackers,
         the ParamScheduler's record, the loggers' files), and where the loop is: the fit, the epoch,
         the batches begun and epochs' work ended since (:attr:`_FitState.moves`), the training
-        iterations. Asked by the core at each boundary and before a save between steps."""
+        iterations. Asked by the core at each boundary and before a save between steps. Not the epoch:
+        the next epoch's prologue (before its first batch: workers starting, a slow first fetch) is a
+        pause too, and the capture of an epoch end holds its position itself (:class:`_At`)."""
         st, learn = self._fit, self.learn
         if st is None or learn is None:
             return None, None
-        return (state.summary(learn),
-                (st.index, getattr(learn, "epoch", None), st.moves, getattr(learn, "train_iter", None)))
+        return state.summary(learn), (st.index, st.moves, getattr(learn, "train_iter", None))
 
     # ---------------------------------------------------------------------------------- capture
-    def _state_tree(self, learn: Learner, st: _FitState, kind: str,
-                    at: Optional[Tuple[int, int]] = None) -> Captured:
-        """``at``: (epoch, batch) of the boundary the capture was made for (else read from the learner)."""
+    def _state_tree(self, learn: Learner, st: _FitState, kind: str, at: Optional[_At] = None) -> Captured:
+        """``at``: where the boundary the capture was made for left the fit (else read from the learner)."""
         objects = state.capture_objects(learn)
+        train_iter, pct_train = int(getattr(learn, "train_iter", 0)), float(getattr(learn, "pct_train", 0.0))
         if at is not None:
-            epoch, batch = at
+            epoch, batch, train_iter, pct_train = at.epoch, at.batch, at.train_iter, at.pct_train
         elif kind == "step":
             epoch, batch = learn.epoch, learn.iter + 1
         elif kind == "epoch":
@@ -580,10 +603,11 @@ class DriveCheckpoint(RunViews, Callback):  # RunViews: no epoch / step (a callb
             "fits": self._fits.upto(st.index),
             "position": {"fit": st.index, "phase": st.phase, "done": kind == "fit", "epoch": epoch,
                          "batch": batch, "n_epoch": int(learn.n_epoch), "n_iter": st.n_iter,
-                         "train_iter": int(getattr(learn, "train_iter", 0)),
-                         "pct_train": float(getattr(learn, "pct_train", 0.0))},
+                         "train_iter": train_iter, "pct_train": pct_train},
             **state.capture_callbacks(learn),
         }
+        if at is not None and at.dl_rngs is not None:
+            fa["dl_rngs"] = at.dl_rngs
         if kind == "step":
             fa["epoch_start"] = st.epoch_start
             workers = data.worker_states(st.dl, batch, st.n_iter)

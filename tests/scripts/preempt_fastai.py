@@ -32,6 +32,9 @@ p.add_argument("--n-train", type=int, default=64)
 p.add_argument("--n-valid", type=int, default=64)
 p.add_argument("--slow-epoch", type=int, default=-1, help="the epoch whose validation is slow")
 p.add_argument("--eval-seconds", type=float, default=9.0, help="how long the slow validation sleeps in all")
+p.add_argument("--slow-prologue", type=float, default=0.0, help="seconds the prologue of --slow-epoch's "
+               "training pass sleeps (before its first batch: workers starting, a slow first fetch)")
+p.add_argument("--every", default="epoch")
 p.add_argument("--deadline-in", type=float, default=None,
                help="the session's deadline: this many seconds after the slow validation starts")
 p.add_argument("--touch", action="store_true", help="negative control: a weight is changed in place "
@@ -47,6 +50,12 @@ deadline = math.inf  # set when the slow validation starts
 class SlowValidation(Callback):
     order = 200  # after DriveCheckpoint (95): its hooks do not see the sleep coming
 
+    def before_train(self):
+        if self.epoch == args.slow_epoch and args.slow_prologue:
+            emit(f"PROLOGUE START {time.time():.3f}")
+            time.sleep(args.slow_prologue)
+            emit(f"PROLOGUE END {time.time():.3f}")
+
     def after_train(self):
         if self.epoch == args.slow_epoch and args.touch:
             with torch.no_grad():
@@ -54,7 +63,7 @@ class SlowValidation(Callback):
 
     def before_validate(self):
         global deadline
-        if self.epoch == args.slow_epoch:
+        if self.epoch == args.slow_epoch and args.eval_seconds:
             now = time.time()
             if args.deadline_in is not None:
                 deadline = now + args.deadline_in
@@ -64,11 +73,11 @@ class SlowValidation(Callback):
         if self.training:
             emit(f"LOSS {self.learn.train_iter} {float(self.learn.loss.detach()).hex()}")
             emit(f"STEP {self.learn.train_iter}")
-        elif self.epoch == args.slow_epoch:
+        elif self.epoch == args.slow_epoch and args.eval_seconds:
             time.sleep(args.eval_seconds / len(self.dl))
 
     def after_validate(self):
-        if self.epoch == args.slow_epoch:
+        if self.epoch == args.slow_epoch and args.eval_seconds:
             emit(f"EVAL END {time.time():.3f}")
 
 
@@ -83,14 +92,19 @@ if not args.no_keepalive:
         Checkpointer._pause_save = lambda self, capture, in_thread: None  # type: ignore[method-assign]
     from keepalive.callbacks.fastai import DriveCheckpoint
 
-    ckpt = DriveCheckpoint(args.run, remaining_fn=lambda: deadline - time.time(), deadline_margin="2s")
+    every = int(args.every) if args.every.isdigit() else args.every
+    ckpt = DriveCheckpoint(args.run, every=every, remaining_fn=lambda: deadline - time.time(), deadline_margin="2s")
     ckpt.core.on_commit.append(lambda r: emit(f"COMMITTED {r.info.step} {time.time():.3f}"))
     cbs = [ckpt] + cbs
 learn = make_learner(seed=42, n_train=args.n_train, n_valid=args.n_valid,
                      path=os.path.dirname(os.path.abspath(args.out)))
 if hasattr(learn, "progress"):
     learn.remove_cb(learn.progress)
-learn.fit_one_cycle(args.epochs, 3e-3, cbs=cbs)
+try:
+    learn.fit_one_cycle(args.epochs, 3e-3, cbs=cbs)
+except SystemExit as exc:  # keepalive's exit after a SIGTERM: when the training call ended
+    emit(f"EXIT {exc.code} {time.time():.3f}")
+    raise
 if ckpt is not None and ckpt.stopped:
     emit("STOPPED")
     sys.exit(3)
