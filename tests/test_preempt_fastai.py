@@ -5,7 +5,8 @@ is resumed to its end and compared bit for bit with the same training without ke
 optimizer state, every step's loss, the Recorder history and one draw of each global generator. Two
 negative controls: a weight changed in place before the validation (the save is refused, said, and
 made at the epoch end), and the saves between steps switched off (the save then lands after the
-validation: more than 5 s after the signal)."""
+validation: more than 5 s after the signal); and, in this process, a learning rate set before the
+validation (refused and said, saved at the epoch end)."""
 import json
 import os
 import queue
@@ -214,3 +215,37 @@ def test_control_without_saves_between_steps(tmp_path):
     assert got.eval_end is not None and got.signal_at is not None
     step, at = got.commits[-1]
     assert at - got.signal_at > BOUND, f"saved {at - got.signal_at:.2f} s after the signal"
+
+
+def test_control_hyperparameter_changed_before_validation(tmp_path, capsys):
+    """Negative control of the fingerprint's objects part, in this process: a callback sets another
+    learning rate after the training batches (no tensor changes): a SIGTERM during the validation is
+    refused with the warning that names it, and saved at the epoch end."""
+    sys.path.insert(0, os.path.join(HERE, "scripts"))
+    from fastai.callback.core import Callback
+    from fastai_setup import make_learner
+
+    from keepalive.callbacks.fastai import DriveCheckpoint
+
+    class ChangeLrThenSignal(Callback):
+        order = 200
+
+        def after_train(self):
+            self.learn.opt.set_hyper("lr", 1e-4)
+
+        def before_validate(self):
+            os.kill(os.getpid(), signal.SIGTERM)  # queued by keepalive's handler
+
+    learn = make_learner(n_train=64, n_valid=32, path=str(tmp_path))
+    if hasattr(learn, "progress"):
+        learn.remove_cb(learn.progress)
+    ckpt = DriveCheckpoint(str(tmp_path / "run"))
+    with pytest.raises(SystemExit) as exited:
+        learn.fit(2, 1e-3, cbs=[ckpt, ChangeLrThenSignal()])
+    assert exited.value.code == 143
+    err = capsys.readouterr()
+    text = err.out + err.err
+    assert ("SIGTERM received while the training loop paused between steps (an evaluation?), but its state is no "
+            "longer that of its last step (the loop changed state beside the tensors since its last step (e.g. a "
+            "scheduler stepped)): the save waits for the next step boundary") in text, text[-3000:]
+    assert re.search(r"SIGTERM: saved epoch 1, step 4 to \S+; exiting with code 143", text), text[-3000:]
