@@ -174,9 +174,10 @@ def test_sigterm_in_next_epoch_prologue(tmp_path, reference):
 
 
 def test_deadline_during_validation_saved_and_stopped(tmp_path, reference):
-    """The session's deadline falls 4.5 s into a 4 s... validation of 0.5 s batches (keepalive's batch
-    hook saves): saved during the validation, before the deadline minus its margin; the training
-    stops at the epoch end (said), and the resume ends bit-identical."""
+    """The session's deadline falls 4.5 s after a 4 s validation (8 batches of 0.5 s) starts: with its
+    2 s margin it comes due during the validation, and keepalive's batch hook saves there, before the
+    deadline minus the margin; the training stops at the epoch end (said), and the resume ends
+    bit-identical."""
     got = _run(tmp_path / "run", tmp_path / "w.st", "--slow-epoch", "0", "--eval-seconds", "4",
                "--deadline-in", "4.5")
     assert got.rc == 3 and "STOPPED" in got.text, got.text[-3000:]
