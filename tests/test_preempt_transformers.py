@@ -158,6 +158,10 @@ def runs(tmp_path_factory) -> Dict[str, Scenario]:
         "sigterm": Scenario(folder("sigterm")),
         # the deadline: 5 s after the evaluation starts (none before); margin 2 s: due about 1.75 s in
         "deadline": Scenario(folder("deadline"), "--deadline-in-eval", "5", sigterm=False),
+        # one evaluation batch of 8 s: no hook is called while it runs, the core's guard thread saves
+        "guard": Scenario(folder("guard"), "--slow-eval", str(EVAL_BATCHES * SLOW_BATCH), "--eval-samples", "1"),
+        "guard-ungated": Scenario(folder("ungated"), "--slow-eval", str(EVAL_BATCHES * SLOW_BATCH), "--eval-samples",
+                                  "1", "--no-gate", resume=False),
         "refused": Scenario(folder("refused"), "--counter"),
         "blind": Scenario(folder("blind"), "--counter", "--broken-fingerprint"),
         "no-pause-save": Scenario(folder("nopause"), "--no-pause-save", resume=False),
@@ -202,6 +206,26 @@ def test_sigterm_during_evaluation_is_saved_then_and_resumes_exactly(runs):
     (start,), (end,) = s.times("EVAL START"), s.times("EVAL END")
     assert end - start < EVAL_BATCHES * SLOW_BATCH, s.text
     assert not _differences(_reference(runs), s.result())
+
+
+def test_sigterm_during_one_long_evaluation_batch_is_saved_by_the_guard_thread(runs):
+    """No hook runs during the one 8 s evaluation batch: the core's guard thread saves (the Trainer's
+    optimizer steps are gated), and the signal sent again to the main thread ends the batch's wait."""
+    s = _interrupted(runs, "guard")
+    committed = s.times("COMMITTED 4 ")
+    assert committed and committed[0] - s.sent < BOUND, s.text
+    assert "during a pause of the training loop; exiting with code 143" in s.text
+    (start,), (end,) = s.times("EVAL START"), s.times("EVAL END")
+    assert end - start < EVAL_BATCHES * SLOW_BATCH, s.text
+    assert not _differences(_reference(runs), s.result())
+
+
+def test_control_c_without_the_step_gate_the_guard_does_not_save(runs):
+    """Control: the Trainer's optimizer not gated, the guard thread may not copy the state; the save waits
+    for the long batch's end (the next evaluation hook) and misses the 5 s bound."""
+    s = _interrupted(runs, "guard-ungated")
+    committed = s.times("COMMITTED 4 ")
+    assert committed and committed[0] - s.sent > BOUND, s.text
 
 
 def test_deadline_during_evaluation_is_saved_then_stops_and_resumes_exactly(runs):

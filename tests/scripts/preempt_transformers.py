@@ -12,6 +12,8 @@ counts epochs at each epoch end, i.e. after the last step's boundary and before 
 ``--no-pause-save``: keepalive's saves between steps switched off (the control: saved after the evaluation).
 ``--broken-fingerprint``: keepalive's fingerprint blind to the objects' state (the control: a save during the
 evaluation that is not the last boundary's state). ``--eval-steps N``: ``eval_strategy="steps"`` every N steps.
+``--eval-samples N``: the evaluation's batches (of one sample). ``--no-gate``: the Trainer's optimizer is not
+gated (the control: the core's guard thread may not save for the loop).
 """
 import argparse
 import json
@@ -46,6 +48,8 @@ p.add_argument("--counter", action="store_true")
 p.add_argument("--no-pause-save", action="store_true")
 p.add_argument("--broken-fingerprint", action="store_true")
 p.add_argument("--eval-steps", type=int, default=None)
+p.add_argument("--eval-samples", type=int, default=8)
+p.add_argument("--no-gate", action="store_true")
 args = p.parse_args()
 torch.set_num_threads(1)
 hf_logging.set_verbosity_error()
@@ -111,6 +115,10 @@ if args.mode == "keepalive":
 
         pauses.PAUSE_SECONDS = 1e9
         Checkpointer._pause_save = lambda self, capture, in_thread: None
+    if args.no_gate:
+        import keepalive.callbacks.transformers as adapter
+
+        adapter.gate_steps = lambda core, optimizer: None
     if args.broken_fingerprint:
         right = DriveCheckpoint._fingerprint
         DriveCheckpoint._fingerprint = lambda self: (None, right(self)[1])
@@ -120,7 +128,7 @@ if args.mode == "keepalive":
 counter = EpochCounter()
 if args.counter:
     callbacks.append(counter)
-trainer = Trainer(model=model, args=targs, train_dataset=Tokens(32, 7), eval_dataset=Tokens(8, 8),
+trainer = Trainer(model=model, args=targs, train_dataset=Tokens(32, 7), eval_dataset=Tokens(args.eval_samples, 8),
                   callbacks=callbacks)
 evaluate = trainer.evaluate
 
