@@ -544,7 +544,9 @@ class Checkpointer:
         self._last_call = time.monotonic()
         self.store.lease.progress = self.state.counters.as_dict()
         _session.note_activity()
-        if self._mark is not None and capture is not None:
+        if self._mark is not None and capture is not None and not _distributed.GROUP.active:
+            # (under a process group a save is a collective the ranks would not all join here: the
+            # next boundary, which every rank reaches, saves it)
             with self._lock:
                 self._pause_save(capture, in_thread=False)
 
