@@ -31,7 +31,7 @@ ENV = dict(os.environ, KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="3", TF_
            KEEPALIVE_PROGRESS="0", PYTHONUNBUFFERED="1",
            PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.path.join(HERE, "scripts"),
                                        os.environ.get("PYTHONPATH", "")]))
-TIMEOUT = 240.0
+TIMEOUT = 600.0  # per child: 7 TensorFlow children start at once, on a loaded machine too
 EVAL_SECONDS = 8.0
 BOUND = 5.0  # saved and durable within this many seconds of the signal
 
@@ -52,9 +52,9 @@ class Child:
         return next((t for t, line in self.lines if line.startswith(prefix) and t >= after), None)
 
 
-def _run(run_dir: str, out: str, env: Dict[str, str], term_after_eval_start: Optional[float] = None) -> Child:
-    """Run the child to its exit; with ``term_after_eval_start``, SIGTERM it that long after it says
-    the slow validation started."""
+def _run(run_dir: str, out: str, env: Dict[str, str], term: Optional[Tuple[str, float]] = None) -> Child:
+    """Run the child to its exit; with ``term`` = (prefix, seconds), SIGTERM it that long after it
+    prints a line that starts with prefix."""
     child = Child()
     proc = subprocess.Popen([sys.executable, SCRIPT, run_dir, out], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=dict(ENV, **env))
@@ -74,8 +74,8 @@ def _run(run_dir: str, out: str, env: Dict[str, str], term_after_eval_start: Opt
             if line is None:
                 break
             child.lines.append((time.monotonic(), line))
-            if line.startswith("EVAL START") and term_after_eval_start is not None:
-                time.sleep(term_after_eval_start)  # the signal comes inside the validation, as specified
+            if term is not None and line.startswith(term[0]) and child.signal_at is None:
+                time.sleep(term[1])  # the signal comes inside the slow part, as specified
                 child.signal_at = time.monotonic()
                 proc.send_signal(signal.SIGTERM)
     finally:
@@ -85,23 +85,24 @@ def _run(run_dir: str, out: str, env: Dict[str, str], term_after_eval_start: Opt
     return child
 
 
-def _chain(tmp: str, name: str, env: Dict[str, str], term: Optional[float]) -> Tuple[Child, Child]:
+def _chain(tmp: str, name: str, env: Dict[str, str], term: Optional[Tuple[str, float]]) -> Tuple[Child, Child]:
     """The interrupted run and the resumed run to completion (the same command, the same folder)."""
     run_dir, out = os.path.join(tmp, name), os.path.join(tmp, f"{name}.npz")
-    first = _run(run_dir, out, env, term_after_eval_start=term)
+    first = _run(run_dir, out, env, term=term)
     clean = {k: v for k, v in env.items() if k not in ("KE_DEADLINE", "KE_NO_PAUSE_SAVE")}
     second = _run(run_dir, out, clean) if first.rc in (0, 143) and "DONE" not in first.text else Child()
     return first, second
 
 
 SCENARIOS = {
-    # name: (environment, seconds after the validation starts for a SIGTERM, or None; resumed?)
+    # name: (environment, a SIGTERM that long after that line, or None; resumed?)
     "reference": ({"KE_PLAIN": "1", "KE_EVAL_SECONDS": "0"}, None, False),
     "reference_ema": ({"KE_PLAIN": "1", "KE_EVAL_SECONDS": "0", "KE_EMA_SWAP": "1"}, None, False),
-    "sigterm": ({}, 1.0, True),
+    "sigterm": ({}, ("EVAL START", 1.0), True),
+    "sigterm_last_batch": ({"KE_SLOW_LAST_BATCH": "4"}, ("LAST BATCH", 1.0), True),
     "deadline": ({"KE_DEADLINE": "5"}, None, True),
-    "ema_swap": ({"KE_EMA_SWAP": "1"}, 1.0, True),
-    "no_pause_save": ({"KE_NO_PAUSE_SAVE": "1"}, 1.0, False),
+    "ema_swap": ({"KE_EMA_SWAP": "1"}, ("EVAL START", 1.0), True),
+    "no_pause_save": ({"KE_NO_PAUSE_SAVE": "1"}, ("EVAL START", 1.0), False),
 }
 
 
@@ -169,6 +170,21 @@ def test_sigterm_during_validation_is_saved_then_and_resumes_exactly(runs):
     assert "(1 completed, batch 8)" in second.text and "EVAL START 1" in second.text
     assert "LOSS 1 " not in second.text
     _assert_exact(runs, "sigterm", "reference")
+
+
+def test_sigterm_during_an_epochs_last_batch_is_saved_there(runs):
+    """The epoch's last batch, before its validation, is a position a resume can start from (an epoch
+    with no batch left): a SIGTERM during it is saved at its end, not dropped for want of a position."""
+    first, second = runs["sigterm_last_batch"]
+    assert first.rc == 143, first.text[-3000:]
+    assert first.signal_at is not None
+    committed = first.first("COMMITTED", after=first.signal_at)
+    assert committed is not None and committed - first.signal_at < BOUND, first.text[-3000:]
+    assert "SIGTERM: saved in epoch 2 (1 completed, batch 8), step 16" in first.text
+    assert "cannot be saved inside an epoch" not in first.text
+    assert first.first("EVAL START 1") is None
+    assert "(1 completed, batch 8)" in second.text and "LOSS 1 " not in second.text
+    _assert_exact(runs, "sigterm_last_batch", "reference")
 
 
 def test_deadline_during_validation_is_saved_then_and_stops(runs):

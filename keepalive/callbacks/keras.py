@@ -25,6 +25,14 @@ pass it keeps across epochs at the saved batch, deterministic ``tf.data`` pipeli
 inputs that cannot (random ``tf.data``, generators) are told once, at the first save. With no kill,
 adding the callback changes nothing in the training. Details: ``keepalive.callbacks._keras_data``.
 
+Saves during the validation: with :class:`ResumableData`, a SIGTERM, a Ctrl-C, a cloud's preemption
+notice or the session's deadline that comes while ``fit`` validates is saved at the next validation batch,
+as of the epoch's last training batch (its running metrics and logs kept from then); a resume runs that
+epoch with no batch left, so its validation and its end run once. Only when the state is still that
+batch's (the optimizer's iterations, the callbacks, the weights' sums: ``SwapEMAWeights`` makes the save
+wait for the epoch end, said once). Keras' optimizers have no step gate: the save comes from these
+hooks, not from the core's guard thread. Other inputs: saved at the epoch end, after the validation.
+
 Models without input shapes (no ``keras.Input``, subclassed) and compiled metrics are built at the
 start of ``fit`` from a peeked batch, so a checkpoint (with a resumed epoch's running metrics) loads
 before the first step. ``CSVLogger``'s file is saved with the checkpoint and continues after a resume.
@@ -515,31 +523,23 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
         first = core.counters["batch"]
         samples = self.data.samples_between(first, n) if self.data is not None else \
             batch_samples(getattr(self._fit.get("iterator"), "data_adapter", None), first, n)
-        # The epoch's last batch: its end (validation, other callbacks) has not run yet, and a resume
-        # cannot replay an epoch end without batches. A save or a deadline stop due here is carried
-        # out at the epoch end (the core defers both).
+        # The epoch's last batch: its end (validation, other callbacks) has not run yet; a resume from
+        # here runs an epoch with no batch left (its validation and its end, once). A signal here is
+        # saved here; so is a save that comes due (rare: the epoch end follows). The state after it is
+        # also where a save during the validation starts from (keepalive.pauses): the running means
+        # and logs the validation will replace are kept, and the mark includes the weights' sums.
         last = self.data is not None and self._offset + done >= self.data.batches_per_epoch
-        decision = core.advance(self.capture, steps=n, batch=self._offset + done, samples=samples,
-                                can_save=core.trigger.mid_epoch and not last)
+        if last:
+            self._last_batch = {"metrics": [np.array(kstate.variable_array(v)) for v in self.model.metrics_variables],
+                                "logs": dict(logs or {})}
+        self._check_weights = last
+        try:
+            decision = core.advance(self.capture, steps=n, batch=self._offset + done, samples=samples,
+                                    can_save=core.trigger.mid_epoch)
+        finally:
+            self._check_weights = False
         if decision.stop:
             self.model.stop_training = True
-        elif last and core.trigger.mid_epoch:
-            self._mark_pause(logs)
-
-    def _mark_pause(self, logs: Logs) -> None:
-        """After the epoch's last batch, before its validation: a consistent state that a resume can
-        start from (an epoch with no batch left: its validation and its end run again), though not a
-        boundary where a scheduled save lands (the epoch end comes next). Remembered for a save during
-        the validation (:mod:`keepalive.pauses`), with the training's running means and last logs,
-        which the validation then replaces."""
-        self._last_batch = {"metrics": [np.array(kstate.variable_array(v)) for v in self.model.metrics_variables],
-                            "logs": dict(logs or {})}
-        with self.core._lock:  # the core's mark, as a boundary that can save makes it
-            self._check_weights = True
-            try:
-                self.core._remember(self.capture, consistent=True)
-            finally:
-                self._check_weights = False
 
     def _fingerprint(self) -> Tuple[Any, Any]:
         """The core's check that nothing moved since the last boundary (:mod:`keepalive.pauses`): what
@@ -650,8 +650,9 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
         if position is not None:
             data["pass"] = position
         tree["data"] = data
-        if self._evaluating and self._last_batch is not None:
-            # saved during the validation: the epoch's training batches are done, its end is not
+        if self._last_batch is not None:
+            # saved after the epoch's last batch (during its validation, or at that batch): its end has
+            # not run; the running means as the training batches left them (the validation resets them)
             tree["objects"]["metrics"] = self._last_batch["metrics"]
             tree["keras"]["last_logs"] = self._last_batch["logs"]
         return tree

@@ -17,6 +17,8 @@ KE_DEADLINE=s: the session's deadline comes s seconds after the slow validation 
 KE_EMA_SWAP=1: Adam(use_ema=True) and Keras' SwapEMAWeights, which puts the EMA weights into the model
     for each validation (the state is no longer that of the last step: the save waits for the epoch end).
 KE_NO_PAUSE_SAVE=1: negative control: saves between steps switched off.
+KE_SLOW_LAST_BATCH=s: the last training batch of epoch KE_SLOW_EPOCH takes s seconds more, in a callback
+    listed before DriveCheckpoint (prints ``LAST BATCH e``): a signal then comes during that batch.
 """
 import os
 import sys
@@ -36,6 +38,21 @@ def knob(name, default):
     return type(default)(os.environ.get(name, default))
 
 
+class Losses(keras.callbacks.Callback):
+    """Listed first: each batch's loss is printed before keepalive's hook (which may exit after it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.epoch = 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        emit(f"LOSS {self.epoch} {batch} {float(logs['loss']).hex()}")
+        emit(f"STEP {int(self.model.optimizer.iterations.numpy())}")
+
+
 class Report(keras.callbacks.Callback):
     """The lines the test reads, and the slow validation of one epoch."""
 
@@ -46,10 +63,6 @@ class Report(keras.callbacks.Callback):
 
     def on_epoch_begin(self, epoch, logs=None):
         self.epoch = epoch
-
-    def on_train_batch_end(self, batch, logs=None):
-        emit(f"LOSS {self.epoch} {batch} {float(logs['loss']).hex()}")
-        emit(f"STEP {int(self.model.optimizer.iterations.numpy())}")
 
     def on_test_begin(self, logs=None):
         self.slow = self.epoch == self.slow_epoch and self.eval_seconds > 0
@@ -71,6 +84,22 @@ class Report(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         lr = float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate))
         emit(f"EPOCH {epoch} {float(logs['loss']).hex()} {float(logs['val_loss']).hex()} {lr.hex()}")
+
+
+class SlowLastBatch(keras.callbacks.Callback):
+    """Listed before DriveCheckpoint: the slow epoch's last training batch ends ``seconds`` later."""
+
+    def __init__(self, epoch: int, seconds: float):
+        super().__init__()
+        self.slow_epoch, self.seconds, self.epoch = epoch, seconds, 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.epoch == self.slow_epoch and batch == self.params["steps"] - 1:
+            emit(f"LAST BATCH {self.epoch}")
+            time.sleep(self.seconds)
 
 
 def main(run_dir: str, out_file: str) -> None:
@@ -97,6 +126,7 @@ def main(run_dir: str, out_file: str) -> None:
     model.compile(optimizer=keras.optimizers.Adam(0.01, use_ema=ema, ema_overwrite_frequency=None), loss="mse")
     deadline = [None]
     callbacks = []
+    ckpt = None
     if not os.environ.get("KE_PLAIN"):
         options = {}
         if os.environ.get("KE_DEADLINE"):
@@ -105,6 +135,9 @@ def main(run_dir: str, out_file: str) -> None:
         ckpt = DriveCheckpoint(run_dir, every="epoch", **options)
         ckpt.core.on_commit.append(lambda r: emit(f"COMMITTED {r.info.step}"))
         callbacks.append(ckpt)
+    if knob("KE_SLOW_LAST_BATCH", 0.0):
+        callbacks.insert(0, SlowLastBatch(knob("KE_SLOW_EPOCH", 1), knob("KE_SLOW_LAST_BATCH", 0.0)))
+    callbacks.insert(0, Losses())
     callbacks += [Report(knob("KE_SLOW_EPOCH", 1), knob("KE_EVAL_SECONDS", 8.0), deadline),
                   keras.callbacks.ReduceLROnPlateau(monitor="val_loss", factor=0.5, patience=0, min_delta=1e9)]
     if ema:  # after keepalive's callback: it swaps when the validation has begun
@@ -116,8 +149,8 @@ def main(run_dir: str, out_file: str) -> None:
     # shuffle=False: ResumableData shuffles per epoch itself (Keras' batch shuffle would reorder the plain run's)
     model.fit(data, validation_data=(xv, yv), validation_batch_size=4, epochs=EPOCHS, callbacks=callbacks,
               verbose=0, shuffle=False)
-    if callbacks[0].__class__.__name__ == "DriveCheckpoint" and callbacks[0].stopped:
-        emit(f"STOPPED {callbacks[0].core.counters['step']}")
+    if ckpt is not None and ckpt.stopped:
+        emit(f"STOPPED {ckpt.core.counters['step']}")
         return
     arrays = {f"model.{i}": np.asarray(v.numpy()) for i, v in enumerate(model.variables)}
     arrays.update({f"optimizer.{i}": np.asarray(v.numpy()) for i, v in enumerate(model.optimizer.variables)})
