@@ -106,7 +106,9 @@ class Checkpointer:
         self.framework = framework
         self.takeover = cfg.takeover
         self.quiet = cfg.quiet
-        #: the boundary state machine's state (:mod:`keepalive.boundary`); changed only by _feed
+        #: the boundary state machine's state (:mod:`keepalive.boundary`); changed only by _feed. The
+        #: training thread's boundaries and the pause guard's save take turns through the lock
+        self._lock = threading.RLock()
         self.state = bd.BoundaryState()
         self.counters: MutableMapping[str, int] = bd.CounterView(lambda: self.state.counters, self._feed)
         self.extras: Dict[str, Any] = {}
@@ -124,9 +126,7 @@ class Checkpointer:
         self.signals = DeferredSignals(lambda: self.state.pending.signal, self._forget_signal,
                                        announce=lambda: not _distributed.GROUP.active,
                                        noted=self._wake_guard)
-        # Saves between steps (keepalive/pauses.py): the training thread's boundaries and the guard's
-        # save take turns; the mark is the state at the last consistent boundary
-        self._lock = threading.RLock()
+        # Saves between steps (keepalive/pauses.py): the mark is the state at the last consistent boundary
         self._mark: Optional[_pauses.Mark] = None
         self._last_capture: Optional[Capture] = None
         self._last_call = time.monotonic()
@@ -166,7 +166,8 @@ class Checkpointer:
 
     # ------------------------------------------------------------------------- state machine
     def _feed(self, event: bd.Event) -> Decision:
-        self.state, decision = bd.transition(self.state, event)
+        with self._lock:  # the pause guard's thread feeds events too
+            self.state, decision = bd.transition(self.state, event)
         return decision
 
     @property
