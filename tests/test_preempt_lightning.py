@@ -7,10 +7,12 @@ one validation sleeps 2.5 s per batch (4 batches: ~10 s). The SIGTERM comes ~1 s
 (its epoch-end validation, after the epoch's last batch): committed within 5 s, exit 143 long before
 the validation would have ended; the resume runs the validation again, then the epoch's end. The
 deadline falls 5 s into the validation inside the epoch: saved during it, the fit stops cleanly.
-Negative controls: (a) the module's ``on_validation_start`` changes a weight in place (the state is
-no longer the last step's): the refusal is said, the save waits for the epoch's end (after the
-validation), the resume is still exact; (b) saves between steps switched off: the commit comes only
-after the validation, more than 5 s after the signal (so the 5 s assertion can fail).
+Negative controls: (0) the save during the validation holds Lightning's live loop progress instead
+of that of a validation to run again: the resume differs (the comparison sees a wrong resume);
+(a) the module's ``on_validation_start`` changes a weight in place (the state is no longer the last
+step's): the refusal is said, the save waits for the epoch's end (after the validation), the resume
+is still exact; (b) saves between steps switched off: the commit comes only after the validation,
+more than 5 s after the signal (so the 5 s assertion can fail).
 The scenarios run side by side (independent children; every wait is for a printed line)."""
 import concurrent.futures
 import importlib.util
@@ -40,9 +42,9 @@ if importlib.util.find_spec("lightning") is None:  # the children import it (not
     pytest.skip("lightning is not installed", allow_module_level=True)
 from safetensors.torch import load_file  # noqa: E402
 
-REFUSAL = ("keepalive: SIGTERM received while the training loop paused between steps (an evaluation?), but its "
-           "state is no longer that of its last step (a tensor of the state was changed in place since the last "
-           "step (a forward pass in training mode, an EMA update)): the save waits for the next step boundary")
+REFUSAL = ("keepalive: warning: SIGTERM received while the training loop paused between steps (an evaluation?), "
+           "but its state is no longer that of its last step (a tensor of the state was changed in place since the "
+           "last step (a forward pass in training mode, an EMA update)): the save waits for the next step boundary")
 
 
 class Child:
@@ -133,13 +135,14 @@ def _deadline(tmp):
 @pytest.fixture(scope="module")
 def scenarios(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("preempt_lightning")
-    with concurrent.futures.ThreadPoolExecutor(max_workers=5) as pool:
+    with concurrent.futures.ThreadPoolExecutor(max_workers=6) as pool:
         jobs = {
             "reference": pool.submit(lambda: (Child(tmp / "ref", tmp / "ref_out"), tmp / "ref_out")),
             "sigterm": pool.submit(_sigterm, tmp, "sigterm"),
             "deadline": pool.submit(_deadline, tmp),
             "touched": pool.submit(_sigterm, tmp, "touched", "--touch-before-val"),
             "no_pause": pool.submit(_sigterm, tmp, "no_pause", "--no-pause-save", resume=False),
+            "live_progress": pool.submit(_sigterm, tmp, "live_progress", "--control-live-progress"),
         }
         found = {name: job.result() for name, job in jobs.items()}
     ref_child, _ = found["reference"]
@@ -199,3 +202,10 @@ def test_control_without_saves_between_steps_the_bound_fails(scenarios):
     latency = commits[0][0] - killed.term_sent
     assert latency > BOUND, f"saved {latency:.1f} s after the SIGTERM even without saves between steps"
     assert "during a pause" not in killed.text
+
+
+def test_control_live_loop_progress_resumes_wrong(scenarios):
+    killed, resumed, out = scenarios["live_progress"]
+    _, ref_out = scenarios["reference"]
+    assert killed.rc == 143 and "during a pause of the training loop" in killed.text, killed.text[-3000:]
+    assert differences(ref_out, out) != []

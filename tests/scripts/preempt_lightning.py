@@ -14,7 +14,9 @@ the global RNG go to ``--out`` (safetensors + JSON).
 
 Negative controls: ``--touch-before-val``: the module's ``on_validation_start`` changes a weight in
 place (by nothing: ``mul_(1.0)``), so the state is no longer that of the last step; ``--no-pause-save``:
-keepalive's saves between steps are switched off (the save waits for the next boundary).
+keepalive's saves between steps are switched off (the save waits for the next boundary);
+``--control-live-progress``: a save during a validation holds the loops' progress as they are (Lightning
+then skips the interrupted validation on resume: the run differs).
 """
 import argparse
 import json
@@ -34,6 +36,8 @@ p.add_argument("--sleep-in", default="hook", choices=["hook", "step"])
 p.add_argument("--deadline-in-val", type=float, default=0.0)
 p.add_argument("--touch-before-val", action="store_true")
 p.add_argument("--no-pause-save", action="store_true")
+p.add_argument("--control-live-progress", action="store_true",
+               help="negative control: a save during a validation holds Lightning's live loop progress")
 args = p.parse_args()
 
 import torch  # noqa: E402
@@ -119,6 +123,10 @@ if args.keepalive:
     from keepalive.callbacks.lightning import DriveCheckpoint
     from keepalive.core import Checkpointer
 
+    if args.control_live_progress:
+        import keepalive.callbacks._lightning_state as lstate
+
+        lstate.validation_again = lambda ckpt, at_start: ckpt
     if args.no_pause_save:
         keepalive.pauses.PAUSE_SECONDS = 1e9
         Checkpointer._pause_save = lambda self, capture, in_thread: None
