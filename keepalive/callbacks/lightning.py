@@ -36,7 +36,7 @@ in the dataset), said once: a resume starts new workers, whose streams differ fr
 When: ``every=`` (epochs, optimizer steps = ``trainer.global_step``, a duration), before the session's
 deadline (then ``trainer.should_stop`` ends the fit cleanly: ``cb.stopped``), at the end of training, on
 Ctrl-C / SIGTERM (at the end of the running batch). Saves inside an epoch land between two batches,
-after that batch's validation and logging, never while gradients are accumulated (``accumulate_grad_
+after that batch's logging, never while gradients are accumulated (``accumulate_grad_
 batches``; with manual optimization a batch without an optimizer step counts as accumulating). A batch
 followed by a validation (inside the epoch or at its end) has its boundary at the validation's start:
 a save there, or one made during the validation (a signal, a preemption notice, the deadline: saved
@@ -400,7 +400,7 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
     # -------------------------------------------------------------------------------- boundaries
     def _step_boundary(self, trainer: Any, before_validation: bool = False) -> None:
         """After a training batch and its logging; before its validation, if it has one (called then
-        by :meth:`on_validation_start`; the call after the validation makes no second boundary)."""
+        by :meth:`_before_validation`; the call after the validation makes no second boundary)."""
         core = self.core
         if not before_validation and self._counted_before_validation:
             self._counted_before_validation = False
