@@ -22,6 +22,14 @@ micro-batches), or ``"epoch"`` / a duration; the session's deadline saves and st
 and checkpointing of that step and before the next step's micro-batches are fetched (the Trainer fetches
 them before ``on_step_begin``), so the checkpoint holds their results and no random draw of the next step.
 
+A signal, a preemption notice or the deadline that comes during the evaluation at an epoch's end
+(``eval_strategy="epoch"``) is saved then (:mod:`keepalive.pauses`): at the next evaluation batch
+(``on_prediction_step``), or from the core's guard thread when one batch runs long (the Trainer's optimizer
+steps are gated). The state saved is that of the epoch's last step with the epoch end not yet counted: a
+resume runs the evaluation again, once. What changed since that step (the Trainer's epoch-end log, a callback's
+state) makes it wait for the next boundary, said once; so does the evaluation the Trainer runs for a step
+(``eval_strategy="steps"``), which comes before that step's boundary.
+
 Data position (:mod:`keepalive.callbacks._hf_data`):
 
 * map-style datasets with the Trainer's default sampling (random or sequential), one process: the
