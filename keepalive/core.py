@@ -143,6 +143,9 @@ class Checkpointer:
         #: what came due during a pause and could not be saved there: owed to the next boundary
         self._owed = bd.Due()
         self._refusal_told = False
+        #: what to change so that a save during a pause is possible (the adapter knows its framework)
+        self.pause_hint = ("To have it saved at once during an evaluation, step an epoch's scheduler (or update an "
+                           "EMA) after the evaluation, not between the training batches and it")
         #: why the adapter's loop cannot be saved inside an epoch (said when an interrupt comes)
         self.mid_epoch_obstacle: Optional[str] = None
         self._in_loop = False
@@ -650,9 +653,7 @@ class Checkpointer:
         self._refusal_told = True
         self.warn(f"{reason.split(' -> ')[0]} while the training loop paused between steps (an evaluation?), but "
                   f"its state is no longer that of its last step ({problem}): the save waits for the next step "
-                  "boundary. To have it saved at once during an evaluation, step an epoch's scheduler (or "
-                  "update an EMA) after the evaluation, not between the training batches and it",
-                  key="pause-refused")
+                  f"boundary. {self.pause_hint}", key="pause-refused")
 
     def _after_pause_save(self, signum: Optional[int], due: bd.Due, in_thread: bool) -> None:
         where = position(self.state.counters.as_dict())
