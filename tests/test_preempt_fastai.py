@@ -201,7 +201,9 @@ def test_control_state_changed_before_validation(tmp_path, reference):
     assert ("SIGTERM received while the training loop paused between steps (an evaluation?), but its state is "
             "no longer that of its last step (a tensor of the state was changed in place since the last step"
             in got.text), got.text[-3000:]
-    assert "the save waits for the next step boundary" in got.text
+    assert "the save waits for the next step boundary. To have it saved at once during the validation, change " \
+        "the state (a learning rate, a weight, an EMA, the freeze state) in a callback's after_epoch or " \
+        "before_train, not in after_train or before_validate" in got.text, got.text[-3000:]
     assert got.eval_end is not None and got.commits and got.commits[-1][1] > got.eval_end
     assert re.search(r"SIGTERM: saved epoch 1, step 4 to \S+; exiting with code 143", got.text), got.text[-3000:]
     _resume(tmp_path, reference, got, N_ITER)

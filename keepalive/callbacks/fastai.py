@@ -67,6 +67,10 @@ from . import _fastai_state as state
 __all__ = ["DriveCheckpoint"]
 
 FORMAT = 2  # 2: the run's fits are recorded ("fits"); 1 numbered them by process
+#: said when a save during the validation is refused because a callback changed the state before it
+PAUSE_HINT = ("To have it saved at once during the validation, change the state (a learning rate, a weight, an "
+              "EMA, the freeze state) in a callback's after_epoch or before_train, not in after_train or "
+              "before_validate")
 
 
 @dataclass
@@ -164,6 +168,7 @@ class DriveCheckpoint(RunViews, Callback):  # RunViews: no epoch / step (a callb
         if self._core is None:
             self._core = Checkpointer(config=self._config, framework="fastai")
             self._core.fingerprint = self._fingerprint
+            self._core.pause_hint = PAUSE_HINT
         return self._core
 
     def __repr__(self) -> str:
