@@ -266,6 +266,10 @@ class Checkpointer:
         self.resumed_from = info
         self.saved_plan = dict(tree.get("plan") or {}) or None
         self._feed(bd.Restored(bd.Counters.of(tree.get("counters") or {})))
+        # until the first boundary, the checkpoint is the state: a signal during a pause before it (the
+        # validation of an epoch resumed at its end) needs no new save
+        self._mark = _pauses.Mark(counters=self.state.counters, rng=None, optimizer_steps=self.optimizer_steps,
+                                  versions=-1, fingerprint=None, at=time.monotonic())
         header = tree.get("keepalive")
         saved_length = header.get("epoch_batches") if header else None
         if self.epoch_batches is None and isinstance(saved_length, int) and saved_length > 0:
@@ -548,7 +552,8 @@ class Checkpointer:
         self._last_call = time.monotonic()
         self.store.lease.progress = self.state.counters.as_dict()
         _session.note_activity()
-        if self._mark is not None and capture is not None and not _distributed.GROUP.active:
+        if self._mark is not None and not _distributed.GROUP.active and (
+                capture is not None or not self.state.unsaved):
             # (under a process group a save is a collective the ranks would not all join here: the
             # next boundary, which every rank reaches, saves it)
             with self._lock:
@@ -580,8 +585,8 @@ class Checkpointer:
     def _guard_act(self) -> None:
         """The guard's thread, while the loop has not called keepalive for a while."""
         capture = self._last_capture
-        if (self._mark is None or capture is None or not self.step_gate.used or _distributed.GROUP.active
-                or not self._lock.acquire(blocking=False)):
+        if (self._mark is None or (capture is None and self.state.unsaved) or not self.step_gate.used
+                or _distributed.GROUP.active or not self._lock.acquire(blocking=False)):
             return
         try:
             with self.step_gate.closed() as between_steps:
@@ -590,7 +595,7 @@ class Checkpointer:
         finally:
             self._lock.release()
 
-    def _pause_save(self, capture: Capture, in_thread: bool) -> None:
+    def _pause_save(self, capture: Optional[Capture], in_thread: bool) -> None:
         """Save now what cannot wait for the next boundary, if the state is still the mark's."""
         signum = self.signals.peek()
         due = bd.Due()
@@ -604,6 +609,8 @@ class Checkpointer:
         mark = self._mark
         assert mark is not None
         if problem is None and self.state.unsaved:
+            if capture is None:
+                return
             tree = self.build_tree(capture, rng_state=mark.rng)
             problem = self._tree_problem(tree, mark)
         if problem is not None:
@@ -611,7 +618,7 @@ class Checkpointer:
             if not stepping:  # a step under way is no pause: its boundary comes soon, nothing to say
                 self._tell_refusal(reason, problem)
             return
-        if tree is not None:
+        if tree is not None and capture is not None:
             check = (lambda: self._tree_problem(tree, mark)) if in_thread else None
             try:
                 self.save(capture, sync=True, reason=f"{reason} (during a pause of the training loop)",
@@ -629,7 +636,7 @@ class Checkpointer:
             return "no step ended yet", True
         if self.optimizer_steps != mark.optimizer_steps or self.state.counters != mark.counters:
             return "an optimizer step ran since the last step boundary", True
-        if self.fingerprint is not None:
+        if self.fingerprint is not None and mark.fingerprint is not None:
             objects, where = self.fingerprint()
             if where != mark.fingerprint[1]:
                 return "the next batch is under way", True
