@@ -109,6 +109,20 @@ def _clock_starts(info: "session.SessionInfo") -> Dict[str, Optional[str]]:
         return {}
 
 
+def _training_here() -> List[Dict[str, Any]]:
+    """The checkpointers training in this process (the notebook's kernel, for %keepalive status):
+    their run and when they save (``every="auto"``: the interval chosen and its figures)."""
+    from . import core  # the same layer; only checkpointers alive in this process are asked
+
+    out: List[Dict[str, Any]] = []
+    for ckpt in core.active_checkpointers():
+        try:
+            out.append({"url": ckpt.url, "every": ckpt.trigger.schedule.text, "auto": ckpt.trigger.auto_state()})
+        except Exception as exc:  # noqa: BLE001 - a status report never fails for it
+            out.append({"url": getattr(ckpt, "url", "?"), "error": str(exc)})
+    return out
+
+
 # --------------------------------------------------------------------------------------- report
 def status_report(checkpoint_dir: Optional[str] = None) -> Dict[str, Any]:
     """Everything ``keepalive status --json`` prints (JSON-safe)."""
@@ -170,6 +184,7 @@ def status_report(checkpoint_dir: Optional[str] = None) -> Dict[str, Any]:
         "session_start_unix": info.start_time,
         "hardware": hw,
         "cloud": cloud,
+        "training_here": _training_here(),
         "checkpoint_dir": checkpoint_dir,
         "runs": run_entries,
         "other_runs": _indexed_runs(checkpoint_dir, warnings),
@@ -307,6 +322,12 @@ def format_status(report: Mapping[str, Any]) -> str:
     lines += _time_lines(r)
     lines += _hardware_lines(r.get("hardware") or {})
     lines.append(f"  cloud     {_cloud.describe(r.get('cloud') or {})}")
+    for run in r.get("training_here") or []:
+        auto = run.get("auto")
+        when = (f"auto: every {format_duration(auto['interval_seconds'])}" if auto and auto.get("interval_seconds")
+                else f"every {run.get('every')}")
+        lines.append(f"  saving    {run.get('url')}: {when}"
+                     + (f" ({auto.get('limited_by')})" if auto and auto.get("limited_by") else ""))
     lines += _run_lines(r)
     for w in r.get("warnings") or []:
         lines.append(f"  WARNING   {w}")

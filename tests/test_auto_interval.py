@@ -253,3 +253,20 @@ def test_a_process_that_does_not_write_is_measured_by_its_stall_and_saves_at_one
             saves.append(epoch)
     assert saves == [0]
     assert t.auto_state()["interval_seconds"] == pytest.approx(young_daly(3 * HOURS, 0.5))
+
+
+def test_status_shows_the_interval_auto_chose(tmp_path):
+    """`%keepalive status` in the training's kernel: the run, "auto", the interval and why."""
+    torch = pytest.importorskip("torch")
+    from keepalive import status
+    from keepalive.callbacks.torch import DriveCheckpoint
+
+    model = torch.nn.Linear(2, 1)
+    ckpt = DriveCheckpoint(tmp_path / "run", model=model, optimizer=torch.optim.SGD(model.parameters(), 0.1),
+                           every="auto", quiet=True)
+    report = status.status_report(str(tmp_path))
+    mine = [r for r in report["training_here"] if r["url"] == ckpt.url]
+    assert mine and mine[0]["every"] == "auto" and mine[0]["auto"]["interval_seconds"] == 300.0
+    assert mine[0]["auto"]["limited_by"] == "first save"
+    assert f"saving    {ckpt.url}: auto: every 5 min 00 s (first save)" in status.format_status(report)
+    ckpt.close()
