@@ -85,6 +85,10 @@ from .torchstate import check_module, gate_steps, state_summary
 __all__ = ["DriveCheckpoint"]
 
 FORMAT = 1
+#: the end of the one line that says a save during a validation had to wait (the state had changed)
+PAUSE_HINT = ("To have it saved at once during a validation, change the training state (an EMA, a scheduler, "
+              "a callback's counters) in on_train_batch_end or on_validation_end, not in on_validation_start / "
+              "on_validation_epoch_start or during the validation")
 #: the key of the data part (which the core keeps per rank: :data:`keepalive.distributed.PER_RANK`) under
 #: which a rank's own accumulators travel
 OWN = "rank_state"
@@ -104,6 +108,7 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
         super().__init__()
         cfg = CheckpointConfig.strict(path, config, options, "DriveCheckpoint")
         self.core = Checkpointer(config=cfg, framework="lightning")
+        self.core.pause_hint = PAUSE_HINT
         self._trainer_ref: Optional["weakref.ReferenceType[Any]"] = None
         self._restore: List[Tuple[Any, str, Any]] = []  # (object, attribute, what was there)
         self.data = data.TrainData(lambda msg, key: self.core.warn(msg, key=key))  # this fit's training loaders
