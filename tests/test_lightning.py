@@ -37,6 +37,7 @@ from safetensors.torch import load_file  # noqa: E402
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset  # noqa: E402
 
 from crashkit import assert_differs, run_to_completion  # noqa: E402
+from fakeclock import deadline_after  # noqa: E402
 from keepalive.callbacks.lightning import DriveCheckpoint  # noqa: E402
 from keepalive.errors import StateMismatchError  # noqa: E402
 
@@ -272,9 +273,7 @@ def _weights(model):
 
 def test_deadline_stop_then_resume_in_process(tmp_path):
     ref, _, ref_trainer = fit(tmp_path / "ref")
-    calls = iter(range(10_000))
-    _, cb, trainer = fit(tmp_path / "run", every=4,
-                         remaining_fn=lambda: 10_000.0 if next(calls) < 14 else 1.0)
+    _, cb, trainer = fit(tmp_path / "run", every=4, remaining_fn=deadline_after(14))
     assert cb.stopped and 12 < trainer.global_step < 18
     assert trainer.limit_val_batches == 1.0 and trainer.fit_loop.min_epochs == 0  # settings put back
     model, cb2, trainer2 = fit(tmp_path / "run", every=4)

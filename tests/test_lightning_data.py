@@ -34,6 +34,7 @@ pl = pytest.importorskip("lightning.pytorch")
 from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler, TensorDataset, WeightedRandomSampler  # noqa: E402
 
 from crashkit import assert_differs, assert_same  # noqa: E402
+from fakeclock import deadline_after  # noqa: E402
 from keepalive.callbacks.lightning import DriveCheckpoint  # noqa: E402
 
 N, BS = 48, 8  # 6 batches per epoch
@@ -200,9 +201,8 @@ def test_keepalive_trains_on_the_same_data_as_lightning_alone(tmp_path, workers)
 def _stop_then_resume(tmp_path, shape, workers=0, stop_after=8, extra_draw=False):
     """Stopped by the deadline after ``stop_after`` steps (8: inside epoch 1 of 6-batch epochs), then
     the same fit again in this process: it resumes from the mid-epoch checkpoint."""
-    calls = iter(range(10_000))
     _, t1, cb1 = fit(tmp_path / "run", shape, workers, extra_draw=extra_draw, every=2,
-                     remaining_fn=lambda: 10_000.0 if next(calls) < stop_after else 1.0)
+                     remaining_fn=deadline_after(stop_after))
     assert cb1.stopped and t1.global_step % 6, t1.global_step  # inside an epoch
     resumed, t2, cb2 = fit(tmp_path / "run", shape, workers, extra_draw=extra_draw, every=2)
     assert cb2.core.resumed_from is not None and cb2.finished
@@ -232,9 +232,7 @@ def test_persistent_workers_resume_exactly_or_are_told(tmp_path, capsys, every):
     base seed drawn); a resume creates one: exact (mid-epoch and at an epoch end) when the workers draw
     nothing; when they do (augmentation), the first save says that their streams do not continue."""
     ref, _, _ = fit(None, "plain", 2, persistent=True)
-    calls = iter(range(10_000))
-    _, t1, cb1 = fit(tmp_path / "run", "plain", 2, persistent=True, every=every,
-                     remaining_fn=lambda: 10_000.0 if next(calls) < 8 else 1.0)
+    _, t1, cb1 = fit(tmp_path / "run", "plain", 2, persistent=True, every=every, remaining_fn=deadline_after(8))
     if every == "epoch":  # resume from the end of epoch 0 (the deadline's mid-epoch checkpoint dropped)
         for info in cb1.core.store.list():
             if info.step % 6:

@@ -6,7 +6,7 @@ LR schedule) runs under ``torchrun --nproc_per_node=2``; Lightning detects torch
 creates the process group itself:
 
 * with keepalive and no kill, both ranks end bit-identical to the same fit without keepalive;
-* rank 1 SIGKILLed inside epoch 1 (the save of step 16 committed), the whole job killed, a new job
+* rank 1 SIGKILLed inside epoch 1 (the save of step 15 committed), the whole job killed, a new job
   started: both ranks end bit-identical to the fit without keepalive (a mid-epoch resume);
 * negative controls on a copy of the same killed run: a resume without the saved data position, and
   one where every rank takes rank 0's random state and data position, end different;
@@ -63,7 +63,7 @@ from torchrunkit import TorchrunJob, alive, finish, killed  # noqa: E402
 SCRIPT = os.path.join(HERE, "scripts", "lightning_ddp.py")
 #: the children import lightning (torchvision: the shim) and the scripts' helpers
 PYTHONPATH = os.pathsep.join([SHIMS, os.path.join(HERE, "scripts"), os.path.dirname(HERE)])
-KILL = "1:17:16"  # rank 1, before step 17 (epoch 1: steps 13-24), once the save of step 16 is committed
+KILL = "1:17:15"  # rank 1, before step 17 (epoch 1: steps 13-24), once the save of step 15 is committed
 RESUME_RE = re.compile(r"resuming run .*? step (\d+)")  # the first: the line also says how far the last session got
 TOTAL = 36  # 3 epochs of 12 steps
 
@@ -139,7 +139,7 @@ def test_ddp_transparent_and_exact_after_a_rank_kill_mid_epoch(tmp_path, without
             j.stop()
     for text in (second, *broken_texts):
         # said by rank 0 only, inside epoch 1 (the position in each rank's shard)
-        assert [int(s) for s in RESUME_RE.findall(text)] == [16], text[-4000:]
+        assert [int(s) for s in RESUME_RE.findall(text)] == [15], text[-4000:]
         assert "inside epoch 1 after batch 4" in text, text[-4000:]
     for text in (ref_text, first, second):
         assert "epoch ends only" not in text and "not bit-exact" not in text, text[-4000:]
@@ -246,7 +246,7 @@ def test_ddp_notebook_forked_processes_resume_exactly_after_a_rank_kill(tmp_path
         again.stop()
         control.stop()
     for text in texts:
-        assert [int(s) for s in RESUME_RE.findall(text)] == [16], text[-4000:]
+        assert [int(s) for s in RESUME_RE.findall(text)] == [15], text[-4000:]
     reference = {k: v for k, v in without_keepalive[0].items() if k.startswith("model.")}
 
     def model(j: Job) -> Dict[str, "torch.Tensor"]:

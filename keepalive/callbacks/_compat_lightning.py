@@ -72,6 +72,15 @@ def _internals() -> List[Internal]:
                  "the training loaders are built, right before the loop calls iter() on them: keepalive's replay "
                  "is installed there", f"{L}: DriveCheckpoint._attach", has(fit_loop, LOAD_LOADER_STATES),
                  token="LOAD_LOADER_STATES"),
+        Internal("_EvaluationLoop.run / batch_progress", "the fit's validation loop's run is wrapped for one fit: "
+                 "a training batch's boundary is made before it draws its loader's seed; a save during it writes "
+                 "its batch progress as an interrupted validation, which a resume runs again "
+                 "(restarted_mid_evaluation)", f"{L}: DriveCheckpoint._attach, {S}: validation_again",
+                 has(_cls("loops.evaluation_loop", "_EvaluationLoop"), "run", "restarted_mid_evaluation"),
+                 token="val_loop"),
+        Internal("_TrainingEpochLoop._batches_that_stepped", "part of the fingerprint a save during a "
+                 "validation compares with the last boundary's", f"{L}: DriveCheckpoint._fingerprint",
+                 uses(epoch_loop, "_batches_that_stepped"), token="_batches_that_stepped"),
         Internal("CombinedLoader.__iter__ / _flattened", "for one fit the fit loop's combined loader is a subclass "
                  "whose iter() hands Lightning's mode iterator keepalive's iterables in place of the loaders "
                  "(_flattened, read by __iter__)", f"{D}: install",

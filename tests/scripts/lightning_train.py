@@ -177,10 +177,11 @@ else:
 
     options = {}
     if args.deadline_after:
-        import itertools
-        counter = itertools.count()
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
+        from fakeclock import deadline_after
+
         # the session's remaining time, as the trigger asks it after each step: plenty, then nearly none
-        options["remaining_fn"] = lambda: 10_000.0 if next(counter) < args.deadline_after else 1.0
+        options["remaining_fn"] = deadline_after(args.deadline_after)
     ckpt = DriveCheckpoint(os.path.join(args.run, "ka"), every=every_n or args.every, **options)
     ckpt.core.on_commit.append(lambda r: emit(f"COMMITTED {r.info.step}"))
     callbacks.append(ckpt)
