@@ -524,22 +524,27 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
         samples = self.data.samples_between(first, n) if self.data is not None else \
             batch_samples(getattr(self._fit.get("iterator"), "data_adapter", None), first, n)
         # The epoch's last batch: its end (validation, other callbacks) has not run yet; a resume from
-        # here runs an epoch with no batch left (its validation and its end, once). A signal here is
-        # saved here; so is a save that comes due (rare: the epoch end follows). The state after it is
-        # also where a save during the validation starts from (keepalive.pauses): the running means
-        # and logs the validation will replace are kept, and the mark includes the weights' sums.
+        # here runs an epoch with no batch left (its validation and its end, once). A signal that came
+        # during it is saved here; a scheduled save or a deadline stop due here waits for the epoch end
+        # (after the other callbacks' epoch-end updates). The state after it is also where a save
+        # during the validation starts from (keepalive.pauses): the running means and logs the
+        # validation will replace are kept, and the mark includes the weights' sums.
         last = self.data is not None and self._offset + done >= self.data.batches_per_epoch
         if last:
             self._last_batch = {"metrics": [np.array(kstate.variable_array(v)) for v in self.model.metrics_variables],
                                 "logs": dict(logs or {})}
-        self._check_weights = last
-        try:
-            decision = core.advance(self.capture, steps=n, batch=self._offset + done, samples=samples,
-                                    can_save=core.trigger.mid_epoch)
-        finally:
-            self._check_weights = False
+        signalled = core.pending_signal is not None
+        decision = core.advance(self.capture, steps=n, batch=self._offset + done, samples=samples,
+                                can_save=core.trigger.mid_epoch and (not last or signalled))
         if decision.stop:
             self.model.stop_training = True
+        elif last and core.trigger.mid_epoch:
+            self._check_weights = True
+            try:
+                with core._lock:  # the core's mark, as a boundary that can save makes it
+                    core._remember(self.capture, consistent=True)
+            finally:
+                self._check_weights = False
 
     def _fingerprint(self) -> Tuple[Any, Any]:
         """The core's check that nothing moved since the last boundary (:mod:`keepalive.pauses`): what
