@@ -560,6 +560,13 @@ class Checkpointer:
                 self._pause_save(capture, in_thread=False)
 
     # -------------------------------------------------------------------- saves between steps
+    def pause_point(self, capture: Capture) -> None:
+        """The state after the boundary just made is consistent for a save during the pause that
+        follows, although the boundary itself could not save (Keras: an epoch's last batch, before
+        fit's validation): the mark a save between steps starts from."""
+        with self._lock:
+            self._remember(capture, consistent=True)
+
     def _remember(self, capture: Capture, consistent: bool) -> None:
         """After a boundary: the mark a save between steps starts from (none after an inconsistent
         one: gradients are pending, the loader is ahead)."""
@@ -598,6 +605,8 @@ class Checkpointer:
     def _pause_save(self, capture: Optional[Capture], in_thread: bool) -> None:
         """Save now what cannot wait for the next boundary, if the state is still the mark's."""
         signum = self.signals.peek()
+        if signum is None:  # one taken at a boundary that could not save it
+            signum = self.state.pending.signal
         due = bd.Due()
         if signum is None:
             due = self.trigger.between_steps_due(slack=_pauses.POLL_SECONDS + _pauses.PAUSE_SECONDS)
@@ -675,6 +684,7 @@ class Checkpointer:
                 signal.pthread_kill(threading.main_thread().ident or 0, signum)
                 return
             self.signals.take()
+            self._forget_signal()
             self.uninstall_signal_handlers()
             raise_for(signum)
         self._flush_for_notice()

@@ -541,8 +541,7 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
         elif last and core.trigger.mid_epoch:
             self._check_weights = True
             try:
-                with core._lock:  # the core's mark, as a boundary that can save makes it
-                    core._remember(self.capture, consistent=True)
+                core.pause_point(self.capture)  # the core's mark, as a boundary that can save makes it
             finally:
                 self._check_weights = False
 
