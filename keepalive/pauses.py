@@ -97,16 +97,18 @@ class StepGate:
 
 class _Closed:
     def __init__(self, gate: StepGate):
-        self.gate, self.ok = gate, False
+        self.gate, self.ok, self.held = gate, False, False
 
     def __enter__(self) -> bool:
-        if not self.gate._lock.acquire(timeout=0.05):
+        self.held = self.gate._lock.acquire(timeout=0.05)
+        if not self.held:  # a step is entering right now: not between steps
             return False
         self.ok = not self.gate._in_step  # a step that began before: not between steps
         return self.ok
 
     def __exit__(self, *exc: Any) -> None:
-        if self.gate._lock.locked():
+        if self.held:  # only ours: a lock the step's pre-hook holds is not released here
+            self.held = False
             self.gate._lock.release()
 
 
