@@ -549,15 +549,18 @@ class Checkpointer:
         """A batch ran that is no boundary (a validation pass): the run is alive, not idle. What
         cannot wait for the next step boundary (a signal, a preemption notice, the deadline) is saved
         here when the state is still that of the last step (:mod:`keepalive.pauses`)."""
-        self._last_call = time.monotonic()
-        self.store.lease.progress = self.state.counters.as_dict()
-        _session.note_activity()
+        self._alive()
         if self._mark is not None and not _distributed.GROUP.active and (
                 capture is not None or not self.state.unsaved):
             # (under a process group a save is a collective the ranks would not all join here: the
             # next boundary, which every rank reaches, saves it)
             with self._lock:
                 self._pause_save(capture, in_thread=False)
+
+    def _alive(self) -> None:
+        self._last_call = time.monotonic()
+        self.store.lease.progress = self.state.counters.as_dict()
+        _session.note_activity()
 
     # -------------------------------------------------------------------- saves between steps
     def pause_point(self, capture: Capture) -> None:
@@ -715,7 +718,7 @@ class Checkpointer:
             watcher.acknowledge(notice)  # type: ignore[arg-type]
 
     def _before_boundary(self, capture: Capture) -> None:
-        self.active()
+        self._alive()  # a boundary acts on what is due itself (not as a pause)
         if not self._reserved:  # the first boundary prepares the first save's host buffer
             self._reserved = True
             try:
