@@ -338,7 +338,9 @@ def _reached_for(file: str) -> Dict[str, int]:
 
 
 #: private names of the standard library / torch the adapters use (not a framework's internals)
-_NOT_FRAMEWORK = {"_getframe", "_C"}
+#: not a framework's: Python's, and torch's own (a tensor's version counter and an LR scheduler's step
+#: count, read by the saves during a pause where the framework runs on torch)
+_NOT_FRAMEWORK = {"_getframe", "_C", "_version", "_step_count"}
 
 
 @pytest.mark.parametrize("name", list(FRAMEWORKS))

@@ -115,6 +115,9 @@ def _internals() -> List[Internal]:
                  token="cb.target", required=False),
         Internal("EpochIterator.data_adapter", "the fit's input, to recognise ResumableData and the input kind",
                  f"{D}: bind_passes, sample_batch", uses(_epoch_iterator, "data_adapter"), token='"data_adapter"'),
+        Internal("EpochIterator._enumerate_iterator", "replaced on one iterator to give a pass with no batch left "
+                 "(an epoch resumed after all its training batches: its validation and its end run once)",
+                 f"{D}: skip_pass", has(_epoch_iterator, "_enumerate_iterator"), token="_enumerate_iterator"),
         Internal("EpochIterator._num_batches", "the number of batches of a pass (a resumed epoch has fewer)",
                  f"{D}: set_epoch_length, pass_length", uses(_epoch_iterator, "_num_batches")),
         Internal("EpochIterator.steps_per_epoch", "fit(steps_per_epoch=...) (then: epoch-end saves)",
