@@ -127,9 +127,14 @@ class PauseGuard:
     def wake(self) -> None:
         self._event.set()
 
-    def stop(self) -> None:
+    def stop(self, wait: float = 1.0) -> None:
+        """End the thread, waiting up to ``wait`` seconds for it: at the interpreter's exit no
+        keepalive thread may still run (a daemon thread inside torch's C++ code when Python ends
+        aborts the process)."""
         self._stopped = True
         self._event.set()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(wait)
 
     def _run(self) -> None:
         while not self._stopped:
