@@ -36,7 +36,7 @@ from ..plan import changes, fingerprint, plain
 from ..state import frozen_copy  # loaded tensors are views on the file buffer: what is kept gets copies
 from . import _compat_fastai as fc
 from ._fastai_data import dl_rngs
-from .torchstate import check_module, check_optimizer
+from .torchstate import check_module, check_optimizer, value_summary
 
 __all__ = ["capture_objects", "check_fits", "restore", "capture_callbacks", "describe", "phase_words",
            "fine_tune_phase", "epochs", "where_words", "cell_identity", "FitLog", "RunHere", "run_here",
@@ -233,18 +233,6 @@ def _restore_callbacks(learn: Learner, saved: Dict[str, Any],
 
 
 # -------------------------------------------------------------------------------- summary
-def _scalar(x: Any) -> Any:
-    """A cheap, comparable stand-in for one value: numbers as they are, a tensor by its identity and
-    version counter (an in-place change or a new tensor both change it; no device sync)."""
-    if isinstance(x, torch.Tensor):
-        return ("tensor", id(x), x._version)
-    if isinstance(x, (int, float, str, bool, type(None))):
-        return x
-    if isinstance(x, np.generic):
-        return x.item()
-    return repr(x)
-
-
 def summary(learn: Learner) -> Tuple[Any, ...]:
     """A cheap, comparable summary of what :func:`capture_objects` and :func:`capture_callbacks` read
     beside the model's and optimizer's tensors (whose version counters the core compares itself):
@@ -252,18 +240,18 @@ def summary(learn: Learner) -> Tuple[Any, ...]:
     ParamScheduler's records (by length: they only grow), the trackers' values and the loggers' files.
     Equal summaries at a boundary and during an evaluation: the state is still that boundary's."""
     opt = learn.opt
-    hypers = tuple(tuple(sorted((str(k), _scalar(v)) for k, v in h.items())) for h in getattr(opt, "hypers", ()))
+    hypers = tuple(tuple(sorted((str(k), value_summary(v)) for k, v in h.items())) for h in getattr(opt, "hypers", ()))
     scaler = getattr(learn, "scaler", None)
-    scale = tuple(_scalar(getattr(scaler, name, None)) for name in ("_scale", "_growth_tracker")) \
+    scale = tuple(value_summary(getattr(scaler, name, None)) for name in ("_scale", "_growth_tracker")) \
         if scaler is not None else None
     rec = getattr(learn, "recorder", None)
     recorder = None
     if rec is not None and hasattr(rec, "lrs"):
         recorder = (len(rec.lrs), len(rec.iters), len(rec.losses), len(rec.values), int(rec.smooth_loss.count),
-                    _scalar(getattr(learn, "smooth_loss", None)))
+                    value_summary(getattr(learn, "smooth_loss", None)))
     sched = _scheduler(learn)
     hps = tuple((k, len(v)) for k, v in sched.hps.items()) if sched is not None else None
-    trackers = tuple((key, tuple(_scalar(cb.__dict__.get(a)) for a in fc.TRACKER_ATTRS))
+    trackers = tuple((key, tuple(value_summary(cb.__dict__.get(a)) for a in fc.TRACKER_ATTRS))
                      for key, cb in _trackers(learn).items())
     loggers = []
     for key, cb in _csv_loggers(learn).items():

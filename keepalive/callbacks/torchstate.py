@@ -400,14 +400,19 @@ def state_summary(obj: Any) -> Any:
         state = obj.state_dict()
     except Exception:  # noqa: BLE001 - whatever it is, a change of it cannot be seen
         return None
-    return _plain(state)
+    return value_summary(state)
 
 
-def _plain(x: Any) -> Any:
+def value_summary(x: Any) -> Any:
+    """A cheap, comparable stand-in for a value: containers as tuples, numbers as they are, a tensor by
+    its version counter and storage (an in-place change or a new tensor both change it; no device
+    sync), anything else by its repr."""
     if isinstance(x, dict):
-        return tuple((k, _plain(v)) for k, v in x.items())
+        return tuple((k, value_summary(v)) for k, v in x.items())
     if isinstance(x, (list, tuple)):
-        return tuple(_plain(v) for v in x)
+        return tuple(value_summary(v) for v in x)
     if isinstance(x, torch.Tensor):
         return ("tensor", x._version, x.data_ptr())
+    if isinstance(x, np.generic):
+        return x.item()
     return x if isinstance(x, (int, float, str, bool, type(None))) else repr(x)

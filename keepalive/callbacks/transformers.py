@@ -95,7 +95,7 @@ from ..state import frozen_copy  # loaded tensors are views on the file buffer: 
 from ..statetree import Captured, StateTree
 from . import _compat_transformers as hfc
 from . import _hf_data
-from .torchstate import check_optimizer, gate_steps
+from .torchstate import check_optimizer, gate_steps, state_summary
 
 __all__ = ["DriveCheckpoint"]
 
@@ -367,9 +367,8 @@ class DriveCheckpoint(CheckpointAdapter, TrainerCallback):
         if trainer is None:
             return None, None
         st = trainer.state
-        scheduler = getattr(trainer.lr_scheduler, "scheduler", trainer.lr_scheduler)  # accelerate's wrapper
-        objects = (getattr(scheduler, "last_epoch", None), getattr(scheduler, "_step_count", None),
-                   len(st.log_history), st.best_metric, st.best_global_step, st.best_model_checkpoint,
+        objects = (state_summary(trainer.lr_scheduler), len(st.log_history), st.best_metric, st.best_global_step,
+                   st.best_model_checkpoint,
                    st.total_flos, st.num_input_tokens_seen, float(trainer._total_loss_scalar),
                    int(trainer._globalstep_last_logged), float(trainer.current_flos),
                    repr(_callback_states(trainer)), self._best[0] if self._best is not None else None)
