@@ -192,9 +192,9 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
     def on_validation_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int,
                                 dataloader_idx: int = 0) -> None:
         if self._validation is not None and not trainer.sanity_checking:
-            # a signal, a notice or the deadline that came during the validation is saved now (one
-            # process only: with several, a save is a collective the other ranks are not in)
-            self.core.active(self.capture if int(getattr(trainer, "world_size", 1)) <= 1 else None)
+            # a signal, a notice or the deadline that came during the validation is saved now (the
+            # core makes no such save with several processes: a save is a collective)
+            self.core.active(self.capture)
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
         if self._validation is not None and not trainer.sanity_checking:

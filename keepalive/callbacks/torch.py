@@ -49,7 +49,6 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union, 
 
 import torch
 
-from .. import distributed as _distributed
 from .. import plan as _plan
 from .. import rng
 from ..adapter import CheckpointAdapter
@@ -649,10 +648,9 @@ class DriveCheckpoint(CheckpointAdapter):
                     if self._boundary(p, stepped).stop:
                         return
                 else:  # not a boundary (an evaluation): what cannot wait is saved here when the state is
-                    # still the last step's (keepalive.pauses), the data where that step left it. Not
-                    # under a process group: a save there is a collective that the other ranks, in
-                    # their own evaluation, would not join; the next boundary (agreed) saves
-                    core.active(None if _distributed.GROUP.active else self.capture)
+                    # still the last step's (keepalive.pauses), the data where that step left it (the
+                    # core makes no such save under a process group: the next, agreed boundary does)
+                    core.active(self.capture)
             completed = True
         finally:
             if not completed and p.trains and p.rl.mid_epoch:  # where its last batch end was
