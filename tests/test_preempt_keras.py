@@ -161,7 +161,7 @@ def test_sigterm_during_validation_is_saved_then_and_resumes_exactly(runs):
     first, second = runs["sigterm"]
     assert first.rc == 143, first.text[-3000:]
     assert first.signal_at is not None
-    committed = first.first("COMMITTED", after=first.signal_at)
+    committed = first.first("COMMITTED 16", after=first.signal_at)
     assert committed is not None and committed - first.signal_at < BOUND, first.text[-3000:]
     assert "during a pause of the training loop; exiting with code 143" in first.text
     assert first.first("EVAL END") is None  # exited inside the validation, before it would have ended
@@ -178,7 +178,7 @@ def test_sigterm_during_an_epochs_last_batch_is_saved_there(runs):
     first, second = runs["sigterm_last_batch"]
     assert first.rc == 143, first.text[-3000:]
     assert first.signal_at is not None
-    committed = first.first("COMMITTED", after=first.signal_at)
+    committed = first.first("COMMITTED 16", after=first.signal_at)
     assert committed is not None and committed - first.signal_at < BOUND, first.text[-3000:]
     assert "SIGTERM: saved in epoch 2 (1 completed, batch 8), step 16" in first.text
     assert "cannot be saved inside an epoch" not in first.text
@@ -192,7 +192,7 @@ def test_deadline_during_validation_is_saved_then_and_stops(runs):
     assert first.rc == 0, first.text[-3000:]
     start, end = first.first("EVAL START 1"), first.first("EVAL END 1")
     assert start is not None and end is not None
-    committed = first.first("COMMITTED", after=start)
+    committed = first.first("COMMITTED 16", after=start)
     assert committed is not None and committed < end, first.text[-3000:]
     assert ("during a pause of the training loop; the training stops at its next step. Why: the session ends"
             in first.text), first.text[-3000:]
@@ -213,7 +213,7 @@ def test_weights_swapped_for_validation_are_told_and_saved_at_epoch_end(runs):
             "step (e.g. a scheduler stepped)): the save waits for the next step boundary" in first.text)
     assert first.text.count("the save waits for the next step boundary") == 1
     end = first.first("EVAL END 1")
-    assert end is not None and first.first("COMMITTED", after=end) is not None
+    assert end is not None and first.first("COMMITTED 16", after=end) is not None
     assert "during a pause of the training loop" not in first.text
     _assert_exact(runs, "ema_swap", "reference_ema")
 
@@ -224,6 +224,6 @@ def test_without_saves_between_steps_the_bound_is_missed(runs):
     first, _ = runs["no_pause_save"]
     assert first.rc == 143, first.text[-3000:]
     assert first.signal_at is not None
-    committed = first.first("COMMITTED", after=first.signal_at)
+    committed = first.first("COMMITTED 16", after=first.signal_at)
     assert committed is not None and committed - first.signal_at > BOUND
     assert first.first("EVAL END 1") is not None
