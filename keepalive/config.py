@@ -52,6 +52,14 @@ class CheckpointConfig:
         takeover: take the run over from another live session that holds its writer lease.
         background: write checkpoints in a background thread (default); the loop waits only for the
             copy to host memory.
+        snapshot: ``"lazy"`` (default): at a save only what may change before the next optimizer step
+            is copied at once (random states, counters, buffers such as BatchNorm statistics); the
+            parameters and state of the optimizers keepalive watches are copied in the background
+            while the next forward and backward run, and that optimizer's step waits only for what
+            is not copied yet. A tensor changed in place before its copy is caught by its version
+            counter: that save is made again at the next step boundary and the tensor is copied at
+            once from then on (said once). ``"blocking"``: every tensor is copied before the loop
+            goes on. Saves that must be durable at once (a stop, a signal) always block.
         storage_options: fsspec options for the destination (credentials, endpoint).
         quiet: no news lines (resumed, saved, stopped). Warnings about what cannot be restored exactly
             are still shown.
@@ -73,6 +81,7 @@ class CheckpointConfig:
     deadline_margin: Union[str, float, None] = None
     takeover: bool = False
     background: bool = True
+    snapshot: str = "lazy"
     storage_options: Optional[dict] = None
     quiet: bool = False
     spool: Union[str, bool, None] = "auto"

@@ -29,7 +29,7 @@ import signal
 import threading
 import time
 import weakref
-from typing import Any, Callable, Dict, Iterable, List, Mapping, MutableMapping, Optional, Tuple, Union, cast
+from typing import Any, Callable, Dict, Iterable, List, Mapping, MutableMapping, Optional, Set, Tuple, Union, cast
 
 from . import boundary as bd
 from . import distributed as _distributed
@@ -139,6 +139,13 @@ class Checkpointer:
         self.fingerprint: Optional[Callable[[], Tuple[Any, Any]]] = None
         #: closed by the guard while it copies the state; optimizer steps wait at it (torch adapters)
         self.step_gate = _pauses.StepGate()
+        if cfg.snapshot not in ("lazy", "blocking"):
+            raise ValueError(f"snapshot={cfg.snapshot!r}: use 'lazy' (the default) or 'blocking'")
+        self.step_gate.before_step = weakref.WeakMethod(self._settle_snapshot)
+        #: keys of tensors a lazy snapshot found changed in place before their copy: copied at once
+        self._copy_at_once: Set[str] = set()
+        self._lazy_reason: Optional[str] = None
+        self._lazy_step = 0
         self._guard: Optional[_pauses.PauseGuard] = None
         #: what came due during a pause and could not be saved there: owed to the next boundary
         self._owed = bd.Due()
@@ -393,7 +400,10 @@ class Checkpointer:
             if check is not None:
                 self.writer.submit(tree, step=c.step, epoch=c.epoch, metadata=meta, sync=sync, check=check)
             else:
-                self.path.submit(tree, step=c.step, epoch=c.epoch, metadata=meta, sync=sync)
+                defer = None if sync else self._deferrable()
+                self._lazy_reason = reason if defer is not None else None
+                self._lazy_step = c.step
+                self.path.submit(tree, step=c.step, epoch=c.epoch, metadata=meta, sync=sync, defer=defer)
         finally:
             self.steps_paused = False
         if not sync:  # what the training waited for: the copy to host memory (a sync save waits for all)
@@ -404,6 +414,7 @@ class Checkpointer:
     def flush(self, timeout: Optional[float] = None) -> None:
         """Wait for the in-flight write (bounded by ``timeout`` seconds when given), then for the
         spooled checkpoints' uploads (bounded by ``timeout`` or ``flush_timeout``)."""
+        self._settle_snapshot()
         if self._path is not None:
             self._path.wait(timeout)
         self.writer.wait(timeout)
@@ -549,6 +560,7 @@ class Checkpointer:
         """A batch ran that is no boundary (a validation pass): the run is alive, not idle. What
         cannot wait for the next step boundary (a signal, a preemption notice, the deadline) is saved
         here when the state is still that of the last step (:mod:`keepalive.pauses`)."""
+        self._settle_snapshot()
         self._alive()
         if self._mark is not None and not _distributed.GROUP.active and (
                 capture is not None or not self.state.unsaved):
@@ -584,6 +596,51 @@ class Checkpointer:
                                   fingerprint=self.fingerprint() if self.fingerprint is not None else None,
                                   at=self._last_call)
 
+    # --------------------------------------------------------------------------- lazy snapshots
+    def _deferrable(self) -> Optional[Callable[[Any], bool]]:
+        """Which tensors of a save the writer may copy after the loop went on: the parameters and
+        state of the optimizers whose steps wait at the step gate (they change only inside a step,
+        and the step settles the copy first). None: copy everything now."""
+        if self.config.snapshot != "lazy" or not self.writer.background:
+            return None
+        optimizers = self.step_gate.watched()
+        if not optimizers:
+            return None
+        deferred: Set[Tuple[int, int]] = set()
+        for opt in optimizers:
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    deferred.add((p.data_ptr(), p.numel() * p.element_size()))
+            for per_param in opt.state.values():
+                for value in per_param.values():
+                    if hasattr(value, "data_ptr"):
+                        deferred.add((value.data_ptr(), value.numel() * value.element_size()))
+        at_once = self._copy_at_once
+
+        def defer(ref: Any) -> bool:
+            return ref.key not in at_once and (ref.value.data_ptr(), ref.nbytes) in deferred
+
+        return defer
+
+    def _settle_snapshot(self) -> None:
+        """Before the deferred tensors of a lazy snapshot may change: wait for their copy and check
+        it. A tensor changed in place before its copy drops the write; it is said once, the tensor is
+        copied at once from now on, and the save is made again at the next boundary."""
+        if not self.writer.unsettled:
+            return
+        changed = self.writer.settle()
+        if not changed:
+            return
+        self.writer.take_dropped()
+        self._copy_at_once.update(changed)
+        names = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
+        self.warn(f"{names} changed in place before its snapshot was copied: copied synchronously from now on, and "
+                  f"the save of step {self._lazy_step} is made again at the next step boundary (a save copies "
+                  "parameters and optimizer state in the background until the next optimizer step; nothing to "
+                  "change, or snapshot='blocking' to copy everything at once)",
+                  key="lazy-copy-changed")
+        self._owed = self._owed | bd.Due(save=self._lazy_reason or "a save made again")
+
     def _take_owed(self) -> bd.Due:
         owed, self._owed = self._owed, bd.Due()
         return owed
@@ -594,6 +651,15 @@ class Checkpointer:
 
     def _guard_act(self) -> None:
         """The guard's thread, while the loop has not called keepalive for a while."""
+        if self.writer.unsettled and self._lock.acquire(blocking=False):
+            # a lazy snapshot's write waits for its check: with no step able to start, the loop's
+            # pause is as good a moment as its next step
+            try:
+                with self.step_gate.closed() as between_steps:
+                    if between_steps:
+                        self._settle_snapshot()
+            finally:
+                self._lock.release()
         capture = self._last_capture
         if (self._mark is None or (capture is None and self.state.unsaved) or not self.step_gate.used
                 or _distributed.GROUP.active or not self._lock.acquire(blocking=False)):
@@ -718,6 +784,7 @@ class Checkpointer:
             watcher.acknowledge(notice)  # type: ignore[arg-type]
 
     def _before_boundary(self, capture: Capture) -> None:
+        self._settle_snapshot()  # (a loop without a watched optimizer step since the save)
         self._alive()  # a boundary acts on what is due itself (not as a pause)
         if not self._reserved:  # the first boundary prepares the first save's host buffer
             self._reserved = True

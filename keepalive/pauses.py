@@ -21,8 +21,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, List
+from typing import Any, Callable, List, Optional
 
 from .boundary import Counters
 
@@ -83,8 +84,24 @@ class StepGate:
         self._in_step = False
         #: whether a step hook uses the gate (adapters on torch optimizers); else no thread save
         self.used = False
+        #: the optimizers whose steps pass the gate (weakly: the gate must not keep them alive); their
+        #: parameters and state change only inside a step, so a lazy snapshot may copy them later
+        self.optimizers: "List[weakref.ref[Any]]" = []
+        #: called (weakly) at each step's start before anything else: the core settles a lazy
+        #: snapshot's copy there, before the step changes what it still copies
+        self.before_step: "Optional[weakref.WeakMethod[Callable[[], None]]]" = None
+
+    def watch(self, optimizer: Any) -> None:
+        self.used = True
+        self.optimizers.append(weakref.ref(optimizer))
+
+    def watched(self) -> List[Any]:
+        return [o for o in (r() for r in self.optimizers) if o is not None]
 
     def enter_step(self) -> None:
+        settle = self.before_step() if self.before_step is not None else None
+        if settle is not None:
+            settle()
         with self._lock:  # blocks while the guard copies the state
             self._in_step = True
 

@@ -47,7 +47,9 @@ class SavePath(Protocol):
     def reserve(self, tree: StateTree) -> None: ...
 
     def submit(self, tree: StateTree, *, step: int, epoch: int, metadata: Mapping[str, Any],
-               sync: bool) -> None: ...
+               sync: bool, defer: Optional[Callable[[Any], bool]] = None) -> None:
+        """Save ``tree``. ``defer``: tensors that may be copied after the call returns (a lazy
+        snapshot, :class:`~keepalive.writer.AsyncWriter`); a save path that cannot may ignore it."""
 
     def wait(self, timeout: Optional[float] = None) -> None: ...
 
@@ -73,8 +75,8 @@ class LocalSave:
         self.writer.reserve(tree)
 
     def submit(self, tree: StateTree, *, step: int, epoch: int, metadata: Mapping[str, Any],
-               sync: bool) -> None:
-        self.writer.submit(tree, step=step, epoch=epoch, metadata=metadata, sync=sync)
+               sync: bool, defer: Optional[Callable[[Any], bool]] = None) -> None:
+        self.writer.submit(tree, step=step, epoch=epoch, metadata=metadata, sync=sync, defer=defer)
 
     def wait(self, timeout: Optional[float] = None) -> None:
         self.writer.wait(timeout)
@@ -101,7 +103,8 @@ class GatheredSave(LocalSave):
             super().reserve(tree)
 
     def submit(self, tree: StateTree, *, step: int, epoch: int, metadata: Mapping[str, Any],
-               sync: bool) -> None:
+               sync: bool, defer: Optional[Callable[[Any], bool]] = None) -> None:
+        # (no lazy copy: rank 0 writes what the ranks gathered, copies made by the collective)
         meet_before_saving(self.group, self)
         parts = self.group.gather(_distributed.rank_part(dict(tree)))  # a collective
         if parts is not None:  # rank 0
@@ -200,7 +203,8 @@ class ShardedSave:
         pass  # DCP's stager keeps its own buffers
 
     def submit(self, tree: StateTree, *, step: int, epoch: int, metadata: Mapping[str, Any],
-               sync: bool) -> None:
+               sync: bool, defer: Optional[Callable[[Any], bool]] = None) -> None:
+        # (no lazy copy here: DCP stages each rank's shards itself)
         from . import dcp as _dcp  # imports torch's DCP, as the adapter that holds DTensors did
 
         group, sharded = self.group, self.sharded

@@ -24,7 +24,7 @@ import struct
 import sys
 import threading
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 
@@ -168,7 +168,10 @@ class HostSnapshot:
 
     def __init__(self) -> None:
         self._buffer: Optional[np.ndarray] = None
+        self._pinned: Any = None
         self._reserving: Optional[threading.Thread] = None
+        #: the tensors of the last :meth:`take` still to copy (a lazy snapshot), or None
+        self.pending: Optional[PendingCopy] = None
 
     @property
     def capacity(self) -> int:
@@ -198,24 +201,103 @@ class HostSnapshot:
         self._reserving = threading.Thread(target=run, name="keepalive-reserve", daemon=True)
         self._reserving.start()
 
-    def take(self, tree: Any) -> Dict[str, Any]:
+    def take(self, tree: Any, *, defer: Optional[Callable[[TensorRef], bool]] = None) -> Dict[str, Any]:
+        """Copy ``tree``'s tensors into the buffer and return the files to commit.
+
+        With ``defer``, the tensors it accepts are not copied now: :attr:`pending` holds them, with
+        each one's version counter at this moment, for :meth:`PendingCopy.run` to copy later (the
+        lazy snapshot: parameters and optimizer state do not change until the next optimizer step).
+        The files are complete only once that copy has run."""
         if self._reserving is not None:
             self._reserving.join()
             self._reserving = None
         json_tree, tensors = encode(tree)
         header, size = layout(tensors)
         if self._buffer is None or self._buffer.nbytes < size:
-            self._buffer = None  # free the old buffer before allocating the bigger one
+            self._release_buffer()  # free the old buffer before allocating the bigger one
             self._buffer = _host_buffer(size)
         buf = self._buffer
+        later: List[Tuple[TensorRef, np.ndarray]] = []
         for t in tensors:
             slot = buf[t.offset:t.offset + t.nbytes]
-            if t.kind == "torch":
+            if defer is not None and t.kind == "torch" and t.nbytes and defer(t):
+                later.append((t, slot))
+            elif t.kind == "torch":
                 _copy_torch_into(t.value, slot)
             elif t.nbytes:
                 np.copyto(slot.view(t.value.dtype).reshape(t.shape), t.value, casting="no")
+        self.pending = PendingCopy(later, self) if later else None
         state_json = json.dumps(json_tree, separators=(",", ":"), allow_nan=True).encode()
         return {STATE_FILE: state_json, TENSOR_FILE: [header, memoryview(buf)[:size]]}  # type: ignore[arg-type]
+
+    def _release_buffer(self) -> None:
+        if self._buffer is not None and self._pinned is not None:
+            _unpin(self._pinned)
+        self._buffer, self._pinned = None, None
+
+    def pin_for(self, tensors: List[TensorRef]) -> None:
+        """Page-lock the buffer once when the state holds CUDA tensors, so device-to-host copies run
+        asynchronously on a side stream at full speed (kept across saves: registering costs more
+        than a copy). No extra GPU memory is used."""
+        if self._buffer is None or self._pinned is not None:
+            return
+        if not any(t.kind == "torch" and t.value.is_cuda for t in tensors):
+            return
+        self._pinned = _pin(self._buffer)
+
+
+class PendingCopy:
+    """The tensors of a lazy snapshot still to copy into its host buffer.
+
+    :meth:`run` copies them (the writer's thread, at a lower priority, while the loop runs its next
+    forward and backward); :meth:`wait` blocks until it has (the next optimizer step's pre-hook);
+    :meth:`changed` then names every tensor whose version counter moved since the snapshot, i.e. that
+    was changed in place before (or while) it was copied: its copy may hold the new values, so the
+    snapshot is not one state. CUDA tensors are copied with ``non_blocking`` on a side stream into
+    the (pinned) buffer, one event per group of tensors, so the copy engine overlaps the compute.
+    """
+
+    #: tensors copied between two looks at whether the copy should end early (a new snapshot)
+    GROUP_BYTES = 64 << 20
+
+    def __init__(self, items: List[Tuple[TensorRef, np.ndarray]], owner: "HostSnapshot"):
+        self.items = items
+        self.versions = [getattr(t.value, "_version", 0) for t, _ in items]
+        self.nbytes = sum(t.nbytes for t, _ in items)
+        self._done = threading.Event()
+        self.error: Optional[BaseException] = None
+        owner.pin_for([t for t, _ in items])
+
+    @property
+    def copied(self) -> bool:
+        return self._done.is_set()
+
+    def run(self) -> None:
+        """Copy every pending tensor; never raises (:attr:`error` keeps what failed)."""
+        try:
+            stream, events, group = _side_stream(self.items), [], 0
+            for t, slot in self.items:
+                _copy_torch_into(t.value, slot, stream=stream, background=True)
+                group += t.nbytes
+                if stream is not None and group >= self.GROUP_BYTES:
+                    events.append(_record(stream))
+                    group = 0
+            if stream is not None:
+                events.append(_record(stream))
+                for event in events:
+                    event.synchronize()
+        except BaseException as exc:  # noqa: BLE001 - reported by the waiter
+            self.error = exc
+        finally:
+            self._done.set()
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        return self._done.wait(timeout)
+
+    def changed(self) -> List[str]:
+        """The keys of tensors changed in place since the snapshot (call after :meth:`wait`, from the
+        thread that trains: its in-place operations have all finished then)."""
+        return [t.key for (t, _), v in zip(self.items, self.versions) if getattr(t.value, "_version", 0) != v]
 
 
 def _host_buffer(size: int) -> np.ndarray:
@@ -235,14 +317,69 @@ def _host_buffer(size: int) -> np.ndarray:
     return np.empty(max(size, 1), dtype=np.uint8)
 
 
-def _copy_torch_into(t, slot: np.ndarray) -> None:
+def _copy_torch_into(t, slot: np.ndarray, stream: Any = None, background: bool = False) -> None:
     import torch
 
     if t.numel() == 0:
         return
+    src = t.detach()
+    if background and not src.is_cuda and src.is_contiguous() and src.dtype is not torch.bool:
+        # numpy's copy runs on one core without the GIL: a background copy does not take the
+        # training's intra-op threads (torch's copy_ would spread over all of them)
+        np.copyto(slot, src.reshape(-1).view(torch.uint8).numpy())
+        return
     dst = torch.from_numpy(slot).view(t.dtype).view(t.shape)
     with torch.no_grad():
-        dst.copy_(t.detach())
+        if stream is not None and src.is_cuda:
+            with torch.cuda.stream(stream):
+                dst.copy_(src, non_blocking=True)
+        else:
+            dst.copy_(src)
+
+
+def _side_stream(items: List[Tuple[TensorRef, np.ndarray]]) -> Any:
+    """A CUDA stream for the device-to-host copies, ordered after the work queued so far on the
+    tensors' device (the step that produced them); None on CPU."""
+    cuda = [t.value for t, _ in items if t.value.is_cuda]
+    if not cuda:
+        return None
+    import torch
+
+    device = cuda[0].device
+    stream = torch.cuda.Stream(device=device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    return stream
+
+
+def _record(stream: Any) -> Any:
+    import torch
+
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
+
+
+def _pin(buf: np.ndarray) -> Any:
+    """Register ``buf`` with CUDA as page-locked memory (None where that fails: copies stay correct,
+    only slower and synchronous)."""
+    try:
+        import torch
+
+        cudart = torch.cuda.cudart()
+        if int(cudart.cudaHostRegister(buf.ctypes.data, buf.nbytes, 0)) != 0:
+            return None
+        return buf.ctypes.data
+    except Exception:  # noqa: BLE001 - pinning is an optimisation
+        return None
+
+
+def _unpin(ptr: Any) -> None:
+    try:
+        import torch
+
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+    except Exception:  # noqa: BLE001
+        pass
 
 
 def frozen_copy(tree: Any) -> Any:

@@ -5,17 +5,27 @@ buffer is free again: host memory stays at about one extra copy of the state), c
 tensors into that buffer, and hands the commit to a background thread. Errors of a background write
 are logged and kept; a lost writer lease is re-raised at the next ``submit`` / ``wait`` because the
 session must stop writing to that run.
+
+A lazy snapshot (``submit(defer=...)``) leaves the tensors that cannot change before the next
+optimizer step (its parameters and state) to the writer's thread: it copies them while the loop runs
+the next forward and backward. Before that step changes them, the training thread calls
+:meth:`AsyncWriter.settle`: it waits for what is not copied yet and checks every deferred tensor's
+version counter. The write is committed only after that check passed; a tensor changed in place
+before its copy (the copy may hold new values: not one state) drops the write, and
+:attr:`AsyncWriter.dropped` names it. The writer's thread runs at a lower priority (``nice``), so on a
+machine whose cores all train it takes what the training leaves.
 """
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
-from typing import Any, Callable, List, Mapping, Optional, Protocol
+from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol
 
 from . import report
 from .errors import LeaseLostError
-from .state import HostSnapshot
+from .state import HostSnapshot, PendingCopy, TensorRef
 from .store import WriteResult
 
 log = logging.getLogger("keepalive.writer")
@@ -34,6 +44,27 @@ class CommitTarget(Protocol):
 
 class SnapshotChanged(RuntimeError):
     """The state changed while it was copied to host memory: the copy is not one state."""
+
+
+#: how much lower than the training the writer's thread runs (Linux ``nice`` of the thread)
+WRITER_NICE = 10
+
+
+def _lower_priority() -> None:
+    """Make the calling thread yield to the training where they compete for cores (Linux: a thread
+    is a task of its own for ``setpriority``; elsewhere nothing)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
+    except (AttributeError, OSError):  # pragma: no cover - not Linux, or not allowed
+        pass
+
+
+class _Verdict:
+    """Whether a lazy snapshot is one state: set once by :meth:`AsyncWriter.settle`."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.changed: List[str] = []
 
 
 class AsyncWriter:
@@ -55,6 +86,14 @@ class AsyncWriter:
         #: ``factory(files, step)`` -> None or a per-write progress object with ``update(n_bytes)``
         #: and ``close()`` (the tqdm upload bar of :mod:`keepalive.progress`)
         self.progress_factory: Optional[Callable[[Mapping[str, Any], int], Any]] = None
+        #: the lazy snapshot whose copy the training thread has not settled yet
+        self._pending: Optional[PendingCopy] = None
+        self._verdict: Optional[_Verdict] = None
+        #: the deferred tensors changed in place before their copy, when a write was dropped for it
+        #: (the caller takes it, says it and saves again)
+        self.dropped: List[str] = []
+        #: seconds the last settle waited for the background copy (a stall of the training too)
+        self.settle_seconds = 0.0
 
     def reserve(self, tree: Any) -> None:
         """Prepare the host buffer of the first save (its size) ahead of it."""
@@ -66,29 +105,78 @@ class AsyncWriter:
 
     def submit(self, tree: Any, *, step: int, epoch: Optional[int],
                metadata: Optional[Mapping[str, Any]] = None, sync: bool = False,
-               check: Optional[Callable[[], Optional[str]]] = None) -> Optional[WriteResult]:
+               check: Optional[Callable[[], Optional[str]]] = None,
+               defer: Optional[Callable[[TensorRef], bool]] = None) -> Optional[WriteResult]:
         """Snapshot ``tree`` now and commit it (in the background unless ``sync``). ``check``, asked
         after the copy, names what changed while it was copied (:class:`SnapshotChanged`: nothing is
-        committed)."""
+        committed). ``defer``: the tensors the writer's thread copies later (a lazy snapshot; only
+        for a background write: the caller must :meth:`settle` before they may change)."""
         self.wait()
+        lazy = defer is not None and self.background and not sync and check is None
         t0 = time.perf_counter()
-        files = self.snapshot.take(tree)
+        files = self.snapshot.take(tree, defer=defer if lazy else None)
         self.snapshot_seconds = time.perf_counter() - t0
         changed = check() if check is not None else None
         if changed:
             raise SnapshotChanged(changed)
-        job = dict(files=files, step=step, epoch=epoch, metadata=dict(metadata or {}))
+        job: Dict[str, Any] = dict(files=files, step=step, epoch=epoch, metadata=dict(metadata or {}))
         if sync or not self.background:
             self._run(job)
             return self.wait()
+        pending = self.snapshot.pending
+        if pending is not None:
+            self._pending, self._verdict = pending, _Verdict()
+            job.update(pending=pending, verdict=self._verdict)
         # Not a daemon: an interpreter that exits normally finishes the write first.
         self._thread = threading.Thread(target=self._run, args=(job,), name="keepalive-writer")
         self._thread.start()
         return None
 
-    def _run(self, job) -> None:
+    @property
+    def unsettled(self) -> bool:
+        """Whether a lazy snapshot's tensors wait to be checked (:meth:`settle`) before they may change."""
+        return self._pending is not None
+
+    def settle(self) -> List[str]:
+        """Before the deferred tensors may change (an optimizer step): wait until the lazy snapshot's
+        copy is done, then check that none of them was changed in place meanwhile. Returns the keys
+        of those that were (the write is dropped then); [] when nothing is pending or all is well.
+        Called by the thread that trains (its in-place operations have finished when it gets here)."""
+        pending, verdict = self._pending, self._verdict
+        if pending is None or verdict is None:
+            return []
+        t0 = time.perf_counter()
+        pending.wait()
+        self.settle_seconds = time.perf_counter() - t0
+        changed = pending.changed()
+        self._pending = self._verdict = None
+        verdict.changed = changed
+        verdict.event.set()
+        if changed:
+            self.dropped = changed
+        return changed
+
+    def take_dropped(self) -> List[str]:
+        dropped, self.dropped = self.dropped, []
+        return dropped
+
+    def _run(self, job: Dict[str, Any]) -> None:
         bar = None
         try:
+            pending: Optional[PendingCopy] = job.get("pending")
+            if pending is not None:
+                _lower_priority()
+                pending.run()
+                if pending.error is not None:
+                    raise pending.error
+                verdict: _Verdict = job["verdict"]
+                while not verdict.event.wait(0.2):
+                    if not threading.main_thread().is_alive():
+                        # the interpreter is exiting: no training thread will change the tensors (or
+                        # settle) any more, so the check is safe from here
+                        self.settle()
+                if verdict.changed:
+                    return  # not one state: nothing is committed (the caller saves again)
             progress = self.progress
             if self.progress_factory is not None:
                 bar = self.progress_factory(job["files"], job["step"])
@@ -111,6 +199,7 @@ class AsyncWriter:
         A failed write is logged; :class:`LeaseLostError` is raised (the run belongs to someone
         else now). With ``timeout`` the wait may return early with the write still in flight.
         """
+        self.settle()
         thread = self._thread
         if thread is not None:
             thread.join(timeout)

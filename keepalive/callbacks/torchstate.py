@@ -43,7 +43,7 @@ def gate_steps(core: Any, optimizer: torch.optim.Optimizer) -> None:
     ``optimizer`` waits at its start while the guard copies the state
     (:class:`keepalive.pauses.StepGate`). Adapters whose framework counts the steps call this alone."""
     gate = core.step_gate
-    gate.used = True
+    gate.watch(optimizer)
 
     def stepping(*_: Any) -> None:
         gate.enter_step()

@@ -31,6 +31,10 @@ p.add_argument("--no-shuffle", action="store_true")
 p.add_argument("--margin", default=None, help="deadline safety margin (e.g. 1s)")
 p.add_argument("--budget", default=None, help="session budget counted from the start of training")
 p.add_argument("--accum", type=int, default=1, help="gradient accumulation: a step every N batches")
+p.add_argument("--hold-lazy-copy", type=float, default=0.0,
+               help="print LAZY_COPY <step> when a save's background copy begins, and hold it this long")
+p.add_argument("--skip-lazy-copy", action="store_true",
+               help="a broken background copy that copies nothing (a negative control)")
 args = p.parse_args()
 torch.set_num_threads(1)
 torch.manual_seed(1234)
@@ -69,6 +73,20 @@ ckpt = DriveCheckpoint(args.run, model=model, optimizer=opt, scheduler=sched, ev
 
 
 ckpt.core.on_commit.append(lambda r: emit(f"COMMITTED {r.info.step}"))
+if args.hold_lazy_copy or args.skip_lazy_copy:
+    from keepalive.state import PendingCopy
+
+    copy = PendingCopy.run
+
+    def held_copy(self):
+        emit(f"LAZY_COPY {ckpt.step}")
+        time.sleep(args.hold_lazy_copy)
+        if args.skip_lazy_copy:
+            self._done.set()
+        else:
+            copy(self)
+
+    PendingCopy.run = held_copy
 for epoch in ckpt.epochs(args.epochs):
     model.train()
     if args.accum > 1:
