@@ -9,10 +9,12 @@ and object stores break on them (gcp-storage-emulator answers rename with 501; g
 from __future__ import annotations
 
 import errno
+import io
 import os
 import shutil
+import sys
 from dataclasses import dataclass
-from typing import BinaryIO, Iterator, List, Mapping, Optional
+from typing import Any, BinaryIO, Callable, Iterator, List, Mapping, Optional
 
 
 @dataclass
@@ -27,6 +29,9 @@ class Backend:
 
     #: whether :meth:`open_write` files can be fsync'ed (local disks and FUSE mounts like Drive)
     local: bool = False
+    #: the size of the pieces a large file is handed to :meth:`open_write`'s file in (the store
+    #: hashes each piece right after writing it)
+    write_piece: int = 64 << 20
 
     def join(self, *parts: str) -> str:
         return "/".join(p.strip("/") if i else p.rstrip("/") for i, p in enumerate(parts) if p)
@@ -78,6 +83,9 @@ class Backend:
 
 class LocalBackend(Backend):
     local = True
+    # 4 MiB: small enough that a piece is still in the CPU cache when the store hashes it after
+    # write() copied it to the page cache, large enough that the system calls cost nothing
+    write_piece = 4 << 20
 
     def url(self, path: str) -> str:
         return path
@@ -86,8 +94,8 @@ class LocalBackend(Backend):
         os.makedirs(path, exist_ok=True)
 
     def open_write(self, path: str) -> BinaryIO:
-        # buffering=0: the store hands over large chunks; a Python-level buffer would only copy them.
-        return open(path, "wb", buffering=0)
+        # unbuffered: the store hands over large pieces; a Python-level buffer would only copy them
+        return WritebackFile(path)
 
     def sync(self, fileobj: BinaryIO) -> None:
         fileobj.flush()
@@ -148,6 +156,58 @@ class LocalBackend(Backend):
             if hasattr(m, "madvise") and hasattr(mmap, "MADV_WILLNEED"):
                 m.madvise(mmap.MADV_WILLNEED)
             return m
+
+
+#: how many bytes a local write lets pile up in the page cache before it starts writing them to disk
+WRITEBACK_EVERY = 32 << 20
+
+_SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of the range's dirty pages, do not wait
+
+
+def _find_sync_file_range() -> Optional[Callable[..., int]]:
+    """libc's ``sync_file_range`` (Linux only; Python has no wrapper), or None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        fn: Any = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn  # a ctypes call releases the GIL while it runs
+
+
+_sync_file_range = _find_sync_file_range()
+
+
+class WritebackFile(io.FileIO):
+    """A local file opened for writing that starts writing its bytes to disk while more arrive.
+
+    Without it the kernel keeps a checkpoint's pages dirty until the final fsync (or until 10 % of
+    the memory is dirty), so the disk idles while write() fills the page cache and the CPU idles
+    while fsync drains it. Starting the writeback of every ``WRITEBACK_EVERY`` bytes as they are
+    written overlaps the two: measured here 1.2-1.9x faster than write() + fsync of the same bytes
+    (``benchmarks/store_throughput.py``). The fsync stays the durability point; where the system
+    call is missing or refused (not Linux, some FUSE mounts) the file writes as a plain one.
+    """
+
+    def __init__(self, path: str):
+        super().__init__(path, "wb")
+        self._written = 0
+        self._flushed_to = 0  # writeback started for [0, _flushed_to)
+        self._start_writeback = _sync_file_range
+
+    def write(self, data: Any) -> int:
+        n = super().write(data) or 0
+        self._written += n
+        if self._start_writeback is not None and self._written - self._flushed_to >= WRITEBACK_EVERY:
+            if self._start_writeback(self.fileno(), self._flushed_to, self._written - self._flushed_to,
+                                     _SYNC_FILE_RANGE_WRITE) != 0:
+                self._start_writeback = None  # refused here (ESPIPE, EINVAL on some mounts): fsync does it
+            self._flushed_to = self._written
+        return n
 
 
 #: file systems where a mapped file can vanish under a running training: a FUSE daemon that dies
