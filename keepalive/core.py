@@ -145,6 +145,9 @@ class Checkpointer:
         #: keys of tensors a lazy snapshot found changed in place before their copy: copied at once
         self._copy_at_once: Set[str] = set()
         self._lazy_reason: Optional[str] = None
+        #: more tensors a save may copy after the loop went on (an adapter's, whose framework changes
+        #: them only in an optimizer step and calls :meth:`settle_snapshot` before it)
+        self.lazy_sources: List[Callable[[], Iterable[Any]]] = []
         self._lazy_step = 0
         self._guard: Optional[_pauses.PauseGuard] = None
         #: what came due during a pause and could not be saved there: owed to the next boundary
@@ -604,17 +607,24 @@ class Checkpointer:
         if self.config.snapshot != "lazy" or not self.writer.background:
             return None
         optimizers = self.step_gate.watched()
-        if not optimizers:
+        if not optimizers and not self.lazy_sources:
             return None
         deferred: Set[Tuple[int, int]] = set()
+
+        def add(t: Any) -> None:
+            if hasattr(t, "data_ptr") and hasattr(t, "_version"):
+                deferred.add((t.data_ptr(), t.numel() * t.element_size()))
+
         for opt in optimizers:
             for group in opt.param_groups:
                 for p in group["params"]:
-                    deferred.add((p.data_ptr(), p.numel() * p.element_size()))
+                    add(p)
             for per_param in opt.state.values():
                 for value in per_param.values():
-                    if hasattr(value, "data_ptr"):
-                        deferred.add((value.data_ptr(), value.numel() * value.element_size()))
+                    add(value)
+        for source in self.lazy_sources:
+            for t in source():
+                add(t)
         at_once = self._copy_at_once
 
         def defer(ref: Any) -> bool:
@@ -622,10 +632,15 @@ class Checkpointer:
 
         return defer
 
+    def settle_snapshot(self) -> None:
+        """Before the deferred tensors of a lazy snapshot may change (an optimizer step: torch
+        optimizers' step pre-hook calls this; an adapter whose framework steps otherwise calls it
+        itself, from the training thread): wait for their copy and check it. A tensor changed in
+        place before its copy drops the write; it is said once, the tensor is copied at once from
+        now on, and the save is made again at the next boundary."""
+        self._settle_snapshot()
+
     def _settle_snapshot(self) -> None:
-        """Before the deferred tensors of a lazy snapshot may change: wait for their copy and check
-        it. A tensor changed in place before its copy drops the write; it is said once, the tensor is
-        copied at once from now on, and the save is made again at the next boundary."""
         if not self.writer.unsettled:
             return
         changed = self.writer.settle()

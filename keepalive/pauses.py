@@ -90,6 +90,9 @@ class StepGate:
         #: called (weakly) at each step's start before anything else: the core settles a lazy
         #: snapshot's copy there, before the step changes what it still copies
         self.before_step: "Optional[weakref.WeakMethod[Callable[[], None]]]" = None
+        #: False where the adapter settles later itself (Lightning runs forward and backward inside
+        #: optimizer.step(closure): settled at the step's start, the copy would overlap nothing)
+        self.settle_at_step_start = True
 
     def watch(self, optimizer: Any) -> None:
         self.used = True
@@ -99,7 +102,7 @@ class StepGate:
         return [o for o in (r() for r in self.optimizers) if o is not None]
 
     def enter_step(self) -> None:
-        settle = self.before_step() if self.before_step is not None else None
+        settle = self.before_step() if self.before_step is not None and self.settle_at_step_start else None
         if settle is not None:
             settle()
         with self._lock:  # blocks while the guard copies the state
