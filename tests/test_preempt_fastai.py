@@ -6,7 +6,12 @@ optimizer state, every step's loss, the Recorder history and one draw of each gl
 negative controls: a weight changed in place before the validation (the save is refused, said, and
 made at the epoch end), and the saves between steps switched off (the save then lands after the
 validation: more than 5 s after the signal); and, in this process, a learning rate set before the
-validation (refused and said, saved at the epoch end)."""
+validation (refused and said, saved at the epoch end).
+
+The children's scenarios are independent and mostly sleep (slow validations): a module fixture runs them
+side by side, each in a thread of its own that waits only for its own child's lines; each test reports
+its scenario's outcome."""
+import concurrent.futures
 import json
 import os
 import queue
@@ -17,7 +22,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import pytest
 import torch
@@ -104,18 +109,38 @@ def _run(run, out, *extra: str, sigterm_in_eval: bool = False, timeout: float = 
     return got
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def _reference(d) -> Tuple[object, Dict[int, str]]:
     """The same training without keepalive (no slow validation: a sleep changes no number)."""
-    d = tmp_path_factory.mktemp("ref")
     got = _run(d / "run", d / "w.st", "--no-keepalive")
     assert got.rc == 0 and "DONE" in got.text, got.text[-3000:]
     assert sorted(got.losses) == list(range(1, 2 * N_ITER + 1))
     return d / "w.st", got.losses
 
 
-def _assert_same(reference, out, *runs: Outcome) -> None:
-    ref, ref_losses = reference
+Scenario = Callable[..., None]
+SCENARIOS: Dict[str, Scenario] = {}
+
+
+def scenario(fn: Scenario) -> Scenario:
+    """Registers ``fn(tmp_path, reference)`` (assertions inside) with the module fixture."""
+    SCENARIOS[fn.__name__] = fn
+    return fn
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory) -> Dict[str, "concurrent.futures.Future[None]"]:
+    """Every child scenario run side by side; a test calls ``.result()`` of its own (its assertion error)."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as ref_pool, \
+            concurrent.futures.ThreadPoolExecutor(max_workers=len(SCENARIOS)) as pool:
+        # made once beside the scenarios: a scenario that compares with it waits for it
+        reference = ref_pool.submit(_reference, tmp_path_factory.mktemp("ref"))
+        found = {name: pool.submit(fn, tmp_path_factory.mktemp(name), reference) for name, fn in SCENARIOS.items()}
+        concurrent.futures.wait(list(found.values()))
+    return found
+
+
+def _assert_same(reference: "concurrent.futures.Future[Tuple[object, Dict[int, str]]]", out, *runs: Outcome) -> None:
+    ref, ref_losses = reference.result()
     wa, wb = load_file(str(ref)), load_file(str(out))
     assert wa.keys() == wb.keys()
     for k in wa:
@@ -136,7 +161,8 @@ def _resume(tmp_path, reference, first: Outcome, resumed_step: int) -> None:
     _assert_same(reference, tmp_path / "w.st", first, again)
 
 
-def test_sigterm_during_validation_saved_at_once(tmp_path, reference):
+@scenario
+def sigterm_during_validation_saved_at_once(tmp_path, reference) -> None:
     """SIGTERM 1 s into a 9 s validation (8 batches of 1.1 s: the guard's thread saves, then the
     signal ends the process): committed within 5 s, exit 143 before the validation would have ended;
     the resume re-runs the validation and the epoch end once, and ends bit-identical."""
@@ -158,7 +184,8 @@ def test_sigterm_during_validation_saved_at_once(tmp_path, reference):
     _resume(tmp_path, reference, got, N_ITER)
 
 
-def test_sigterm_in_next_epoch_prologue(tmp_path, reference):
+@scenario
+def sigterm_in_next_epoch_prologue(tmp_path, reference) -> None:
     """SIGTERM 1 s into a 6 s prologue of the second epoch (before its first batch), no checkpoint at
     the first epoch's end (every=1000 steps): the state of that epoch end is saved at once, with its
     position and loaders' random states; the resume ends bit-identical."""
@@ -173,7 +200,8 @@ def test_sigterm_in_next_epoch_prologue(tmp_path, reference):
     _resume(tmp_path, reference, got, N_ITER)
 
 
-def test_deadline_during_validation_saved_and_stopped(tmp_path, reference):
+@scenario
+def deadline_during_validation_saved_and_stopped(tmp_path, reference) -> None:
     """The session's deadline falls 4.5 s after a 4 s validation (8 batches of 0.5 s) starts: with its
     2 s margin it comes due during the validation, and keepalive's batch hook saves there, before the
     deadline minus the margin; the training stops at the epoch end (said), and the resume ends
@@ -191,7 +219,8 @@ def test_deadline_during_validation_saved_and_stopped(tmp_path, reference):
     _resume(tmp_path, reference, got, N_ITER)
 
 
-def test_control_state_changed_before_validation(tmp_path, reference):
+@scenario
+def control_state_changed_before_validation(tmp_path, reference) -> None:
     """Negative control: a callback changes a weight in place (x1.0: the same values) after the
     training batches, before the validation: the save between steps is refused with the warning, the
     SIGTERM is saved at the epoch end (after the validation), and the resume is still bit-identical."""
@@ -209,7 +238,8 @@ def test_control_state_changed_before_validation(tmp_path, reference):
     _resume(tmp_path, reference, got, N_ITER)
 
 
-def test_control_without_saves_between_steps(tmp_path):
+@scenario
+def control_without_saves_between_steps(tmp_path, reference) -> None:
     """Negative control: with the saves between steps switched off in the child, the SIGTERM is saved
     only at the epoch end, after the validation: the 5 s bound fails."""
     got = _run(tmp_path / "run", tmp_path / "w.st", "--slow-epoch", "0", "--eval-seconds", "9",
@@ -252,3 +282,24 @@ def test_control_hyperparameter_changed_before_validation(tmp_path, capsys):
             "longer that of its last step (the loop changed state beside the tensors since its last step (e.g. a "
             "scheduler stepped)): the save waits for the next step boundary") in text, text[-3000:]
     assert re.search(r"SIGTERM: saved epoch 1, step 4 to \S+; exiting with code 143", text), text[-3000:]
+
+
+# ------------------------------------------------------------------------------------------ the tests
+def test_sigterm_during_validation_saved_at_once(outcomes):
+    outcomes["sigterm_during_validation_saved_at_once"].result()
+
+
+def test_sigterm_in_next_epoch_prologue(outcomes):
+    outcomes["sigterm_in_next_epoch_prologue"].result()
+
+
+def test_deadline_during_validation_saved_and_stopped(outcomes):
+    outcomes["deadline_during_validation_saved_and_stopped"].result()
+
+
+def test_control_state_changed_before_validation(outcomes):
+    outcomes["control_state_changed_before_validation"].result()
+
+
+def test_control_without_saves_between_steps(outcomes):
+    outcomes["control_without_saves_between_steps"].result()

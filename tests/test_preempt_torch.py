@@ -7,9 +7,15 @@ last random draw) to an uninterrupted run without keepalive. The child is tests/
 
 The clouds' metadata services cannot run here: tests/metaserver.py stands in for them on 127.0.0.1
 (same paths and headers), and keepalive is pointed at it with KEEPALIVE_CLOUD / KEEPALIVE_METADATA_URL.
+
+The scenarios are independent children that mostly sleep (evaluations, stalls, notices): a module fixture
+runs them side by side, each in a thread of its own that waits only for its own child's lines, and each
+test reports its scenario's outcome.
 """
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import os
 import queue
 import re
@@ -18,7 +24,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import pytest
 
@@ -115,24 +121,65 @@ def results(children: List[Child], out_file: str) -> Dict[str, object]:
     return {"final": torch.load(out_file), "losses": losses, "evals": evals}
 
 
-_REFERENCES: Dict[str, Dict[str, object]] = {}
+class References:
+    """The uninterrupted runs without keepalive, per variant of the training: each made once, in a pool of
+    its own (a scenario that needs one waits for it; no scenario's thread ever makes one)."""
+
+    VARIANTS = ({}, {"PT_EMA": "1"}, {"PT_ACCUM": "2"}, {"PT_SCHED_BEFORE_EVAL": "1"})
+
+    def __init__(self, folder, pool: concurrent.futures.ThreadPoolExecutor):
+        self.folder, self.pool = folder, pool
+        self.made: Dict[str, "concurrent.futures.Future[Dict[str, object]]"] = {}
+        self.lock = threading.Lock()
+        for env in self.VARIANTS:
+            self.start(env)
+
+    def start(self, env: Dict[str, str]) -> "concurrent.futures.Future[Dict[str, object]]":
+        key = repr(sorted(env.items()))
+        with self.lock:
+            if key not in self.made:
+                self.made[key] = self.pool.submit(self.make, env, str(self.folder / f"ref{len(self.made)}.pt"))
+            return self.made[key]
+
+    def make(self, env: Dict[str, str], out: str) -> Dict[str, object]:
+        child = Child(str(self.folder / "unused"), out, dict(env, PT_PLAIN="1", PT_EVAL_SECONDS="0"))
+        assert child.finish() == 0, child.text
+        return results([child], out)
+
+    def __call__(self, **env: str) -> Dict[str, object]:
+        return self.start(env).result()
+
+
+Scenario = Callable[..., None]
+SCENARIOS: Dict[str, Scenario] = {}
+
+
+def scenario(fn: Scenario) -> Scenario:
+    """Registers ``fn(tmp_path, reference)`` (assertions inside) with the module fixture."""
+    SCENARIOS[fn.__name__] = fn
+    return fn
+
+
+def scenario_per_eval_kind(fn: Scenario) -> Scenario:
+    """Registers ``fn(tmp_path, reference, eval_kind)`` once per kind of evaluation loop, as
+    ``name[ka]`` and ``name[plain]``."""
+    for kind in ("ka", "plain"):
+        SCENARIOS[f"{fn.__name__}[{kind}]"] = functools.partial(fn, eval_kind=kind)
+    return fn
+
+
+WORKERS = 6  # scenarios at once: children that mostly sleep, a torch import each (a 2-core machine)
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """The uninterrupted run without keepalive, per variant of the training (made once each)."""
-    tmp = tmp_path_factory.mktemp("plain")
-
-    def get(**env: str) -> Dict[str, object]:
-        key = repr(sorted(env.items()))
-        if key not in _REFERENCES:
-            out = str(tmp / f"ref{len(_REFERENCES)}.pt")
-            child = Child(str(tmp / "unused"), out, dict(env, PT_PLAIN="1", PT_EVAL_SECONDS="0"))
-            assert child.finish() == 0, child.text
-            _REFERENCES[key] = results([child], out)
-        return _REFERENCES[key]
-
-    return get
+def outcomes(tmp_path_factory) -> Dict[str, "concurrent.futures.Future[None]"]:
+    """Every scenario run side by side; a test calls ``.result()`` of its own (its assertion error, if any)."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(References.VARIANTS)) as refs_pool, \
+            concurrent.futures.ThreadPoolExecutor(max_workers=WORKERS) as pool:
+        reference = References(tmp_path_factory.mktemp("plain"), refs_pool)
+        found = {name: pool.submit(fn, tmp_path_factory.mktemp(name), reference) for name, fn in SCENARIOS.items()}
+        concurrent.futures.wait(list(found.values()))
+    return found
 
 
 def resume(run_dir: str, out_file: str, env: Dict[str, str]) -> Child:
@@ -150,8 +197,8 @@ def latency(child: Child, since: float, step: int) -> float:
 
 
 # ---------------------------------------------------------------------- SIGTERM during an evaluation
-@pytest.mark.parametrize("eval_kind", ["ka", "plain"])
-def test_sigterm_during_evaluation_is_saved_within_5s_and_resumes_bit_identically(tmp_path, reference, eval_kind):
+@scenario_per_eval_kind
+def sigterm_during_evaluation_is_saved_within_5s_and_resumes_bit_identically(tmp_path, reference, eval_kind):
     """The evaluation after epoch 1 lasts 8 s; SIGTERM 1 s into it. Through ``ckpt.batches(val_loader)``
     the training thread saves at the evaluation's next batch; through a plain ``for x in val_loader``
     keepalive's guard thread saves. Either way: committed within 5 s, exit 143 before the evaluation's
@@ -172,7 +219,8 @@ def test_sigterm_during_evaluation_is_saved_within_5s_and_resumes_bit_identicall
     assert_same(results([first, second], out), reference())
 
 
-def test_negative_control_without_saves_between_steps_the_save_waits_for_the_evaluation(tmp_path):
+@scenario
+def negative_control_without_saves_between_steps_the_save_waits_for_the_evaluation(tmp_path, reference) -> None:
     """The same SIGTERM with the saves between steps switched off: the checkpoint comes only at the
     epoch's end, after the evaluation: later than the bound, so the test above can fail."""
     run, out = str(tmp_path / "run"), str(tmp_path / "out.pt")
@@ -187,7 +235,8 @@ def test_negative_control_without_saves_between_steps_the_save_waits_for_the_eva
     assert f"{run} {PAUSED}" not in first.text, first.text
 
 
-def test_negative_control_the_random_state_of_the_save_s_moment_is_not_the_resume_of_the_step(tmp_path, reference):
+@scenario
+def negative_control_the_random_state_of_the_save_s_moment_is_not_the_resume_of_the_step(tmp_path, reference) -> None:
     """A save during the evaluation that keeps the random state of its moment (after some of the
     evaluation's draws) instead of the last step's: the resumed run differs, so the comparison above
     can fail."""
@@ -202,7 +251,8 @@ def test_negative_control_the_random_state_of_the_save_s_moment_is_not_the_resum
     assert_differs(results([first, second], out), reference())
 
 
-def test_ema_changed_in_place_during_evaluation_refuses_then_saves_at_the_epoch_end(tmp_path, reference):
+@scenario
+def ema_changed_in_place_during_evaluation_refuses_then_saves_at_the_epoch_end(tmp_path, reference) -> None:
     """An EMA updated in place at the evaluation's start: the state is no longer the last step's. The
     SIGTERM is said to wait (once, with what to change), saved at the epoch's end, and the resume is
     still bit-identical."""
@@ -221,7 +271,8 @@ def test_ema_changed_in_place_during_evaluation_refuses_then_saves_at_the_epoch_
     assert_same(results([first, second], out), reference(PT_EMA="1"))
 
 
-def test_sigterm_during_a_data_stall_is_saved_within_5s(tmp_path, reference):
+@scenario
+def sigterm_during_a_data_stall_is_saved_within_5s(tmp_path, reference) -> None:
     """The training loader (num_workers=0) takes 8 s for one item of epoch 1: a SIGTERM 1 s into the
     stall is saved by the guard thread within 5 s, and the resume is bit-identical."""
     run, out = str(tmp_path / "run"), str(tmp_path / "out.pt")
@@ -237,7 +288,8 @@ def test_sigterm_during_a_data_stall_is_saved_within_5s(tmp_path, reference):
     assert_same(results([first, second], out), reference())
 
 
-def test_sigterm_with_gradients_pending_waits_for_the_step(tmp_path, reference):
+@scenario
+def sigterm_with_gradients_pending_waits_for_the_step(tmp_path, reference) -> None:
     """Two micro-batches per step; a 3 s pause in the loop body with the first one's gradients pending:
     no consistent state, so no save during the pause; the SIGTERM is saved at the step's boundary."""
     run, out = str(tmp_path / "run"), str(tmp_path / "out.pt")
@@ -257,8 +309,8 @@ def test_sigterm_with_gradients_pending_waits_for_the_step(tmp_path, reference):
 
 
 # ----------------------------------------------------------------------- the deadline in an evaluation
-@pytest.mark.parametrize("eval_kind", ["ka", "plain"])
-def test_deadline_inside_evaluation_saves_during_it_and_stops(tmp_path, reference, eval_kind):
+@scenario_per_eval_kind
+def deadline_inside_evaluation_saves_during_it_and_stops(tmp_path, reference, eval_kind: str) -> None:
     """The session's deadline falls 4 s into the 8 s evaluation: saved during it (within 5 s of the
     moment the deadline was within a save and the margin), the training stops at its next boundary
     (the epoch's end) with a clean exit, and the resume is bit-identical."""
@@ -275,7 +327,8 @@ def test_deadline_inside_evaluation_saves_during_it_and_stops(tmp_path, referenc
     assert_same(results([first, second], out), reference())
 
 
-def test_negative_control_a_scheduler_stepped_before_the_evaluation_is_refused(tmp_path, reference):
+@scenario
+def negative_control_a_scheduler_stepped_before_the_evaluation_is_refused(tmp_path, reference) -> None:
     """The scheduler steps between the epoch's last batch and the evaluation: the deadline's save during
     the evaluation is refused (said once), made at the epoch's end instead, and the resume is still
     bit-identical."""
@@ -315,7 +368,8 @@ def stopped_by_notice(child: Child, run: str) -> int:
     return int(m.group(1))
 
 
-def test_notice_before_the_first_checkpoint_saves_and_stops(tmp_path, reference):
+@scenario
+def notice_before_the_first_checkpoint_saves_and_stops(tmp_path, reference) -> None:
     """AWS: the Spot notice comes at the training's first step, long before its first scheduled save
     (every 100 steps): saved within 5 s, stopped cleanly, resumed bit-identically."""
     run, out = str(tmp_path / "run"), str(tmp_path / "out.pt")
@@ -334,7 +388,8 @@ def test_notice_before_the_first_checkpoint_saves_and_stops(tmp_path, reference)
     assert_same(results([first, second], out), reference())
 
 
-def test_notice_mid_epoch_saves_acknowledges_and_stops(tmp_path, reference):
+@scenario
+def notice_mid_epoch_saves_acknowledges_and_stops(tmp_path, reference) -> None:
     """Azure: a Preempt event in the middle of epoch 2: saved at the next step (inside the epoch)
     within 5 s, the event acknowledged, stopped cleanly, resumed bit-identically."""
     run, out = str(tmp_path / "run"), str(tmp_path / "out.pt")
@@ -354,7 +409,8 @@ def test_notice_mid_epoch_saves_acknowledges_and_stops(tmp_path, reference):
     assert_same(results([first, second], out), reference())
 
 
-def test_notice_with_on_preempt_save_saves_once_and_trains_on(tmp_path, reference):
+@scenario
+def notice_with_on_preempt_save_saves_once_and_trains_on(tmp_path, reference) -> None:
     """GCE with ``on_preempt="save"``: one save within 5 s of the notice, then the training goes on to
     its end, unchanged by the save."""
     run, out = str(tmp_path / "run"), str(tmp_path / "out.pt")
@@ -374,7 +430,8 @@ def test_notice_with_on_preempt_save_saves_once_and_trains_on(tmp_path, referenc
     assert_same(results([first], out), reference())
 
 
-def test_notice_during_a_30s_evaluation_is_saved_within_5s(tmp_path, reference):
+@scenario
+def notice_during_a_30s_evaluation_is_saved_within_5s(tmp_path, reference) -> None:
     """GCE: the notice comes 1 s into a 30 s evaluation: saved within 5 s (the state of the epoch's
     last step, its evaluation to run again), said, the stop owed to the next boundary. The test does
     not wait the 30 s out: it kills the child once the save landed (the VM would be gone), and the
@@ -412,20 +469,24 @@ def finished(job: DDPJob) -> int:
         job.stop()
 
 
-def test_notice_under_two_rank_ddp_is_agreed_saved_once_and_both_stop(tmp_path):
+@scenario
+def notice_under_two_rank_ddp_is_agreed_saved_once_and_both_stop(tmp_path, reference) -> None:
     """GCE, torchrun with 2 ranks (gloo): the notice is agreed at the next step boundary by both ranks,
     saved once, both ranks stop with exit 0; the resume is bit-identical to the run without keepalive."""
-    reference = DDPJob(tmp_path, "plain", env={"DDP_PLAIN": "1", **NOT_A_CLOUD})
-    assert finished(reference) == 0, reference.text()
-    with MetadataServer(cloud="gce") as srv:
-        job = DDPJob(tmp_path, "notice", env={"KEEPALIVE_CLOUD": "gce", "KEEPALIVE_METADATA_URL": srv.url,
-                                              "DDP_STEP_SLEEP": "0.2", "DDP_EVERY": "100"})
-        job.wait_output("STEP 10 attempt 0")
-        sent = time.monotonic()
-        srv.preempt()
-        job.wait_output("COMMITTED")
-        took = time.monotonic() - sent
-        assert finished(job) == 0, job.text()
+    plain = DDPJob(tmp_path, "plain", env={"DDP_PLAIN": "1", **NOT_A_CLOUD})  # runs beside the notice's job
+    try:
+        with MetadataServer(cloud="gce") as srv:
+            job = DDPJob(tmp_path, "notice", env={"KEEPALIVE_CLOUD": "gce", "KEEPALIVE_METADATA_URL": srv.url,
+                                                  "DDP_STEP_SLEEP": "0.2", "DDP_EVERY": "100"})
+            job.wait_output("STEP 10 attempt 0")
+            sent = time.monotonic()
+            srv.preempt()
+            job.wait_output("COMMITTED")
+            took = time.monotonic() - sent
+            assert finished(job) == 0, job.text()
+    finally:
+        plain_code = finished(plain)
+    assert plain_code == 0, plain.text()
     text = job.text()
     steps = {int(s) for s in re.findall(r"DONE rank \d step (\d+)", text)}
     assert len(steps) == 1 and len(re.findall(r"DONE rank", text)) == 2, text
@@ -437,5 +498,60 @@ def test_notice_under_two_rank_ddp_is_agreed_saved_once_and_both_stop(tmp_path):
     again = DDPJob(tmp_path, "resume", run_dir=job.run_dir, env=NOT_A_CLOUD)
     assert finished(again) == 0, again.text()
     assert "resuming run" in again.text(), again.text()
-    for rank, (mine, theirs) in enumerate(zip(again.finals(), reference.finals())):
+    for rank, (mine, theirs) in enumerate(zip(again.finals(), plain.finals())):
         assert_same(mine, theirs, f"rank {rank}")
+
+
+# ------------------------------------------------------------------------------------------ the tests
+@pytest.mark.parametrize("eval_kind", ["ka", "plain"])
+def test_sigterm_during_evaluation_is_saved_within_5s_and_resumes_bit_identically(outcomes, eval_kind):
+    outcomes[f"sigterm_during_evaluation_is_saved_within_5s_and_resumes_bit_identically[{eval_kind}]"].result()
+
+
+def test_negative_control_without_saves_between_steps_the_save_waits_for_the_evaluation(outcomes):
+    outcomes["negative_control_without_saves_between_steps_the_save_waits_for_the_evaluation"].result()
+
+
+def test_negative_control_the_random_state_of_the_save_s_moment_is_not_the_resume_of_the_step(outcomes):
+    outcomes["negative_control_the_random_state_of_the_save_s_moment_is_not_the_resume_of_the_step"].result()
+
+
+def test_ema_changed_in_place_during_evaluation_refuses_then_saves_at_the_epoch_end(outcomes):
+    outcomes["ema_changed_in_place_during_evaluation_refuses_then_saves_at_the_epoch_end"].result()
+
+
+def test_sigterm_during_a_data_stall_is_saved_within_5s(outcomes):
+    outcomes["sigterm_during_a_data_stall_is_saved_within_5s"].result()
+
+
+def test_sigterm_with_gradients_pending_waits_for_the_step(outcomes):
+    outcomes["sigterm_with_gradients_pending_waits_for_the_step"].result()
+
+
+@pytest.mark.parametrize("eval_kind", ["ka", "plain"])
+def test_deadline_inside_evaluation_saves_during_it_and_stops(outcomes, eval_kind):
+    outcomes[f"deadline_inside_evaluation_saves_during_it_and_stops[{eval_kind}]"].result()
+
+
+def test_negative_control_a_scheduler_stepped_before_the_evaluation_is_refused(outcomes):
+    outcomes["negative_control_a_scheduler_stepped_before_the_evaluation_is_refused"].result()
+
+
+def test_notice_before_the_first_checkpoint_saves_and_stops(outcomes):
+    outcomes["notice_before_the_first_checkpoint_saves_and_stops"].result()
+
+
+def test_notice_mid_epoch_saves_acknowledges_and_stops(outcomes):
+    outcomes["notice_mid_epoch_saves_acknowledges_and_stops"].result()
+
+
+def test_notice_with_on_preempt_save_saves_once_and_trains_on(outcomes):
+    outcomes["notice_with_on_preempt_save_saves_once_and_trains_on"].result()
+
+
+def test_notice_during_a_30s_evaluation_is_saved_within_5s(outcomes):
+    outcomes["notice_during_a_30s_evaluation_is_saved_within_5s"].result()
+
+
+def test_notice_under_two_rank_ddp_is_agreed_saved_once_and_both_stop(outcomes):
+    outcomes["notice_under_two_rank_ddp_is_agreed_saved_once_and_both_stop"].result()

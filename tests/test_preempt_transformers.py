@@ -119,9 +119,11 @@ class Scenario:
         self.code: Optional[int] = None
         self.child: Optional[Child] = None
         self.resumed: Optional[Child] = None
+        self.resumed_code: Optional[int] = None
         self.error: Optional[BaseException] = None
 
     def interrupt(self) -> None:
+        """The interrupted run, then (unless ``resume=False``) the resume to the end, one after the other."""
         try:
             self.child = Child(self.run, self.out, "--slow-eval", str(SLOW_BATCH), *self.extra)
             if self.sigterm:
@@ -130,6 +132,10 @@ class Scenario:
                 self.sent = time.time()
                 self.child.proc.send_signal(signal.SIGTERM)
             self.code = self.child.finish()
+            if self.resume:
+                counter = ("--counter",) if "--counter" in self.extra else ()
+                self.resumed = Child(self.run, self.out, *counter)
+                self.resumed_code = self.resumed.finish()
         except BaseException as exc:  # noqa: BLE001 - reported by the test that reads this scenario
             self.error = exc
 
@@ -143,14 +149,15 @@ class Scenario:
         return self.child.times(prefix)
 
     def result(self) -> Tuple[Dict[str, torch.Tensor], dict]:
-        assert self.resumed is not None and self.resumed.finish() == 0, self.resumed and self.resumed.text
+        assert self.resumed is not None and self.resumed_code == 0, self.resumed and self.resumed.text
         return _result(self.out)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Dict[str, Scenario]:
-    """Every interrupted run at once (each waits on its own child's lines: no timing between them), then
-    every resume at once, then the reference without keepalive: a few processes' start-up instead of ten."""
+    """Every scenario at once, each in a thread of its own: its interrupted run (waiting on its own child's
+    lines: no timing between them), then its resume, which overlaps the others' slow evaluations; the
+    reference without keepalive beside them."""
     def folder(name: str) -> str:
         return str(tmp_path_factory.mktemp(name))
 
@@ -174,10 +181,6 @@ def runs(tmp_path_factory) -> Dict[str, Scenario]:
         t.start()
     for t in threads:
         t.join()
-    for s in scenarios.values():
-        if s.resume and s.error is None:
-            counter = ("--counter",) if "--counter" in s.extra else ()
-            s.resumed = Child(s.run, s.out, *counter)
     assert reference.finish() == 0, reference.text
     scenarios["reference"] = Scenario(ref_dir)
     scenarios["reference"].child = reference
