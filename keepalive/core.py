@@ -799,7 +799,8 @@ class Checkpointer:
             watcher.acknowledge(notice)  # type: ignore[arg-type]
 
     def _before_boundary(self, capture: Capture) -> None:
-        self._settle_snapshot()  # (a loop without a watched optimizer step since the save)
+        # (no settling of a lazy snapshot here: gradient accumulation's micro-batches have boundaries
+        # too, and the copy may run until the optimizer step itself)
         self._alive()  # a boundary acts on what is due itself (not as a pause)
         if not self._reserved:  # the first boundary prepares the first save's host buffer
             self._reserved = True
