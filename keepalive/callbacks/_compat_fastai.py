@@ -16,16 +16,19 @@ from fastai.callback.tracker import EarlyStoppingCallback, ReduceLROnPlateau, Sa
 from fastai.callback.training import GradientAccumulation
 from fastai.data import load
 from fastai.learner import AvgSmoothLoss, Learner
+from fastai.optimizer import Optimizer, OptimWrapper
 
 from ._compat import Framework, Internal, Package, code_consts, code_names, given, has, local, module_has, param, uses
 
-__all__ = ["COMPAT", "WITH_EVENTS", "FIT_EVENT", "EPOCH_EVENT", "BATCH_EVENT", "FINE_TUNE", "TRACKER_ATTRS",
-           "ORDER_METHODS"]
+__all__ = ["COMPAT", "WITH_EVENTS", "FIT_EVENT", "EPOCH_EVENT", "BATCH_EVENT", "STEP_EVENT", "FINE_TUNE",
+           "TRACKER_ATTRS", "ORDER_METHODS"]
 
 #: the Learner method every event runs through: replaced on the learner instance while attached
 WITH_EVENTS = "_with_events"
 #: the event names the Learner passes to it for a fit, an epoch and a batch
 FIT_EVENT, EPOCH_EVENT, BATCH_EVENT = "fit", "epoch", "batch"
+#: the event around the optimizer step (before_step callbacks, Learner._step, after_step)
+STEP_EVENT = "step"
 #: the Learner method whose frame says a fit is fine_tune's frozen or unfrozen one
 FINE_TUNE = "fine_tune"
 #: what the tracker callbacks (SaveModelCallback, EarlyStoppingCallback, ReduceLROnPlateau) keep
@@ -72,6 +75,13 @@ def _internals() -> List[Internal]:
                  f"{F}: DriveCheckpoint._events", _passes(EPOCH_EVENT), token="EPOCH_EVENT"),
         Internal(f"Learner event '{BATCH_EVENT}'", "a batch, as _with_events sees it",
                  f"{F}: DriveCheckpoint._events", _passes(BATCH_EVENT), token="BATCH_EVENT"),
+        Internal(f"Learner event '{STEP_EVENT}'", "the optimizer step, as _with_events sees it (before any "
+                 "before_step callback): a lazy snapshot's background copy is settled there",
+                 f"{F}: DriveCheckpoint._events", _passes(STEP_EVENT), token="STEP_EVENT"),
+        Internal("Optimizer.param_lists / state", "fastai's optimizer's parameters and per-parameter state, "
+                 "copied in the background by a lazy snapshot until the next step event",
+                 f"{S}: optimizer_tensors", lambda: uses(lambda: Optimizer, "param_lists", "state")()
+                 and uses(lambda: OptimWrapper, "opt")(), token="param_lists"),
         Internal(f"Learner.{FINE_TUNE} local 'self'", "the frame walked up to: a fit inside fine_tune is its "
                  "frozen or unfrozen phase", f"{S}: fine_tune_phase",
                  local(lambda: getattr(Learner, FINE_TUNE), "self", unwrap=False), token="FINE_TUNE"),

@@ -40,7 +40,8 @@ from .torchstate import check_module, check_optimizer, value_summary
 
 __all__ = ["capture_objects", "check_fits", "restore", "capture_callbacks", "describe", "phase_words",
            "fine_tune_phase", "epochs", "where_words", "cell_identity", "FitLog", "RunHere", "run_here",
-           "fit_plan", "plan_changes", "valid_split", "restore_loggers", "write_loggers", "summary"]
+           "fit_plan", "plan_changes", "valid_split", "restore_loggers", "write_loggers", "summary",
+           "optimizer_tensors"]
 
 
 # --------------------------------------------------------------------------------- conversions
@@ -77,6 +78,24 @@ def capture_objects(learn: Learner) -> Dict[str, Any]:
     if scaler is not None:
         objects["scaler"] = scaler.state_dict()
     return objects
+
+
+def optimizer_tensors(learn: Learner) -> List[Any]:
+    """The tensors only the optimizer's step changes: its parameters and its per-parameter state (a
+    lazy snapshot copies them in the background until the next step). fastai's ``Optimizer`` (and
+    ``Lookahead`` over one) or an ``OptimWrapper``'s torch optimizer; read without creating entries
+    in the state's defaultdict (that would add empty states to the checkpoint)."""
+    opt = getattr(learn, "opt", None)
+    if isinstance(opt, OptimWrapper):
+        inner = opt.opt
+        params = [p for group in inner.param_groups for p in group["params"]]
+        states = list(inner.state.values())
+    elif isinstance(opt, Optimizer):
+        params = [p for group in opt.param_lists for p in group]
+        states = list(opt.state.values())
+    else:
+        return []
+    return params + [v for state in states for v in state.values() if isinstance(v, torch.Tensor)]
 
 
 def check_fits(learn: Learner, tree: Mapping[str, Any], where: str) -> None:

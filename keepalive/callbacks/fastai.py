@@ -169,6 +169,12 @@ class DriveCheckpoint(RunViews, Callback):  # RunViews: no epoch / step (a callb
             self._core = Checkpointer(config=self._config, framework="fastai")
             self._core.fingerprint = self._fingerprint
             self._core.pause_hint = PAUSE_HINT
+            # Lazy snapshots: fastai's Optimizer is no torch optimizer (no step hooks), and a training
+            # batch holds the step gate from its start: the copy of its parameters and state runs on
+            # through the next batch's forward and backward, and is settled at its 'step' event
+            # (_events), before any callback's before_step (MixedPrecision's GradScaler) or the step
+            self._core.step_gate.settle_at_step_start = False
+            self._core.lazy_sources.append(_optimizer_tensors_of(self))
         return self._core
 
     def __repr__(self) -> str:
@@ -201,6 +207,11 @@ class DriveCheckpoint(RunViews, Callback):  # RunViews: no epoch / step (a callb
     def _events(self, learn: Learner, call: Callable, f, event_type: str, ex, final) -> Any:
         if event_type == fc.FIT_EVENT:
             return self._run_fit(learn, call, f, ex, final)
+        if event_type == fc.STEP_EVENT:
+            # the optimizer's parameters and state change from here on (a before_step callback may
+            # step them too): a lazy snapshot's background copy must be done and checked first
+            self.core.settle_snapshot()
+            return call(f, event_type, ex, final)
         st = self._fit
         if st is None:
             return call(f, event_type, ex, final)
@@ -629,6 +640,18 @@ class DriveCheckpoint(RunViews, Callback):  # RunViews: no epoch / step (a callb
         if self._fit is None or self.learn is None:
             raise RuntimeError("DriveCheckpoint.save() works while a fit runs (e.g. from a callback)")
         self.core.save(self.capture, sync=sync, reason="by hand")
+
+
+def _optimizer_tensors_of(cb: DriveCheckpoint) -> Callable[[], List[Any]]:
+    """The core's lazy source for ``cb``'s learner (held weakly: the core is the callback's)."""
+    ref = weakref.ref(cb)
+
+    def tensors() -> List[Any]:
+        target = ref()
+        learn = target.learn if target is not None else None
+        return state.optimizer_tensors(learn) if learn is not None else []
+
+    return tensors
 
 
 def _then_always(f: Callable[[], Any], after: Callable[[], Any]) -> Callable[[], None]:
