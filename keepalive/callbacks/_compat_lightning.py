@@ -17,7 +17,7 @@ try:  # the same namespace the adapter uses
 except ImportError:  # pragma: no cover - depends on what is installed
     import pytorch_lightning as pl  # type: ignore[no-redef]
 
-from ._compat import Framework, Internal, Package, field, has, module_has, param, uses
+from ._compat import Framework, Internal, Package, code_consts, code_names, field, has, module_has, param, uses
 
 __all__ = ["COMPAT", "EPOCH_START", "EPOCH_END", "BATCH_END", "EPOCH_RESET", "LOAD_LOADER_STATES",
            "NOT_RESUMABLE_WARNING", "DDP_START_METHOD"]
@@ -92,6 +92,12 @@ def _internals() -> List[Internal]:
                  "themselves (\"popen\": torchrun, or Lightning's own launch) are checkpointed",
                  f"{L}: _check_strategy", uses(_cls("strategies.ddp", "DDPStrategy"), DDP_START_METHOD),
                  token="DDP_START_METHOD"),
+        Internal("Precision._after_closure", "calls the callbacks' on_before_optimizer_step after the closure "
+                 "(forward, backward) and before the optimizer's update, AMP's MixedPrecision.optimizer_step too; "
+                 "Precision.optimizer_step passes its closure as optimizer.step(closure=...): a lazy snapshot's "
+                 "background copy runs on until that hook, a step without a closure settles it at its start",
+                 f"{L}: DriveCheckpoint.on_before_optimizer_step, _settle_at_plain_step", _closure_then_hook,
+                 token="on_before_optimizer_step"),
         Internal("Trainer._checkpoint_connector", "Lightning's own checkpoint: dumped at a save, handed the "
                  "loaded one at a resume", f"{L}: DriveCheckpoint.capture, _resume",
                  uses(lambda: pl.Trainer, "_checkpoint_connector")),
@@ -165,6 +171,17 @@ def _internals() -> List[Internal]:
                       package="torchmetrics")
              for a in ("_defaults", "_update_count", "_computed")]
     return rows
+
+
+def _closure_then_hook() -> bool:
+    """Lightning's precision plugins call on_before_optimizer_step after the closure (through
+    ``_after_closure``), and hand ``optimizer.step`` the closure as a keyword."""
+    precision = _cls("plugins.precision.precision", "Precision")()
+    amp = _cls("plugins.precision.amp", "MixedPrecision")()
+    return ("on_before_optimizer_step" in code_consts(precision._after_closure)
+            and "_after_closure" in code_names(precision._wrap_closure)
+            and "_after_closure" in code_names(amp.optimizer_step)
+            and "closure" in code_consts(precision.optimizer_step))  # the keyword's name
 
 
 def _fabric_cls(module: str, name: str) -> Callable[[], Any]:

@@ -109,6 +109,11 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
         cfg = CheckpointConfig.strict(path, config, options, "DriveCheckpoint")
         self.core = Checkpointer(config=cfg, framework="lightning")
         self.core.pause_hint = PAUSE_HINT
+        # Lightning runs forward and backward inside optimizer.step(closure), after torch's step
+        # pre-hook: a lazy snapshot settled there would overlap nothing. It is settled in
+        # on_before_optimizer_step instead (after the closure, before the update) and, for a step
+        # without Lightning's closure, at that step's start (_settle_at_plain_step)
+        self.core.step_gate.settle_at_step_start = False
         self._trainer_ref: Optional["weakref.ReferenceType[Any]"] = None
         self._restore: List[Tuple[Any, str, Any]] = []  # (object, attribute, what was there)
         self.data = data.TrainData(lambda msg, key: self.core.warn(msg, key=key))  # this fit's training loaders
@@ -162,7 +167,14 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
             if optimizer not in self._gated:  # the guard's thread copies the state only between their steps
                 self._gated.add(optimizer)
                 gate_steps(core, optimizer)
+                optimizer.register_step_pre_hook(_settle_at_plain_step(core))
         core.install_signal_handlers()
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        # Lightning calls this after the closure (forward and backward, every accumulated micro-batch)
+        # and before the optimizer changes anything, in automatic and manual optimization, AMP's
+        # GradScaler path included: the last moment a lazy snapshot's background copy may run on
+        self.core.settle_snapshot()
 
     # ------------------------------------------------------------------- validation of the fit
     # Lightning validates inside the epoch loop's on_advance_end, after the training batch is done but
@@ -571,6 +583,22 @@ def _check_strategy(trainer: Any) -> None:
             "(strategy=\"ddp_spawn\"): its processes train on a pickled copy of the callback, started afresh: "
             "use strategy=\"ddp\" (the script run by torchrun --nproc_per_node=N, or python script.py: "
             "Lightning starts the other processes), or strategy=\"ddp_notebook\" in a notebook")
+
+
+def _settle_at_plain_step(core: Checkpointer) -> Callable[..., None]:
+    """A step pre-hook: a step given no closure (AMP's ``scaler.step``, which Lightning calls after
+    on_before_optimizer_step; a raw optimizer a manual ``training_step`` steps itself) settles the lazy
+    snapshot at its start, as in a plain torch loop. A step with Lightning's closure runs forward and
+    backward first and is settled in ``on_before_optimizer_step``. Holds the core weakly (the hook
+    lives as long as the optimizer)."""
+    ref = weakref.ref(core)
+
+    def hook(_optimizer: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+        target = ref()
+        if target is not None and not args and kwargs.get("closure") is None:
+            target.settle_snapshot()
+
+    return hook
 
 
 def _sigterm_exception() -> Tuple[Type[BaseException], ...]:

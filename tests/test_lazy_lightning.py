@@ -1,0 +1,285 @@
+"""Lazy snapshots in the Lightning adapter: a save copies the optimizers' parameters and state in the
+background while the next batch runs; Lightning runs forward and backward inside
+``optimizer.step(closure)``, after torch's step pre-hook, so the copy is settled in
+``on_before_optimizer_step`` (after the closure, before the update), or at the start of a step given
+no closure (AMP's ``scaler.step``).
+
+Each test runs a real ``Trainer.fit`` in this process, clones the model's and optimizers' state at
+every step boundary, and compares each committed checkpoint with the clone of its step, tensor by
+tensor. Where the copy is settled is read from the order of events (save, the next batch's backward,
+the settle), not from timings. Races are forced: the background copy is held until the loop made its
+change. Controls: the settle at the step's start (torch's pre-hook, the gate's default) overlaps no
+backward; without the version check the torn save is committed.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import threading
+import warnings
+from typing import Any, Dict, List, Optional
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _load_torchvision_shim() -> None:
+    """lightning imports torchvision, whose CUDA build here needs its op schemas first (tests/shims)."""
+    spec = importlib.util.spec_from_file_location("_keepalive_tv_shim", os.path.join(HERE, "shims", "sitecustomize.py"))
+    assert spec is not None and spec.loader is not None
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
+
+
+torch = pytest.importorskip("torch")
+_load_torchvision_shim()
+pl = pytest.importorskip("lightning.pytorch")
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+from keepalive.callbacks.lightning import DriveCheckpoint  # noqa: E402
+from keepalive.state import PendingCopy, from_files  # noqa: E402
+from keepalive.store import CheckpointStore  # noqa: E402
+
+CHANGED = "changed in place before its snapshot was copied: copied synchronously from now on"
+_HOLD, _RELEASE = threading.Event(), threading.Event()
+
+
+class Data(pl.LightningDataModule):
+    def __init__(self, n: int = 48):
+        super().__init__()
+        g = torch.Generator().manual_seed(5)
+        self.x, self.y = torch.randn(n + 16, 4, generator=g), torch.randn(n + 16, 1, generator=g)
+        self.n = n
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(self.x[:self.n], self.y[:self.n]), batch_size=8, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(self.x[self.n:], self.y[self.n:]), batch_size=8)
+
+
+class Net(pl.LightningModule):
+    """Automatic optimization (``mode="auto"``) or manual (``"manual"``: manual_backward, opt.step)."""
+
+    def __init__(self, mode: str, cb: "DriveCheckpoint", change_at: Optional[int]):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(4, 32), torch.nn.Dropout(0.3), torch.nn.Linear(32, 1))
+        self.mode, self.cb, self.change_at = mode, cb, change_at
+        self.automatic_optimization = mode != "manual"
+        self.before_change: Dict[int, Any] = {}
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        step = int(self.trainer.global_step)
+        if self.change_at is not None and step == self.change_at and self.cb.core.writer._pending is not None:
+            with torch.no_grad():
+                self.net[0].weight.mul_(0.5)  # a hand-made change before the next optimizer step
+            self.before_change[step] = _BOUNDARIES[step]
+            _BOUNDARIES[step] = None  # the state of this boundary is gone now
+            _RELEASE.set()
+        loss = torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+        if self.mode != "manual":
+            return loss
+        opt = self.optimizers()
+        opt.zero_grad()
+        self.manual_backward(loss)
+        opt.step()
+        return None
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", torch.nn.functional.mse_loss(self.net(batch[0]), batch[1]))
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 3, 0.5),
+                                                   "interval": "step"}}
+
+
+class _Events(pl.Callback):
+    def __init__(self, events: List[Any], change_at: Optional[int]):
+        self.events, self.change_at = events, change_at
+
+    def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
+        self.events.append(("backward", int(trainer.global_step)))
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, *_: Any) -> None:
+        if self.change_at is not None and int(trainer.global_step) == self.change_at:
+            _HOLD.set()  # the copy of this boundary's save waits for the change in the next batch
+
+
+_BOUNDARIES: Dict[int, Any] = {}
+
+
+def _clone(tree: Any) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().clone()
+    if isinstance(tree, dict):
+        return {k: _clone(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return [_clone(v) for v in tree]
+    return tree
+
+
+def _differences(a: Any, b: Any, where: str = "") -> List[str]:
+    if isinstance(a, torch.Tensor):
+        return [] if isinstance(b, torch.Tensor) and torch.equal(a, b) else [where]
+    if isinstance(a, dict):
+        if not isinstance(b, dict) or set(a) != set(b):
+            return [where]
+        return [d for k, v in a.items() for d in _differences(v, b[k], f"{where}.{k}")]
+    if isinstance(a, (list, tuple)):
+        if not isinstance(b, (list, tuple)) or len(a) != len(b):
+            return [where]
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _differences(x, y, f"{where}.{i}")]
+    return [] if a == b else [where]
+
+
+def _saved(run: str) -> Dict[int, Any]:
+    store = CheckpointStore(run)
+    out = {}
+    for info in store.list():
+        ckpt = from_files(store.read_files(info), copy=True)["lightning"]["checkpoint"]
+        out[info.step] = {"state_dict": ckpt["state_dict"], "optimizer_states": ckpt["optimizer_states"]}
+    return out
+
+
+def _train(run: str, *, mode: str = "auto", every: Any = 2, epochs: int = 2, change_at: Optional[int] = None,
+           settle_at_step_start: bool = False, accumulate: int = 1, amp: bool = False,
+           **options: Any) -> Dict[str, Any]:
+    _BOUNDARIES.clear()
+    pl.seed_everything(3, verbose=False)
+    cb = DriveCheckpoint(run, every=every, keep=None, quiet=True, **options)
+    model, events = Net(mode, cb, change_at), []
+    core, writer = cb.core, cb.core.writer
+    deferred: List[int] = []
+
+    def clone_at(boundary: Any) -> Any:
+        def run_boundary(*a: Any, **k: Any) -> Any:
+            trainer = cb.trainer
+            _BOUNDARIES[int(trainer.global_step)] = _clone(
+                {"state_dict": model.state_dict(), "optimizer_states": [o.state_dict() for o in trainer.optimizers]})
+            return boundary(*a, **k)
+        return run_boundary
+
+    submit, settle = writer.submit, writer.settle
+
+    def logged_submit(*a: Any, **k: Any) -> Any:
+        out = submit(*a, **k)
+        if writer._pending is not None:
+            events.append(("save", k.get("step")))
+            deferred.append(k.get("step"))
+        return out
+
+    def logged_settle() -> List[str]:
+        if writer._pending is not None:
+            events.append(("settle", None))
+        return settle()
+
+    core.advance, core.end_epoch = clone_at(core.advance), clone_at(core.end_epoch)  # type: ignore[method-assign]
+    writer.submit, writer.settle = logged_submit, logged_settle  # type: ignore[method-assign]
+    if settle_at_step_start:
+        core.step_gate.settle_at_step_start = True
+    plugins = []
+    if amp:  # AMP's GradScaler path (on a CPU: torch's CPU GradScaler): the closure runs before the step
+        plugins = [pl.plugins.precision.MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]
+    trainer = pl.Trainer(max_epochs=epochs, callbacks=[cb, _Events(events, change_at)], logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         accelerator="cpu", num_sanity_val_steps=0, accumulate_grad_batches=accumulate,
+                         plugins=plugins)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(model, datamodule=Data())
+    return dict(boundaries=dict(_BOUNDARIES), deferred=deferred, core=core, events=events,
+                before_change=model.before_change)
+
+
+def _overlapped(events: List[Any]) -> List[bool]:
+    """For each lazy save: whether a backward ran between it and the settle of its copy."""
+    out: List[bool] = []
+    for i, (kind, _) in enumerate(events):
+        if kind != "save":
+            continue
+        backward = False
+        for later, _ in events[i + 1:]:
+            if later == "backward":
+                backward = True
+            if later == "settle":
+                break
+        out.append(backward)
+    return out
+
+
+def _assert_each_save_is_its_step(found: Dict[str, Any], run: str) -> Dict[int, Any]:
+    saved = _saved(run)
+    assert saved
+    for step, objects in saved.items():
+        expected = found["boundaries"].get(step)
+        assert expected is not None, f"step {step} was saved, but its state was changed before the save"
+        diff = _differences(expected, objects)
+        assert not diff, f"the checkpoint of step {step} is not the state of step {step}: {diff[:5]}"
+    return saved
+
+
+@pytest.fixture
+def held_copy(monkeypatch):
+    """The background copy of the save the loop names (``_HOLD``) waits until the loop has made its
+    change (``_RELEASE``)."""
+    _HOLD.clear()
+    _RELEASE.clear()
+    original = PendingCopy.run
+
+    def run(self):
+        if _HOLD.is_set():
+            _HOLD.clear()
+            assert _RELEASE.wait(30), "the loop never made its change"
+        original(self)
+
+    monkeypatch.setattr(PendingCopy, "run", run)
+    yield
+    _RELEASE.set()
+
+
+@pytest.mark.parametrize("variant", ["auto", "manual", "accumulate", "amp"])
+def test_each_lazy_save_is_its_step_and_its_copy_overlaps_the_next_backward(tmp_path, capsys, variant):
+    """12 batches, a save every 2 optimizer steps: each checkpoint equals the state of its step; the
+    copy of each save made between two training batches is settled only after the next batch's
+    backward (Lightning's closure ran; on_before_optimizer_step), never at the step's start."""
+    options: Dict[str, Any] = {"accumulate": 2, "every": 1} if variant == "accumulate" else {}
+    found = _train(str(tmp_path / "run"), mode="manual" if variant == "manual" else "auto", amp=variant == "amp",
+                   **options)
+    assert len(found["deferred"]) >= 3, "no save copied lazily"
+    saved = _assert_each_save_is_its_step(found, str(tmp_path / "run"))
+    assert set(found["deferred"]) <= set(saved)
+    overlapped = _overlapped(found["events"])
+    assert sum(overlapped) >= 3, found["events"]
+    assert CHANGED not in capsys.readouterr().err
+
+
+def test_control_settled_at_the_step_start_the_copy_overlaps_no_backward(tmp_path):
+    """torch's step pre-hook runs before Lightning's closure: settled there (the gate's default), the
+    copy is still exact but overlaps no forward or backward, which the order check above catches."""
+    found = _train(str(tmp_path / "run"), settle_at_step_start=True)
+    overlapped = _overlapped(found["events"])
+    assert overlapped and not any(overlapped), found["events"]
+    _assert_each_save_is_its_step(found, str(tmp_path / "run"))
+
+
+def test_a_weight_changed_before_its_copy_is_said_once_and_saved_again(tmp_path, capsys, held_copy):
+    """A hand-made in-place change of a parameter in training_step after a save (inside the step's
+    closure), with the copy held until after it: the version check drops that save (said once), the
+    next step boundary saves again, and that parameter is copied at once from then on."""
+    found = _train(str(tmp_path / "run"), every=2, change_at=4)
+    err = capsys.readouterr().err
+    assert err.count(CHANGED) == 1, err
+    assert "net.0.weight changed in place before its snapshot was copied" in err
+    assert "the save of step 4 is made again at the next step boundary" in err
+    saved = _assert_each_save_is_its_step(found, str(tmp_path / "run"))
+    assert 4 not in saved and 5 in saved  # dropped, made again one step later
+    assert any(k.endswith("net.0.weight") for k in found["core"]._copy_at_once)
+
+
+def test_control_without_the_version_check_the_torn_save_is_committed(tmp_path, monkeypatch, held_copy):
+    monkeypatch.setattr(PendingCopy, "changed", lambda self: [])
+    found = _train(str(tmp_path / "run"), every=2, change_at=4)
+    saved = _saved(str(tmp_path / "run"))
+    assert 4 in saved  # committed: its weight is the changed one, the rest is step 4's
+    assert _differences(found["before_change"][4], saved[4]) == [".state_dict.net.0.weight"]
