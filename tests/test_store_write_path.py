@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import json
+import mmap
 import os
 from typing import Any, Dict, List
 
@@ -228,3 +229,87 @@ def test_commit_reports_the_writers_cpu_time(tmp_path):
     store = new_store(tmp_path / "run")
     result = store.commit({"a.bin": payload(1 << 20)}, step=1)
     assert result.cpu_seconds is not None and 0 <= result.cpu_seconds <= result.seconds + 0.05
+
+
+# ------------------------------------------------------------------------------------ direct I/O
+def page_aligned(data: bytes) -> memoryview:
+    """``data`` in page-aligned memory, as a snapshot buffer is (an anonymous mapping)."""
+    mapped = mmap.mmap(-1, len(data))
+    mapped[:] = data
+    return memoryview(mapped)
+
+
+def direct_io_works(folder) -> bool:
+    try:
+        fd = os.open(os.path.join(folder, ".probe"), os.O_WRONLY | os.O_CREAT | getattr(os, "O_DIRECT", 0))
+    except OSError:
+        return False
+    os.close(fd)
+    return hasattr(os, "O_DIRECT")
+
+
+def keep_opened_files(store: CheckpointStore) -> Dict[str, Any]:
+    opened: Dict[str, Any] = {}
+    real_open = store.backend.open_write
+
+    def open_write(path: str):
+        opened[os.path.basename(path)] = f = real_open(path)
+        return f
+
+    store.backend.open_write = open_write  # type: ignore[method-assign]
+    return opened
+
+
+@pytest.fixture
+def direct_from_small_sizes(monkeypatch):
+    monkeypatch.setattr(backends, "DIRECT_MIN", 2 * backends.DIRECT_ALIGN)
+    monkeypatch.setattr(backends.LocalBackend, "write_piece", 5 * backends.DIRECT_ALIGN)
+
+
+def test_a_page_aligned_buffer_after_a_page_aligned_header_goes_straight_to_disk(
+        tmp_path, direct_from_small_sizes):
+    align = backends.DIRECT_ALIGN
+    store = new_store(tmp_path / "run")
+    opened = keep_opened_files(store)
+    body = payload(align * 12 + 77, 5)  # a tail shorter than a page goes through the page cache
+    files = {"state.json": b"{}", "tensors.safetensors": [payload(align, 6), page_aligned(body)]}
+    info = store.commit(files, step=1).info
+    assert_manifest_matches_files(store, info, files)
+    if direct_io_works(tmp_path):
+        assert opened["tensors.safetensors"].direct_bytes == align * 12
+    assert opened["state.json"].direct_bytes == 0
+
+    # control: the same buffer after a header that is not a whole page cannot go direct
+    files = {"tensors.safetensors": [payload(align - 64, 6), page_aligned(body)]}
+    info = store.commit(files, step=2).info
+    assert_manifest_matches_files(store, info, files)
+    assert opened["tensors.safetensors"].direct_bytes == 0
+
+
+def test_direct_io_refused_falls_back_to_the_page_cache(tmp_path, direct_from_small_sizes, monkeypatch):
+    align = backends.DIRECT_ALIGN
+    store = new_store(tmp_path / "run")
+    opened = keep_opened_files(store)
+    body = payload(align * 8, 7)
+    # memory the disk cannot read directly, declared aligned: the kernel answers EINVAL (or the file
+    # system refuses O_DIRECT already): the write goes on through the page cache, the bytes intact
+    monkeypatch.setattr(backends, "_address", lambda view: 0)
+    files = {"tensors.safetensors": [payload(align, 8), memoryview(b"x" + body)[1:]]}
+    info = store.commit(files, step=1).info
+    assert_manifest_matches_files(store, info, files)
+
+    import fcntl
+
+    real_fcntl = fcntl.fcntl
+
+    def no_direct(fd, cmd, arg=0):
+        if cmd == fcntl.F_SETFL and arg & backends._O_DIRECT:
+            raise OSError(errno.EINVAL, "injected: no O_DIRECT here")
+        return real_fcntl(fd, cmd, arg)
+
+    monkeypatch.setattr(backends, "_address", lambda view: 0)
+    monkeypatch.setattr(fcntl, "fcntl", no_direct)
+    files = {"tensors.safetensors": [payload(align, 8), page_aligned(body)]}
+    info = store.commit(files, step=2).info
+    assert_manifest_matches_files(store, info, files)
+    assert opened["tensors.safetensors"].direct_bytes == 0
