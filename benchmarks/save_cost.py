@@ -138,6 +138,9 @@ def _instrument(timers: _Timers) -> None:
     timers.wrap(store.Lease, "renew", "  Lease.renew")
     timers.wrap(backends.LocalBackend, "sync", "  fsync")
     timers.wrap(writer.AsyncWriter, "wait", "AsyncWriter.wait")
+    if hasattr(writer.AsyncWriter, "settle"):  # a lazy snapshot: the step's pre-hook waits here
+        timers.wrap(writer.AsyncWriter, "settle", "AsyncWriter.settle (pre-hook wait for the copy)")
+        timers.wrap(state.PendingCopy, "run", "  PendingCopy.run (background copy, writer thread)")
     timers.wrap(ka_torch.DriveCheckpoint, "capture", "DriveCheckpoint.capture (state_dicts)")
     timers.wrap(ka_torch.DriveCheckpoint, "_fingerprint", "DriveCheckpoint._fingerprint")
     timers.wrap(ka_torch.DriveCheckpoint, "_boundary", "DriveCheckpoint._boundary")
@@ -156,8 +159,8 @@ def _instrument(timers: _Timers) -> None:
             timers.cpu["  hash (checksum pass)"] += time.thread_time() - c
             timers.calls["  hash (checksum pass)"] += 1
 
-        def hexdigest(self) -> str:
-            return str(self.inner.hexdigest())
+        def __getattr__(self, attr: str) -> Any:  # reset(), digest(), ...: the hasher's own
+            return getattr(self.inner, attr)
 
     store.new_hasher = lambda *a, **k: TimedHasher(original_hasher(*a, **k))  # type: ignore[assignment]
 
@@ -270,6 +273,8 @@ def child(variant: str, steps: int, batch: int, folder: str, profile: bool) -> D
         loop = time.perf_counter() - t0
         cpu = _cpu() - cpu0
         saves = len(saved_after)
+        if ckpt.core.writer.last_error is not None:
+            raise SystemExit(f"{variant}: a checkpoint write failed: {ckpt.core.writer.last_error!r}")
         ckpt.close()
     else:
         saves = 0
@@ -328,7 +333,10 @@ def _run_child(variant: str, args: argparse.Namespace, root: str) -> Dict[str, A
     if args.profile:
         cmd.append("--profile")
     env = dict(os.environ, KEEPALIVE_PROGRESS="0", PYTHONUNBUFFERED="1")
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if out.returncode:
+        sys.stderr.write(out.stderr[-4000:])
+        raise SystemExit(f"{variant}: the run failed (exit {out.returncode})")
     shutil.rmtree(folder, ignore_errors=True)
     line = [ln for ln in out.stdout.splitlines() if ln.startswith("{")][-1]
     return json.loads(line)
