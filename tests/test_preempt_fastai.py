@@ -176,8 +176,10 @@ def sigterm_during_validation_saved_at_once(tmp_path, reference) -> None:
     assert step == N_ITER
     latency = at - got.signal_at
     assert 0 < latency < BOUND, f"saved {latency:.2f} s after the signal"
-    assert got.exited_at < got.eval_start + 9.0, "exited only after the validation"
-    ended = float(re.search(r"EXIT 143 ([\d.]+)", got.text).group(1))  # the training call ended
+    # the training call ended inside the validation (the child's own clock: the interpreter's exit after
+    # it, not keepalive's work, takes what it takes on a loaded machine, and is not timed)
+    ended = float(re.search(r"EXIT 143 ([\d.]+)", got.text).group(1))
+    assert ended < got.eval_start + 9.0, "the training call ended only after the validation would have"
     assert ended - got.signal_at < BOUND
     print(f"\nSIGTERM during validation: committed {latency:.2f} s after the signal, the training call "
           f"ended {ended - got.signal_at:.2f} s after it, the process {got.exited_at - got.signal_at:.2f} s")

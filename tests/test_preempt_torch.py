@@ -31,6 +31,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from crashkit import assert_differs, assert_same  # noqa: E402
+from forkserver import Forked, ForkServer  # noqa: E402
 from metaserver import MetadataServer  # noqa: E402
 from test_distributed import Job  # noqa: E402  (torchrun jobs of tests/scripts/ddp_train.py)
 
@@ -43,6 +44,12 @@ REFUSED = ("SIGTERM received while the training loop paused between steps (an ev
            "longer that of its last step (a tensor of the state was changed in place since the last step (a "
            "forward pass in training mode, an EMA update)): the save waits for the next step boundary.")
 NOT_A_CLOUD = {"KEEPALIVE_CLOUD": "none"}
+BASE_ENV = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", KEEPALIVE_PROGRESS="0", **NOT_A_CLOUD,
+                PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p))
+#: the children's fork server while the module fixture runs (importing torch is most of a child's CPU
+#: time, and this file starts some 30 children on a 2-core machine)
+FORKS: List[ForkServer] = []
+PRELOAD = ["torch", "torch._dynamo", "torch.utils.data"]  # the optimizer's construction imports torch._dynamo
 
 
 class Child:
@@ -50,12 +57,13 @@ class Child:
     monotonic time it was read at (what the latency assertions measure)."""
 
     def __init__(self, run_dir: str, out_file: str, env: Dict[str, str]):
-        path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
-        full = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PYTHONPATH=path, KEEPALIVE_PROGRESS="0",
-                    **NOT_A_CLOUD)
-        full.update(env)
-        self.proc = subprocess.Popen([sys.executable, SCRIPT, run_dir, out_file], env=full, text=True,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        full = dict(BASE_ENV, **env)
+        self.proc: "subprocess.Popen[str] | Forked"
+        if FORKS:  # the module fixture's: a fork of a process that has imported torch already
+            self.proc = FORKS[0].spawn([SCRIPT, run_dir, out_file], full)
+        else:
+            self.proc = subprocess.Popen([sys.executable, SCRIPT, run_dir, out_file], env=full, text=True,
+                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         self.lines: List[Tuple[float, str]] = []
         self._queue: "queue.Queue[Optional[Tuple[float, str]]]" = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
@@ -174,11 +182,16 @@ WORKERS = 6  # scenarios at once: children that mostly sleep, a torch import eac
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory) -> Dict[str, "concurrent.futures.Future[None]"]:
     """Every scenario run side by side; a test calls ``.result()`` of its own (its assertion error, if any)."""
-    with concurrent.futures.ThreadPoolExecutor(max_workers=len(References.VARIANTS)) as refs_pool, \
-            concurrent.futures.ThreadPoolExecutor(max_workers=WORKERS) as pool:
-        reference = References(tmp_path_factory.mktemp("plain"), refs_pool)
-        found = {name: pool.submit(fn, tmp_path_factory.mktemp(name), reference) for name, fn in SCENARIOS.items()}
-        concurrent.futures.wait(list(found.values()))
+    FORKS.append(ForkServer(PRELOAD, BASE_ENV))
+    try:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=len(References.VARIANTS)) as refs_pool, \
+                concurrent.futures.ThreadPoolExecutor(max_workers=WORKERS) as pool:
+            reference = References(tmp_path_factory.mktemp("plain"), refs_pool)
+            found = {name: pool.submit(fn, tmp_path_factory.mktemp(name), reference)
+                     for name, fn in SCENARIOS.items()}
+            concurrent.futures.wait(list(found.values()))
+    finally:
+        FORKS.pop().close()
     return found
 
 

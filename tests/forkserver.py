@@ -1,0 +1,210 @@
+"""Child processes forked from a server that has already imported the heavy modules (torch: ~2.5 s of
+CPU per process, most of a small test child's cost; a test file starts dozens of them on a 2-core CI
+machine).
+
+``ForkServer(["torch", ...], env)`` starts ``python forkserver.py MODULES...`` once; ``spawn(argv, env)``
+asks it to fork and run ``argv`` (a script and its arguments) as ``__main__`` in the fork, with that
+environment, and returns a :class:`Forked` that the tests use as they use ``subprocess.Popen``: its
+``pid`` (the fork's own: signals reach it), ``stdout`` (the fork's stdout and stderr, through a FIFO:
+end of file when it exits), ``send_signal``, ``kill``, ``poll``, ``wait``, ``returncode``.
+
+What a fork shares with a fresh interpreter: keepalive and the script are imported after the fork (its
+signal handlers, threads and state are its own); Python's, NumPy's and torch's global generators are
+seeded from the OS again (as at a fresh start); the fork leaves through the interpreter's normal exit (non-daemon
+threads joined, ``atexit`` run) with the script's exit code. What it does not: the server's environment
+applies to what the server imported (OMP_NUM_THREADS, for instance, is read by torch's import).
+"""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import subprocess
+import sys
+import tempfile
+import threading
+from concurrent.futures import Future
+from typing import IO, Dict, List, Optional, Sequence, Tuple
+
+
+class Forked:
+    """A forked child, used like ``subprocess.Popen`` (text stdout)."""
+
+    def __init__(self, pid: int, fifo: str, exited: "Future[int]"):
+        self.pid = pid
+        self._exited = exited
+        self.returncode: Optional[int] = None
+        self.stdout: IO[str] = open(fifo, encoding="utf-8", errors="replace")  # the child holds the write end
+
+    def poll(self) -> Optional[int]:
+        if self._exited.done():
+            self.returncode = self._exited.result()
+        return self.returncode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        try:
+            self.returncode = self._exited.result(timeout=timeout)
+        except TimeoutError:
+            raise subprocess.TimeoutExpired(f"forked pid {self.pid}", timeout or 0.0) from None
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        import signal
+
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        import signal
+
+        self.send_signal(signal.SIGTERM)
+
+
+class ForkServer:
+    """One server process per test module; ``spawn`` is safe from several threads."""
+
+    def __init__(self, modules: Sequence[str], env: Dict[str, str]):
+        self._dir = tempfile.mkdtemp(prefix="forkserver-")
+        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), *modules], env=env, text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self._lock = threading.Lock()  # one request and its answer at a time
+        self._exits_lock = threading.Lock()
+        self._started: "queue.Queue[Tuple[int, Future[int]]]" = queue.Queue()
+        self._exits: Dict[int, "Future[int]"] = {}  # the running children's, by pid
+        self._count = 0
+        assert self.proc.stdout is not None
+        ready = self.proc.stdout.readline()
+        assert ready.strip() == "READY", f"the fork server did not start: {ready!r}"
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in iter(self.proc.stdout.readline, ""):
+            kind, pid, *code = line.split()
+            if kind == "STARTED":  # always before the same child's EXIT (one stream, in order)
+                exited: "Future[int]" = Future()
+                with self._exits_lock:
+                    self._exits[int(pid)] = exited
+                self._started.put((int(pid), exited))
+            elif kind == "EXIT":
+                with self._exits_lock:
+                    exited = self._exits.pop(int(pid))
+                exited.set_result(int(code[0]))
+
+    def spawn(self, argv: List[str], env: Dict[str, str], cwd: Optional[str] = None) -> Forked:
+        """Fork the server and run ``argv`` (``[script, *args]``) in the fork with ``env``."""
+        with self._lock:
+            self._count += 1
+            fifo = os.path.join(self._dir, f"out{self._count}")
+            os.mkfifo(fifo)
+            assert self.proc.stdin is not None
+            self.proc.stdin.write(json.dumps({"argv": argv, "env": env, "cwd": cwd or os.getcwd(),
+                                              "out": fifo}) + "\n")
+            self.proc.stdin.flush()
+            pid, exited = self._started.get(timeout=60)
+        return Forked(pid, fifo, exited)
+
+    def close(self) -> None:
+        """Ends the server (its children still running are killed)."""
+        with self._exits_lock:
+            running = list(self._exits)
+        for pid in running:
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+# ------------------------------------------------------------------------------------ the server
+def _run_child(request: Dict[str, object]) -> None:
+    """In the fork: become the script's process. Never returns: raises SystemExit with its exit code,
+    which unwinds the server's frames to the interpreter's normal exit."""
+    import random
+    import runpy
+
+    out = os.open(str(request["out"]), os.O_WRONLY)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    os.close(out)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    sys.stdin = open(0, closefd=False)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
+    os.environ.clear()
+    os.environ.update({str(k): str(v) for k, v in dict(request["env"]).items()})  # type: ignore[call-overload]
+    os.chdir(str(request["cwd"]))
+    argv = [str(a) for a in request["argv"]]  # type: ignore[attr-defined]
+    sys.argv = argv
+    sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+    # a fresh interpreter's global generators are seeded from the OS: not shared with a sibling fork
+    random.seed()
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+    if "torch" in sys.modules:
+        sys.modules["torch"].seed()
+    try:
+        runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit:
+        raise
+    except BaseException:  # noqa: BLE001 - printed as an uncaught exception would be, exit code 1
+        import traceback
+
+        traceback.print_exc()
+        raise SystemExit(1) from None
+    raise SystemExit(0)
+
+
+def _serve(modules: List[str]) -> None:
+    import importlib
+    import select
+
+    for name in modules:
+        importlib.import_module(name)
+    answer = os.fdopen(os.dup(1), "w", buffering=1)
+    answer.write("READY\n")
+    pending = b""
+    children = set()
+    while True:  # one thread only: a fork copies no other thread's held lock
+        readable, _, _ = select.select([0], [], [], 0.05)
+        while children:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if not pid:
+                break
+            children.discard(pid)
+            answer.write(f"EXIT {pid} {os.waitstatus_to_exitcode(status)}\n")
+        if not readable:
+            continue
+        data = os.read(0, 1 << 16)
+        if not data:
+            break
+        pending += data
+        while b"\n" in pending:
+            line, pending = pending.split(b"\n", 1)
+            request = json.loads(line)
+            pid = os.fork()
+            if pid == 0:
+                answer.close()
+                _run_child(request)
+            children.add(pid)
+            answer.write(f"STARTED {pid}\n")
+    for pid in children:  # the test is gone: no child outlives it
+        try:
+            os.kill(pid, 9)
+        except ProcessLookupError:
+            pass
+
+
+if __name__ == "__main__":
+    _serve(sys.argv[1:])
