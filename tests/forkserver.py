@@ -66,10 +66,12 @@ class Forked:
 class ForkServer:
     """One server process per test module; ``spawn`` is safe from several threads."""
 
-    def __init__(self, modules: Sequence[str], env: Dict[str, str]):
+    def __init__(self, modules: Sequence[str], env: Dict[str, str], setup: str = ""):
+        """``setup``: Python code the server runs before it imports ``modules`` (what the children's
+        scripts do first, e.g. define operator schemas)."""
         self._dir = tempfile.mkdtemp(prefix="forkserver-")
-        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), *modules], env=env, text=True,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), setup, *modules], env=env,
+                                     text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self._lock = threading.Lock()  # one request and its answer at a time
         self._exits_lock = threading.Lock()
         self._started: "queue.Queue[Tuple[int, Future[int]]]" = queue.Queue()
@@ -166,10 +168,11 @@ def _run_child(request: Dict[str, object]) -> None:
     raise SystemExit(0)
 
 
-def _serve(modules: List[str]) -> None:
+def _serve(setup: str, modules: List[str]) -> None:
     import importlib
     import select
 
+    exec(setup, {})  # noqa: S102 - the test's own code
     for name in modules:
         importlib.import_module(name)
     answer = os.fdopen(os.dup(1), "w", buffering=1)
@@ -207,4 +210,4 @@ def _serve(modules: List[str]) -> None:
 
 
 if __name__ == "__main__":
-    _serve(sys.argv[1:])
+    _serve(sys.argv[1], sys.argv[2:])

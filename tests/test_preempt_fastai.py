@@ -28,10 +28,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from forkserver import Forked, ForkServer
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "scripts", "preempt_fastai.py")
 ENV = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(
     [os.path.join(HERE, "shims"), os.path.join(HERE, "scripts"), os.path.dirname(HERE)]))
+#: the children's fork server while the module fixture runs: importing torch and fastai is most of a
+#: child's CPU time
+FORKS: List[ForkServer] = []
+PRELOAD = ["torch", "torch._dynamo", "numpy", "safetensors.torch", "fastai_setup", "fastai.callback.core",
+           "fastai.callback.schedule"]
 N_ITER = 4  # training batches per epoch (64 samples, batch size 16); 8 validation batches
 COMMON = ["--epochs", "2", "--n-train", "64", "--n-valid", "128"]
 #: how long after the validation starts the signal is sent (inside the slow validation whatever the load)
@@ -63,8 +70,13 @@ class Outcome:
 def _run(run, out, *extra: str, sigterm_in_eval: bool = False, timeout: float = 240.0) -> Outcome:
     """Run the child to its exit; with ``sigterm_in_eval`` send SIGTERM SIGNAL_AFTER seconds after it
     says its slow validation started."""
-    proc = subprocess.Popen([sys.executable, SCRIPT, str(run), "--out", str(out), *COMMON, *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
+    argv = [SCRIPT, str(run), "--out", str(out), *COMMON, *extra]
+    proc: "subprocess.Popen[str] | Forked"
+    if FORKS:  # the module fixture's: a fork of a process that has imported torch and fastai
+        proc = FORKS[0].spawn(argv, ENV)
+    else:
+        proc = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env=ENV)
     q: "queue.Queue[Optional[str]]" = queue.Queue()
 
     def read() -> None:
@@ -130,12 +142,17 @@ def scenario(fn: Scenario) -> Scenario:
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory) -> Dict[str, "concurrent.futures.Future[None]"]:
     """Every child scenario run side by side; a test calls ``.result()`` of its own (its assertion error)."""
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as ref_pool, \
-            concurrent.futures.ThreadPoolExecutor(max_workers=len(SCENARIOS)) as pool:
-        # made once beside the scenarios: a scenario that compares with it waits for it
-        reference = ref_pool.submit(_reference, tmp_path_factory.mktemp("ref"))
-        found = {name: pool.submit(fn, tmp_path_factory.mktemp(name), reference) for name, fn in SCENARIOS.items()}
-        concurrent.futures.wait(list(found.values()))
+    FORKS.append(ForkServer(PRELOAD, ENV))
+    try:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=1) as ref_pool, \
+                concurrent.futures.ThreadPoolExecutor(max_workers=len(SCENARIOS)) as pool:
+            # made once beside the scenarios: a scenario that compares with it waits for it
+            reference = ref_pool.submit(_reference, tmp_path_factory.mktemp("ref"))
+            found = {name: pool.submit(fn, tmp_path_factory.mktemp(name), reference)
+                     for name, fn in SCENARIOS.items()}
+            concurrent.futures.wait(list(found.values()))
+    finally:
+        FORKS.pop().close()
     return found
 
 

@@ -37,10 +37,23 @@ pytest.importorskip("transformers")
 
 from safetensors.torch import load_file  # noqa: E402
 
+from forkserver import Forked, ForkServer  # noqa: E402
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "scripts", "preempt_transformers.py")
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(HERE, "scripts"), os.path.dirname(HERE)]),
            OMP_NUM_THREADS="1", KEEPALIVE_PROGRESS="0", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+#: the children's fork server while the module fixture runs: importing torch and transformers is most of
+#: a child's CPU time (about 15 children per run on a 2-core machine)
+FORKS: List[ForkServer] = []
+PRELOAD = ["torch", "torch._dynamo", "numpy", "safetensors.torch", "transformers", "transformers.trainer",
+           "transformers.trainer_callback", "transformers.models.gpt2.modeling_gpt2"]
+# what the child script does before it imports transformers (the CUDA torchvision next to this CPU torch)
+SETUP = """
+import torch
+for name in ("torchvision::nms", "torchvision::qnms"):
+    torch.library.define(name, "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+"""
 SLOW_BATCH = 1.0   # seconds added to each evaluation batch in the interrupted run
 EVAL_BATCHES = 8   # the evaluation lasts at least EVAL_BATCHES * SLOW_BATCH
 BOUND = 5.0        # saved and durable within this many seconds of the signal
@@ -57,8 +70,12 @@ class Child:
     """A child run: its lines (with the parent's time of reading each), its exit code."""
 
     def __init__(self, run: str, out: str, *extra: str):
-        self.proc = subprocess.Popen([sys.executable, SCRIPT, run, "--out", out, *extra], env=ENV, text=True,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        self.proc: "subprocess.Popen[str] | Forked"
+        if FORKS:  # the module fixture's: a fork of a process that has imported torch and transformers
+            self.proc = FORKS[0].spawn([SCRIPT, run, "--out", out, *extra], ENV)
+        else:
+            self.proc = subprocess.Popen([sys.executable, SCRIPT, run, "--out", out, *extra], env=ENV, text=True,
+                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         self.lines: List[str] = []
         self._q: "queue.Queue[Optional[str]]" = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
@@ -176,12 +193,16 @@ def runs(tmp_path_factory) -> Dict[str, Scenario]:
     }
     threads = [threading.Thread(target=s.interrupt) for s in scenarios.values()]
     ref_dir = folder("reference")
-    reference = Child(os.path.join(ref_dir, "run"), os.path.join(ref_dir, "w.st"), "--mode", "plain")
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert reference.finish() == 0, reference.text
+    FORKS.append(ForkServer(PRELOAD, ENV, setup=SETUP))
+    try:
+        reference = Child(os.path.join(ref_dir, "run"), os.path.join(ref_dir, "w.st"), "--mode", "plain")
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert reference.finish() == 0, reference.text
+    finally:
+        FORKS.pop().close()
     scenarios["reference"] = Scenario(ref_dir)
     scenarios["reference"].child = reference
     return scenarios
