@@ -96,8 +96,10 @@ class LocalBackend(Backend):
         os.makedirs(path, exist_ok=True)
 
     def open_write(self, path: str) -> BinaryIO:
-        # unbuffered: the store hands over large pieces; a Python-level buffer would only copy them
-        return WritebackFile(path)
+        # unbuffered: the store hands over large pieces; a Python-level buffer would only copy them.
+        # No O_DIRECT on FUSE (Drive) or network file systems: there it is allowed but sends every
+        # write synchronously through the daemon or the network, uncached, in small requests.
+        return WritebackFile(path, direct=maps_safely(path))
 
     def sync(self, fileobj: BinaryIO) -> None:
         fileobj.flush()

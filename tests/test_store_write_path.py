@@ -313,3 +313,14 @@ def test_direct_io_refused_falls_back_to_the_page_cache(tmp_path, direct_from_sm
     info = store.commit(files, step=2).info
     assert_manifest_matches_files(store, info, files)
     assert opened["tensors.safetensors"].direct_bytes == 0
+
+
+def test_no_direct_io_on_fuse_or_network_mounts(tmp_path, direct_from_small_sizes, monkeypatch):
+    monkeypatch.setattr(backends, "filesystem_type", lambda path: "fuse.drive")
+    store = new_store(tmp_path / "run")
+    opened = keep_opened_files(store)
+    align = backends.DIRECT_ALIGN
+    files = {"tensors.safetensors": [payload(align, 9), page_aligned(payload(align * 8, 9))]}
+    info = store.commit(files, step=1).info
+    assert_manifest_matches_files(store, info, files)
+    assert opened["tensors.safetensors"].direct_bytes == 0
