@@ -35,12 +35,18 @@ ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([SHIMS, os.path.join(HERE, "sc
 VAL_SECONDS = 4 * 2.5  # the slow validation: 4 batches of 2.5 s
 BOUND = 5.0            # saved and durable within this many seconds of the signal
 TIMEOUT = 300.0        # a child's whole run (a loaded machine)
+#: the children's fork server while the module fixture runs: importing torch and Lightning is most of a
+#: child's CPU time
+FORKS: list = []
+PRELOAD = ["torch", "torch._dynamo", "safetensors.torch", "lightning.pytorch"]
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("safetensors")
 if importlib.util.find_spec("lightning") is None:  # the children import it (not this process)
     pytest.skip("lightning is not installed", allow_module_level=True)
 from safetensors.torch import load_file  # noqa: E402
+
+from forkserver import ForkServer  # noqa: E402
 
 REFUSAL = ("keepalive: warning: SIGTERM received while the training loop paused between steps (an evaluation?), "
            "but its state is no longer that of its last step (a tensor of the state was changed in place since the "
@@ -53,8 +59,12 @@ class Child:
     def __init__(self, run, out, *extra, term_after_val_start=None):
         self.lines = []  # (time.time(), line)
         self.term_sent = None
-        self.proc = subprocess.Popen([sys.executable, SCRIPT, str(run), "--out", str(out), *extra],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
+        argv = [SCRIPT, str(run), "--out", str(out), *extra]
+        if FORKS:  # the module fixture's: a fork of a process that has imported torch and Lightning
+            self.proc = FORKS[0].spawn(argv, ENV)
+        else:
+            self.proc = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                         text=True, env=ENV)
         q = queue.Queue()
         threading.Thread(target=self._read, args=(q,), daemon=True).start()
         deadline = time.monotonic() + TIMEOUT
@@ -137,6 +147,17 @@ def _deadline(tmp):
 @pytest.fixture(scope="module")
 def scenarios(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("preempt_lightning")
+    FORKS.append(ForkServer(PRELOAD, ENV))
+    try:
+        found = _all_scenarios(tmp)
+    finally:
+        FORKS.pop().close()
+    ref_child, _ = found["reference"]
+    assert ref_child.rc == 0 and "DONE" in ref_child.text, ref_child.text[-3000:]
+    return found
+
+
+def _all_scenarios(tmp):
     with concurrent.futures.ThreadPoolExecutor(max_workers=6) as pool:
         jobs = {
             "reference": pool.submit(lambda: (Child(tmp / "ref", tmp / "ref_out"), tmp / "ref_out")),
@@ -146,10 +167,7 @@ def scenarios(tmp_path_factory):
             "no_pause": pool.submit(_sigterm, tmp, "no_pause", "--no-pause-save", resume=False),
             "live_progress": pool.submit(_sigterm, tmp, "live_progress", "--control-live-progress"),
         }
-        found = {name: job.result() for name, job in jobs.items()}
-    ref_child, _ = found["reference"]
-    assert ref_child.rc == 0 and "DONE" in ref_child.text, ref_child.text[-3000:]
-    return found
+        return {name: job.result() for name, job in jobs.items()}
 
 
 def test_sigterm_during_validation_saved_at_once_and_resumed_exactly(scenarios):
