@@ -22,6 +22,8 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 import pytest
 
+from forkserver import Forked, ForkServer
+
 pytest.importorskip("keras")
 pytest.importorskip("tensorflow")
 
@@ -33,6 +35,11 @@ ENV = dict(os.environ, KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="3", TF_
                                        os.environ.get("PYTHONPATH", "")]))
 TIMEOUT = 600.0  # per child: 7 TensorFlow children start at once, on a loaded machine too
 EVAL_SECONDS = 8.0
+#: the children's fork server while the module fixture runs: importing TensorFlow and Keras is most of a
+#: child's CPU time (12 children per run). Only imported there: TensorFlow's runtime (its thread pools,
+#: set to one thread by each child) starts in the child.
+FORKS: List[ForkServer] = []
+PRELOAD = ["numpy", "tensorflow", "keras"]
 BOUND = 5.0  # saved and durable within this many seconds of the signal
 
 
@@ -56,8 +63,12 @@ def _run(run_dir: str, out: str, env: Dict[str, str], term: Optional[Tuple[str, 
     """Run the child to its exit; with ``term`` = (prefix, seconds), SIGTERM it that long after it
     prints a line that starts with prefix."""
     child = Child()
-    proc = subprocess.Popen([sys.executable, SCRIPT, run_dir, out], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=dict(ENV, **env))
+    proc: "subprocess.Popen[str] | Forked"
+    if FORKS:  # the module fixture's: a fork of a process that has imported TensorFlow and Keras
+        proc = FORKS[0].spawn([SCRIPT, run_dir, out], dict(ENV, **env))
+    else:
+        proc = subprocess.Popen([sys.executable, SCRIPT, run_dir, out], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, env=dict(ENV, **env))
     lines: "queue.Queue[Optional[str]]" = queue.Queue()
 
     def read() -> None:
@@ -120,10 +131,14 @@ def runs(tmp_path_factory):
             results[name] = (_run(os.path.join(tmp, name), os.path.join(tmp, f"{name}.npz"), env, term), Child())
 
     threads = [threading.Thread(target=one, args=(name,)) for name in SCENARIOS]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    FORKS.append(ForkServer(PRELOAD, ENV))
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        FORKS.pop().close()
     results["_dir"] = tmp  # type: ignore[assignment]
     return results
 
