@@ -235,3 +235,81 @@ def test_control_without_the_version_check_the_torn_save_is_committed(tmp_path, 
     saved = _saved(str(tmp_path / "run"))
     assert 4 in saved  # committed: its weight is the changed one, the rest is step 4's
     assert _differences(found["before_change"][4], saved[4]) == [".model.head.1.weight"]
+
+
+# ------------------------------------------------------------ a weight swap at the validation's start
+class _SwapForValidation(Callback):
+    """Evaluates other weights (as an EMA callback does): swapped into the model through ``.data`` in
+    before_validate (no version counter moves), swapped back in after_validate. Once swapped, lets a
+    held copy run: it would read the swapped weights unless settled before."""
+
+    order = 0  # before every other callback's before_validate
+
+    def before_validate(self) -> None:
+        self.kept = [p.data.clone() for p in self.learn.model.parameters()]
+        for p in self.learn.model.parameters():
+            p.data.mul_(0.5)
+        _RELEASE.set()
+
+    def after_validate(self) -> None:
+        for p, kept in zip(self.learn.model.parameters(), self.kept):
+            p.data.copy_(kept)
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["settled_before_validation", "control_not_settled"])
+def test_weights_swapped_for_the_validation_are_not_in_the_lazy_copy(tmp_path, monkeypatch, broken):
+    """The save of an epoch's last batch (step 6) has its copy held until a before_validate callback
+    swapped other weights in through ``.data``, which the version check cannot see: settled at the
+    validate event, before any callback, the checkpoint holds the training weights of step 6.
+    Control: without that settle the copy reads the swapped weights and the checkpoint is torn."""
+    _HOLD.clear()
+    _RELEASE.clear()
+    original_run = PendingCopy.run
+
+    def held_run(self: Any) -> None:
+        if _HOLD.is_set():
+            _HOLD.clear()
+            assert _RELEASE.wait(30), "neither a settle nor the validation came"
+        original_run(self)
+
+    monkeypatch.setattr(PendingCopy, "run", held_run)
+
+    learn = make_learner()
+    learn.remove_cb(learn.progress)
+    learn.logger = lambda *a, **k: None
+    run = str(tmp_path / "run")
+    ckpt = DriveCheckpoint(run, every=3, keep=None, quiet=True)
+    core, writer = ckpt.core, ckpt.core.writer
+    settle, core_settle = writer.settle, core.settle_snapshot
+
+    def releasing_settle() -> List[str]:
+        if writer._pending is not None:  # (submit's own wait settles too, before its copy exists)
+            _RELEASE.set()
+        return settle()
+
+    def settle_except_at_validate() -> None:
+        if sys._getframe(1).f_locals.get("event_type") != "validate":
+            core_settle()
+
+    writer.settle = releasing_settle  # type: ignore[method-assign]
+    if broken:
+        core.settle_snapshot = settle_except_at_validate  # type: ignore[method-assign]
+    watch = _Watch(ckpt, [], change_at=None)
+    original_after_batch = watch.after_batch
+
+    def after_batch() -> None:
+        original_after_batch()
+        if learn.training and watch.n == 6:
+            _HOLD.set()  # the copy of this boundary's save waits (for a settle or the swap)
+
+    watch.after_batch = after_batch  # type: ignore[method-assign]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        learn.fit_one_cycle(2, 5e-3, cbs=[ckpt, watch, _SwapForValidation()])
+    saved = _saved(run)
+    assert 6 in saved
+    diff = _differences(watch.boundaries[6]["model"], saved[6]["model"])
+    if broken:
+        assert diff, "the control's torn checkpoint went unnoticed: this test cannot fail"
+    else:
+        assert not diff, f"the checkpoint of step 6 holds weights swapped in after its save: {diff}"

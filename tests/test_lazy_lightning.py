@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 import threading
 import warnings
 from typing import Any, Dict, List, Optional
@@ -283,3 +284,92 @@ def test_control_without_the_version_check_the_torn_save_is_committed(tmp_path, 
     saved = _saved(str(tmp_path / "run"))
     assert 4 in saved  # committed: its weight is the changed one, the rest is step 4's
     assert _differences(found["before_change"][4], saved[4]) == [".state_dict.net.0.weight"]
+
+
+# ------------------------------------------------------------ a weight swap at the validation's start
+class _Plain(pl.LightningModule):
+    """Net's training without references to the test's objects (EMAWeightAveraging deep-copies it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(4, 32), torch.nn.Dropout(0.3), torch.nn.Linear(32, 1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        return torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", torch.nn.functional.mse_loss(self.net(batch[0]), batch[1]))
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+class _ReleaseAtValidation(pl.Callback):
+    """After EMAWeightAveraging swapped the average into the model (through .data: no version counter
+    moves), lets the held copy run: it would read the swapped weights unless settled before."""
+
+    def on_validation_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        _RELEASE.set()
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["settled_before_validation", "control_not_settled"])
+def test_weights_swapped_for_the_validation_are_not_in_the_lazy_copy(tmp_path, monkeypatch, broken):
+    """Lightning's EMAWeightAveraging evaluates the average by swapping it into the model's
+    parameters through ``.data`` at the validation's start, which the version check cannot see. A
+    save at the validation's boundary (step 3, val_check_interval=3) has its copy held until that
+    swap: settled before the validation runs, the checkpoint holds the training weights of step 3.
+    Control: without that settle the copy reads the swapped weights and the checkpoint is torn."""
+    from lightning.pytorch.callbacks import EMAWeightAveraging
+
+    _HOLD.clear()
+    _RELEASE.clear()
+    original_run = PendingCopy.run
+
+    def held_run(self: Any) -> None:
+        if _HOLD.is_set():
+            _HOLD.clear()
+            assert _RELEASE.wait(30), "neither a settle nor the validation came"
+        original_run(self)
+
+    monkeypatch.setattr(PendingCopy, "run", held_run)
+    pl.seed_everything(3, verbose=False)
+    run = str(tmp_path / "run")
+    cb = DriveCheckpoint(run, every=3, keep=None, quiet=True)
+    core, writer = cb.core, cb.core.writer
+    model = _Plain()
+    clones: Dict[int, Any] = {}
+    advance, settle, settle_snapshot = core.advance, writer.settle, core.settle_snapshot
+
+    def cloning_advance(*a: Any, **k: Any) -> Any:
+        step = int(cb.trainer.global_step)
+        clones[step] = _clone(model.state_dict())
+        if step == 3:
+            _HOLD.set()  # this boundary's save (at the validation's start) is held
+        return advance(*a, **k)
+
+    def releasing_settle() -> List[str]:
+        if writer._pending is not None:  # (submit's own wait settles too, before its copy exists)
+            _RELEASE.set()  # a settle waits for the copy: let it run now
+        return settle()
+
+    def settle_except_before_validation() -> None:
+        if sys._getframe(1).f_code.co_name != "validation_run":
+            settle_snapshot()
+
+    core.advance, writer.settle = cloning_advance, releasing_settle  # type: ignore[method-assign]
+    if broken:
+        core.settle_snapshot = settle_except_before_validation  # type: ignore[method-assign]
+    trainer = pl.Trainer(max_epochs=1, callbacks=[cb, EMAWeightAveraging(decay=0.5), _ReleaseAtValidation()],
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, accelerator="cpu", num_sanity_val_steps=0, val_check_interval=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(model, datamodule=Data())
+    store = CheckpointStore(run)
+    info = next(i for i in store.list() if i.step == 3)
+    saved = from_files(store.read_files(info), copy=True)["lightning"]["checkpoint"]["current_model_state"]
+    diff = _differences(clones[3], saved)
+    if broken:
+        assert diff, "the control's torn checkpoint went unnoticed: this test cannot fail"
+    else:
+        assert not diff, f"the checkpoint of step 3 holds weights swapped in after its save: {diff}"

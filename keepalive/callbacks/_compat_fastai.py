@@ -20,15 +20,16 @@ from fastai.optimizer import Optimizer, OptimWrapper
 
 from ._compat import Framework, Internal, Package, code_consts, code_names, given, has, local, module_has, param, uses
 
-__all__ = ["COMPAT", "WITH_EVENTS", "FIT_EVENT", "EPOCH_EVENT", "BATCH_EVENT", "STEP_EVENT", "FINE_TUNE",
-           "TRACKER_ATTRS", "ORDER_METHODS"]
+__all__ = ["COMPAT", "WITH_EVENTS", "FIT_EVENT", "EPOCH_EVENT", "BATCH_EVENT", "STEP_EVENT", "VALIDATE_EVENT",
+           "FINE_TUNE", "TRACKER_ATTRS", "ORDER_METHODS"]
 
 #: the Learner method every event runs through: replaced on the learner instance while attached
 WITH_EVENTS = "_with_events"
 #: the event names the Learner passes to it for a fit, an epoch and a batch
 FIT_EVENT, EPOCH_EVENT, BATCH_EVENT = "fit", "epoch", "batch"
-#: the event around the optimizer step (before_step callbacks, Learner._step, after_step)
-STEP_EVENT = "step"
+#: the events around the optimizer step (before_step callbacks, Learner._step, after_step) and
+#: around an epoch's validation (before_validate callbacks, its batches, after_validate)
+STEP_EVENT, VALIDATE_EVENT = "step", "validate"
 #: the Learner method whose frame says a fit is fine_tune's frozen or unfrozen one
 FINE_TUNE = "fine_tune"
 #: what the tracker callbacks (SaveModelCallback, EarlyStoppingCallback, ReduceLROnPlateau) keep
@@ -78,6 +79,9 @@ def _internals() -> List[Internal]:
         Internal(f"Learner event '{STEP_EVENT}'", "the optimizer step, as _with_events sees it (before any "
                  "before_step callback): a lazy snapshot's background copy is settled there",
                  f"{F}: DriveCheckpoint._events", _passes(STEP_EVENT), token="STEP_EVENT"),
+        Internal(f"Learner event '{VALIDATE_EVENT}'", "an epoch's validation, as _with_events sees it (before "
+                 "any before_validate callback): a lazy snapshot's background copy is settled there",
+                 f"{F}: DriveCheckpoint._events", _passes(VALIDATE_EVENT), token="VALIDATE_EVENT"),
         Internal("Optimizer.param_lists / state", "fastai's optimizer's parameters and per-parameter state, "
                  "copied in the background by a lazy snapshot until the next step event",
                  f"{S}: optimizer_tensors", lambda: uses(lambda: Optimizer, "param_lists", "state")()

@@ -207,11 +207,14 @@ class DriveCheckpoint(RunViews, Callback):  # RunViews: no epoch / step (a callb
     def _events(self, learn: Learner, call: Callable, f, event_type: str, ex, final) -> Any:
         if event_type == fc.FIT_EVENT:
             return self._run_fit(learn, call, f, ex, final)
-        if event_type == fc.STEP_EVENT:
-            # the optimizer's parameters and state change from here on (a before_step callback may
-            # step them too): a lazy snapshot's background copy must be done and checked first
+        if event_type in (fc.STEP_EVENT, fc.VALIDATE_EVENT):
+            # A lazy snapshot's background copy must be done and checked before: the step (the
+            # optimizer's parameters and state change from here on; a before_step callback may step
+            # them too), a validation (a callback may swap in averaged weights through .data, which
+            # moves no version counter: an EMA evaluated in before_validate)
             self.core.settle_snapshot()
-            return call(f, event_type, ex, final)
+            if event_type == fc.STEP_EVENT:
+                return call(f, event_type, ex, final)
         st = self._fit
         if st is None:
             return call(f, event_type, ex, final)

@@ -360,6 +360,10 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
                 self._before_validation(trainer)
                 if self.core.stopped:
                     return []  # the deadline's stop, saved at this boundary: no validation first
+            # a validation may swap the weights in place through .data, which moves no version counter
+            # (WeightAveraging / EMAWeightAveraging evaluate the average that way): a lazy snapshot's
+            # copy is done and checked before its first hook
+            self.core.settle_snapshot()
             return orig_validation_run(*a, **k)
 
         # the epoch loop's validation (inside the epoch or at its end): its start is the batch's boundary
