@@ -373,3 +373,40 @@ def test_weights_swapped_for_the_validation_are_not_in_the_lazy_copy(tmp_path, m
         assert diff, "the control's torn checkpoint went unnoticed: this test cannot fail"
     else:
         assert not diff, f"the checkpoint of step 3 holds weights swapped in after its save: {diff}"
+
+
+class _AskDuringValidation(pl.Callback):
+    """Asks the core, at each validation batch's end, whether a save between steps would hold the
+    state of the last step boundary."""
+
+    def __init__(self, cb: DriveCheckpoint):
+        self.cb = cb
+        self.answers: List[Optional[str]] = []
+
+    def on_validation_batch_end(self, trainer: Any, pl_module: Any, *_: Any) -> None:
+        if not trainer.sanity_checking:
+            self.answers.append(self.cb.core._unchanged_since_mark()[0])
+
+
+@pytest.mark.parametrize("ema", [True, False], ids=["ema_swapped", "control_no_swap"])
+def test_no_save_during_a_validation_that_evaluates_swapped_weights(tmp_path, ema):
+    """A save during a validation (a signal, the deadline) writes the model as it is then; with
+    EMAWeightAveraging the model holds the average then (swapped in through .data: no version counter
+    moves), so such a save must wait for the next step boundary. Control: without the swap it may save."""
+    from lightning.pytorch.callbacks import EMAWeightAveraging
+
+    pl.seed_everything(3, verbose=False)
+    cb = DriveCheckpoint(str(tmp_path / "run"), every=100, quiet=True)
+    ask = _AskDuringValidation(cb)
+    callbacks: List[Any] = [cb, ask] + ([EMAWeightAveraging(decay=0.5)] if ema else [])
+    trainer = pl.Trainer(max_epochs=1, callbacks=callbacks, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
+                         num_sanity_val_steps=0, val_check_interval=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(_Plain(), datamodule=Data())
+    assert ask.answers
+    if ema:
+        assert all(a is not None and "changed state beside the tensors" in a for a in ask.answers), ask.answers
+    else:
+        assert all(a is None for a in ask.answers), ask.answers

@@ -126,6 +126,8 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
         self._resumed_in_validation = False     # this fit resumed from a save made during a validation
         self._gated: "weakref.WeakSet[Any]" = weakref.WeakSet()  # optimizers whose steps the guard waits for
         self._dropped_descriptive = False
+        #: during a validation whose hooks swap averaged weights into the model (see on_validation_start)
+        self._weights_swapped = False
 
     def __repr__(self) -> str:
         return f"DriveCheckpoint({self.core.url!r})"
@@ -195,6 +197,10 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
         self._step_boundary(trainer, before_validation=True)
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        if self._validation is not None and not trainer.sanity_checking:
+            # from the next hook on, a weight-averaging callback evaluates the average swapped into the
+            # model's parameters through .data (no version counter moves): no save until it swapped back
+            self._weights_swapped = any(isinstance(cb, _WEIGHT_SWAPPERS) for cb in trainer.callbacks)
         if self._resumed_in_validation and not trainer.sanity_checking and self._fitting(trainer):
             # the interrupted validation's batch Lightning counted as started: not started after all
             self._resumed_in_validation = False
@@ -213,6 +219,7 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
             # its end hooks (EarlyStopping, ModelCheckpoint, the module's) move the state on: no save
             # between steps until the next boundary
             self._validation_over = True
+            self._weights_swapped = False
 
     def _fitting(self, trainer: Any) -> bool:
         """A validation of this callback's fit (not ``trainer.validate()``)."""
@@ -495,7 +502,8 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
         schedulers = tuple(state_summary(config.scheduler) for config in trainer.lr_scheduler_configs)
         callbacks = tuple(state_summary(cb) for cb in trainer.callbacks if cb is not self)
         objects = (int(trainer.global_step), epoch_loop._batches_that_stepped, schedulers, callbacks,
-                   _progress(epoch_loop.batch_progress), _progress(trainer.fit_loop.epoch_progress))
+                   _progress(epoch_loop.batch_progress), _progress(trainer.fit_loop.epoch_progress),
+                   self._weights_swapped)
         streams = tuple((i, s.batches, s.samples) for i, s in sorted(self.data.streams.items()))
         return objects, (streams, self.data.samples_out, self._validation is not None, self._validation_over,
                          bool(trainer.should_stop))
@@ -559,6 +567,9 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
 
 
 _ABSENT = object()
+#: callbacks that swap other weights into the model for a validation (through .data): the state during
+#: the validation is not the last step's, whatever its version counters say
+_WEIGHT_SWAPPERS = tuple(c for c in (getattr(pl.callbacks, "WeightAveraging", None),) if c is not None)
 
 
 def _progress(progress: Any) -> Any:
