@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -34,7 +35,9 @@ class Forked:
         self.pid = pid
         self._exited = exited
         self.returncode: Optional[int] = None
-        self.stdout: IO[str] = open(fifo, encoding="utf-8", errors="replace")  # the child holds the write end
+        # blocks until the fork opens the write end (its first act): end of file once it and every
+        # thread or process it started are gone, as with a pipe
+        self.stdout: IO[str] = open(fifo, encoding="utf-8", errors="replace")
 
     def poll(self) -> Optional[int]:
         if self._exited.done():
@@ -125,9 +128,13 @@ class ForkServer:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        shutil.rmtree(self._dir, ignore_errors=True)
 
 
 # ------------------------------------------------------------------------------------ the server
+_SCRIPT_GLOBALS: List[Dict[str, object]] = []
+
+
 def _run_child(request: Dict[str, object]) -> None:
     """In the fork: become the script's process. Never returns: raises SystemExit with its exit code,
     which unwinds the server's frames to the interpreter's normal exit."""
@@ -157,7 +164,8 @@ def _run_child(request: Dict[str, object]) -> None:
     if "torch" in sys.modules:
         sys.modules["torch"].seed()
     try:
-        runpy.run_path(argv[0], run_name="__main__")
+        # its globals kept to the interpreter's exit, as a script's are (finalizers run at the same moment)
+        _SCRIPT_GLOBALS.append(runpy.run_path(argv[0], run_name="__main__"))
     except SystemExit:
         raise
     except BaseException:  # noqa: BLE001 - printed as an uncaught exception would be, exit code 1
