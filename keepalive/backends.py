@@ -214,7 +214,10 @@ class WritebackFile(io.FileIO):
       idles while fsync drains it. Starting the writeback of every ``WRITEBACK_EVERY`` bytes
       overlaps the two.
 
-    The fsync stays the durability point. ``write`` always writes all it is given.
+    The fsync stays the durability point. ``write`` always writes all it is given. Measured here
+    (``benchmarks/store_throughput.py``, 256 MiB-1 GiB, 2 busy cores): a store commit through the
+    page cache 0.72-1.29x a raw write() + fsync of the same bytes at 0.25-0.35 CPU s/GiB; with
+    O_DIRECT 1.18-2.22x at 0.05-0.06 CPU s/GiB (the raw write: 0.20-0.29).
     """
 
     def __init__(self, path: str, direct: bool = True):
