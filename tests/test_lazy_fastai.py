@@ -313,3 +313,35 @@ def test_weights_swapped_for_the_validation_are_not_in_the_lazy_copy(tmp_path, m
         assert diff, "the control's torn checkpoint went unnoticed: this test cannot fail"
     else:
         assert not diff, f"the checkpoint of step 6 holds weights swapped in after its save: {diff}"
+
+
+# ---------------------------------------------------------------- Lookahead (ranger) in a checkpoint
+@pytest.mark.parametrize("broken", [False, True], ids=["lookahead_saved", "control_lookahead_dropped"])
+def test_ranger_resumes_bit_exactly(tmp_path, monkeypatch, broken):
+    """fastai's ``ranger`` is a Lookahead over RAdam: its step count and slow weights are part of the
+    optimizer's state (they were left out, and a resume failed on them). A crash after step 8 and a
+    resume end bit-identical to an uninterrupted run. Control: a checkpoint without them differs."""
+    from fastai.optimizer import Lookahead, ranger
+
+    from keepalive.callbacks import _fastai_state
+    from test_fastai import session, weights
+
+    if broken:
+        capture = _fastai_state.capture_objects
+
+        def without_lookahead(learn: Any) -> Dict[str, Any]:
+            objects = capture(learn)
+            objects["optimizer"] = {k: objects["optimizer"][k] for k in ("state", "hypers")}
+            return objects
+
+        monkeypatch.setattr(_fastai_state, "capture_objects", without_lookahead)
+        # (a Lookahead given no count / slow weights starts them afresh, as a resume without them did)
+        monkeypatch.setattr(Lookahead, "load_state_dict", lambda self, sd: (self._init_state(),
+                                                                           self.opt.load_state_dict(sd)))
+    learner = {"opt_func": ranger}
+    ref, _ = session(tmp_path / "ref", every=4, lkw=learner)
+    session(tmp_path / "run", every=4, crash=9, lkw=learner)
+    got, _ = session(tmp_path / "run", every=4, lkw=learner)
+    a, b = weights(ref), weights(got)
+    differ = [k for k in a if not torch.equal(a[k], b[k])]
+    assert bool(differ) == broken, differ

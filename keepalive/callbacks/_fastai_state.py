@@ -71,6 +71,8 @@ def capture_objects(learn: Learner) -> Dict[str, Any]:
     if isinstance(opt, Optimizer):
         sd = opt.state_dict()
         opt_state = {"state": list(sd["state"]), "hypers": [dict(h) for h in sd["hypers"]]}
+        # what a wrapper adds (Lookahead, ranger's: its step count and slow weights)
+        opt_state.update({k: v for k, v in sd.items() if k not in ("state", "hypers")})
     else:
         opt_state = opt.state_dict()
     objects = {"model": learn.model.state_dict(), "optimizer": _plain(opt_state)}
@@ -140,6 +142,16 @@ def restore(learn: Learner, tree: Mapping[str, Any], warn: Optional[Callable[[st
     _restore_callbacks(learn, tree["fastai"], warn)
 
 
+def _loaded(value: Any, device: Any) -> Any:
+    """A saved value as the optimizer keeps it: tensors copied onto the parameters' device (the loaded
+    ones are views on the file buffer), lists as lists."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device, copy=True)
+    if isinstance(value, (list, tuple)):
+        return [_loaded(v, device) for v in value]
+    return frozen_copy(value)
+
+
 def _load_objects(learn: Learner, objects: Dict[str, Any], frozen_idx: Optional[int]) -> None:
     learn.model.load_state_dict(objects["model"])
     opt, saved = learn.opt, objects["optimizer"]
@@ -147,7 +159,8 @@ def _load_objects(learn: Learner, objects: Dict[str, Any], frozen_idx: Optional[
         params = [p for p, *_ in opt.all_params()]
         state = [{k: (v.to(p.device, copy=True) if isinstance(v, torch.Tensor) else frozen_copy(v))
                   for k, v in s.items()} for s, p in zip(saved["state"], params)]
-        opt.load_state_dict({"state": state, "hypers": L([dict(h) for h in saved["hypers"]])})
+        extra = {k: _loaded(v, params[0].device) for k, v in saved.items() if k not in ("state", "hypers")}
+        opt.load_state_dict({"state": state, "hypers": L([dict(h) for h in saved["hypers"]]), **extra})
     else:
         opt.load_state_dict(frozen_copy(saved))
     if frozen_idx is not None and getattr(opt, "frozen_idx", 0) != frozen_idx and hasattr(opt, "freeze_to"):
