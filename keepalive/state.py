@@ -154,7 +154,9 @@ def layout(tensors: List[TensorRef]) -> Tuple[bytes, int]:
         offset += t.nbytes
     header["__metadata__"] = {"keepalive.kinds": json.dumps(kinds, separators=(",", ":"))}
     raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-(len(raw) + 8) % 64)  # data section starts 64-byte aligned
+    # the data section starts page-aligned: in the host buffer (page-aligned itself) and in the file,
+    # so the store can write it with O_DIRECT (no page-cache copy); at most 4 KiB of JSON spaces
+    raw += b" " * (-(len(raw) + 8) % 4096)
     return struct.pack("<Q", len(raw)) + raw, offset
 
 
@@ -304,7 +306,7 @@ def _host_buffer(size: int) -> np.ndarray:
     """A fresh buffer for snapshots. Large ones are anonymous mappings advised to use transparent
     huge pages: the first save touches every page, and 2 MiB pages make that ~3x cheaper than 4 KiB
     ones (0.18 s vs 0.55 s per GiB measured here)."""
-    if size >= (64 << 20):
+    if size >= (1 << 20):
         import mmap
 
         try:
