@@ -176,16 +176,14 @@ def scenario_per_eval_kind(fn: Scenario) -> Scenario:
     return fn
 
 
-WORKERS = 6  # scenarios at once: children that mostly sleep, a torch import each (a 2-core machine)
-
-
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory) -> Dict[str, "concurrent.futures.Future[None]"]:
-    """Every scenario run side by side; a test calls ``.result()`` of its own (its assertion error, if any)."""
+    """Every scenario run side by side (all at once: forked children that mostly sleep); a test calls
+    ``.result()`` of its own (its assertion error, if any)."""
     FORKS.append(ForkServer(PRELOAD, BASE_ENV))
     try:
         with concurrent.futures.ThreadPoolExecutor(max_workers=len(References.VARIANTS)) as refs_pool, \
-                concurrent.futures.ThreadPoolExecutor(max_workers=WORKERS) as pool:
+                concurrent.futures.ThreadPoolExecutor(max_workers=len(SCENARIOS)) as pool:
             reference = References(tmp_path_factory.mktemp("plain"), refs_pool)
             found = {name: pool.submit(fn, tmp_path_factory.mktemp(name), reference)
                      for name, fn in SCENARIOS.items()}
