@@ -281,3 +281,54 @@ def test_kill_during_the_lazy_copy_resumes_exactly(tmp_path, broken):
         return
     assert resumed.trials[0].resumed_step == 4, resumed.final_output[-2000:]
     assert not differ, f"differs from the uninterrupted run: {differ}"
+
+
+@pytest.mark.parametrize("settled", [True, False], ids=["settled_at_epoch_end", "control_not_settled"])
+def test_weights_swapped_in_through_data_after_an_epoch_end_are_not_in_its_save(tmp_path, monkeypatch, settled):
+    """`for epoch in range(n)` around `ckpt.batches(loader)`: the epoch's end is saved when the loader
+    runs out, and the epoch's own code runs next, here an evaluation with averaged weights swapped in
+    through `p.data` (which moves no version counter, so no check could see it). The save's copy is
+    finished before that code runs. Control: left running (the copy held while the weights are
+    swapped in), the checkpoint holds the swapped weights, and the comparison catches it."""
+    original = PendingCopy.run
+
+    def slow(self):
+        import time
+
+        time.sleep(0.2)
+        original(self)
+
+    monkeypatch.setattr(PendingCopy, "run", slow)
+    if not settled:
+        from keepalive.core import Checkpointer
+
+        monkeypatch.setattr(Checkpointer, "settle_snapshot", lambda self: None)
+    model, opt, _, loader = _setup()
+    ckpt = DriveCheckpoint(str(tmp_path / "run"), model=model, optimizer=opt, keep=None, quiet=True)
+    at_end: Dict[int, Any] = {}
+    for _ in range(2):
+        model.train()
+        for x, y in ckpt.batches(loader):
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+        at_end[ckpt.step] = _clone({"model": model.state_dict(), "optimizer": opt.state_dict()})
+        pending = ckpt.core.writer._pending
+        backup = [p.data.clone() for p in model.parameters()]
+        for p in model.parameters():
+            p.data.fill_(0.125)  # "EMA weights" for the evaluation
+        if pending is not None:
+            pending.wait()  # (only the control gets here: the copy ran while they were swapped in)
+        with torch.no_grad():
+            model.eval()
+            model(torch.randn(4, 32))
+        for p, b in zip(model.parameters(), backup):
+            p.data.copy_(b)
+    ckpt.close()
+    saved = _saved(str(tmp_path / "run"))
+    assert set(saved) == set(at_end)
+    torn = {step: _differences(at_end[step], saved[step]) for step in saved}
+    if settled:
+        assert not any(torn.values()), torn
+    else:
+        assert any(torn.values()), "the control's torn checkpoint went unnoticed: this test cannot fail"

@@ -676,6 +676,9 @@ class DriveCheckpoint(CheckpointAdapter):
                 self._left.clear()
                 try:
                     core.end_epoch(self.capture, requested=requested)
+                    # the epoch's own code runs next (an evaluation, an EMA swapped in through .data,
+                    # which no version counter sees): this save's copy is done before it
+                    core.settle_snapshot()
                 finally:
                     core.uninstall_signal_handlers()
         elif promote and self._in_epochs and self._unclaimed is None and not self._batches_done:
