@@ -219,7 +219,12 @@ def main() -> int:
     ap.add_argument("--no-stall", action="store_true", help="skip the stall per save")
     ap.add_argument("--no-resume", action="store_true", help="skip torch.save and the resume")
     ap.add_argument("--quick", action="store_true", help="256 MiB, 2 repeats: < 60 s")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads of the training step (default torch's: every core). Fewer than the "
+                         "cores leaves one to the background copy, as a GPU training leaves the CPU")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.quick:
         args.sizes, args.repeat, args.size_mb = "256", 4, 256
     root = args.dir or tempfile.mkdtemp(prefix="keepalive-bench-")
