@@ -251,23 +251,43 @@ class HostSnapshot:
 class PendingCopy:
     """The tensors of a lazy snapshot still to copy into its host buffer.
 
-    :meth:`run` copies them (the writer's thread, at a lower priority, while the loop runs its next
-    forward and backward); :meth:`wait` blocks until it has (the next optimizer step's pre-hook);
-    :meth:`changed` then names every tensor whose version counter moved since the snapshot, i.e. that
-    was changed in place before (or while) it was copied: its copy may hold the new values, so the
-    snapshot is not one state. CUDA tensors are copied with ``non_blocking`` on a side stream into
-    the (pinned) buffer, one event per group of tensors, so the copy engine overlaps the compute.
+    :meth:`run` copies them (the writer's thread, while the loop runs its next forward and backward);
+    :meth:`wait` blocks until they are copied (the next optimizer step's pre-hook) and, with
+    ``help=True``, copies what the thread has not reached yet itself, with torch's threads: a step
+    that comes before the copy is done waits no longer than a blocking copy would have taken (a
+    training that keeps every core busy leaves the writer's thread little time). :meth:`changed` then
+    names every tensor whose version counter moved since the snapshot, i.e. that was changed in place
+    before (or while) it was copied: its copy may hold the new values, so the snapshot is not one
+    state. CPU tensors are copied in pieces of :attr:`PIECE_BYTES`, which either side claims; CUDA
+    tensors with ``non_blocking`` on a side stream into the (pinned) buffer, one event per group of
+    tensors, so the copy engine overlaps the compute.
     """
 
-    #: tensors copied between two looks at whether the copy should end early (a new snapshot)
+    #: bytes of one CUDA event's group of tensors
     GROUP_BYTES = 64 << 20
+    #: bytes of one piece of a CPU tensor's copy (claimed by the writer's thread or the waiter)
+    PIECE_BYTES = 16 << 20
 
     def __init__(self, items: List[Tuple[TensorRef, np.ndarray]], owner: "HostSnapshot"):
         self.items = items
         self.versions = [getattr(t.value, "_version", 0) for t, _ in items]
         self.nbytes = sum(t.nbytes for t, _ in items)
         self._done = threading.Event()
+        self._lock = threading.Lock()
         self.error: Optional[BaseException] = None
+        self._cuda = any(t.value.is_cuda for t, _ in items)
+        # CPU: (source bytes or None for a whole-tensor copy, the tensor, its slot, first, end byte)
+        self._pieces: List[Tuple[Any, TensorRef, np.ndarray, int, int]] = []
+        if not self._cuda:
+            for t, slot in items:
+                flat = _bytes_of(t.value)
+                if flat is None:
+                    self._pieces.append((None, t, slot, 0, t.nbytes))
+                    continue
+                for lo in range(0, t.nbytes, self.PIECE_BYTES):
+                    self._pieces.append((flat, t, slot, lo, min(t.nbytes, lo + self.PIECE_BYTES)))
+        self._next = 0
+        self._left = len(self._pieces)
         owner.pin_for([t for t, _ in items])
 
     @property
@@ -275,31 +295,73 @@ class PendingCopy:
         return self._done.is_set()
 
     def run(self) -> None:
-        """Copy every pending tensor; never raises (:attr:`error` keeps what failed)."""
+        """Copy every pending tensor (those no waiter claimed); never raises (:attr:`error` keeps
+        what failed)."""
         try:
-            stream, events, group = _side_stream(self.items), [], 0
-            for t, slot in self.items:
-                _copy_torch_into(t.value, slot, stream=stream, background=True)
-                group += t.nbytes
-                if stream is not None and group >= self.GROUP_BYTES:
-                    events.append(_record(stream))
-                    group = 0
-            if stream is not None:
-                events.append(_record(stream))
-                for event in events:
-                    event.synchronize()
+            if self._cuda:
+                self._run_cuda()
+                self._done.set()
+            else:
+                self._copy_pieces(threaded=False)
         except BaseException as exc:  # noqa: BLE001 - reported by the waiter
             self.error = exc
-        finally:
             self._done.set()
 
-    def wait(self, timeout: Optional[float] = None) -> bool:
+    def _run_cuda(self) -> None:
+        stream, events, group = _side_stream(self.items), [], 0
+        for t, slot in self.items:
+            _copy_torch_into(t.value, slot, stream=stream, background=True)
+            group += t.nbytes
+            if stream is not None and group >= self.GROUP_BYTES:
+                events.append(_record(stream))
+                group = 0
+        if stream is not None:
+            events.append(_record(stream))
+            for event in events:
+                event.synchronize()
+
+    def _copy_pieces(self, threaded: bool) -> None:
+        while True:
+            with self._lock:
+                if self._next >= len(self._pieces):
+                    return
+                flat, t, slot, lo, hi = self._pieces[self._next]
+                self._next += 1
+            try:
+                if flat is None:
+                    _copy_torch_into(t.value, slot, background=not threaded)
+                elif threaded:  # torch's copy spreads over its intra-op threads
+                    import torch
+
+                    torch.from_numpy(slot[lo:hi]).copy_(flat[lo:hi])
+                else:  # numpy's: one core, without the GIL
+                    np.copyto(slot[lo:hi], flat[lo:hi].numpy())
+            except BaseException as exc:  # noqa: BLE001 - reported by the waiter
+                self.error = exc
+            with self._lock:
+                self._left -= 1
+                if self._left == 0:
+                    self._done.set()
+
+    def wait(self, timeout: Optional[float] = None, help: bool = False) -> bool:
+        if help and not self._cuda and not self._done.is_set():
+            self._copy_pieces(threaded=True)
         return self._done.wait(timeout)
 
     def changed(self) -> List[str]:
         """The keys of tensors changed in place since the snapshot (call after :meth:`wait`, from the
         thread that trains: its in-place operations have all finished then)."""
         return [t.key for (t, _), v in zip(self.items, self.versions) if getattr(t.value, "_version", 0) != v]
+
+
+def _bytes_of(t: Any) -> Any:
+    """A CPU tensor's bytes as a flat uint8 view (no copy), or None where there is none."""
+    import torch
+
+    src = t.detach()
+    if src.is_cuda or not src.is_contiguous() or src.dtype is torch.bool or src.numel() == 0:
+        return None
+    return src.reshape(-1).view(torch.uint8)
 
 
 def _host_buffer(size: int) -> np.ndarray:

@@ -127,6 +127,7 @@ class AsyncWriter:
         if pending is not None:
             self._pending, self._verdict = pending, _Verdict()
             job.update(pending=pending, verdict=self._verdict)
+        job["background"] = True
         # Not a daemon: an interpreter that exits normally finishes the write first.
         self._thread = threading.Thread(target=self._run, args=(job,), name="keepalive-writer")
         self._thread.start()
@@ -146,7 +147,7 @@ class AsyncWriter:
         if pending is None or verdict is None:
             return []
         t0 = time.perf_counter()
-        pending.wait()
+        pending.wait(help=True)
         self.settle_seconds = time.perf_counter() - t0
         changed = pending.changed()
         self._pending = self._verdict = None
@@ -165,8 +166,7 @@ class AsyncWriter:
         try:
             pending: Optional[PendingCopy] = job.get("pending")
             if pending is not None:
-                _lower_priority()
-                pending.run()
+                pending.run()  # at the training's priority: the next step waits for it
                 if pending.error is not None:
                     raise pending.error
                 verdict: _Verdict = job["verdict"]
@@ -177,6 +177,8 @@ class AsyncWriter:
                         self.settle()
                 if verdict.changed:
                     return  # not one state: nothing is committed (the caller saves again)
+            if threading.current_thread() is not threading.main_thread() and job.get("background"):
+                _lower_priority()  # the write yields to the training (its own thread: it ends with it)
             progress = self.progress
             if self.progress_factory is not None:
                 bar = self.progress_factory(job["files"], job["step"])

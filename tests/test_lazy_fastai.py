@@ -101,6 +101,7 @@ class _Watch(Callback):
         self.n += 1
         self.boundaries[self.n] = _clone(capture_objects(self.learn))
         if self.change_at is not None and self.n == self.change_at:
+            _RELEASE.clear()  # (a settle of an earlier save released it)
             _HOLD.set()  # the copy of this boundary's save waits for the change in the next batch
 
 
@@ -300,6 +301,7 @@ def test_weights_swapped_for_the_validation_are_not_in_the_lazy_copy(tmp_path, m
     def after_batch() -> None:
         original_after_batch()
         if learn.training and watch.n == 6:
+            _RELEASE.clear()  # (a settle of an earlier save released it)
             _HOLD.set()  # the copy of this boundary's save waits (for a settle or the swap)
 
     watch.after_batch = after_batch  # type: ignore[method-assign]

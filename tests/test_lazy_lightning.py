@@ -104,6 +104,7 @@ class _Events(pl.Callback):
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, *_: Any) -> None:
         if self.change_at is not None and int(trainer.global_step) == self.change_at:
+            _RELEASE.clear()  # (a settle of an earlier save released it)
             _HOLD.set()  # the copy of this boundary's save waits for the change in the next batch
 
 
@@ -344,6 +345,7 @@ def test_weights_swapped_for_the_validation_are_not_in_the_lazy_copy(tmp_path, m
         step = int(cb.trainer.global_step)
         clones[step] = _clone(model.state_dict())
         if step == 3:
+            _RELEASE.clear()  # (a settle of an earlier save released it)
             _HOLD.set()  # this boundary's save (at the validation's start) is held
         return advance(*a, **k)
 
