@@ -16,7 +16,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
-import threading
 import warnings
 from typing import Any, Dict, List, Optional
 
@@ -40,9 +39,11 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 from keepalive.callbacks.lightning import DriveCheckpoint  # noqa: E402
 from keepalive.state import PendingCopy, from_files  # noqa: E402
 from keepalive.store import CheckpointStore  # noqa: E402
-
-CHANGED = "changed in place before its snapshot was copied: copied synchronously from now on"
-_HOLD, _RELEASE = threading.Event(), threading.Event()
+from lazykit import CHANGED, held_copy  # noqa: F401 - a fixture
+from lazykit import HOLD as _HOLD
+from lazykit import RELEASE as _RELEASE
+from lazykit import clone as _clone
+from lazykit import differences as _differences
 
 
 class Data(pl.LightningDataModule):
@@ -111,28 +112,8 @@ class _Events(pl.Callback):
 _BOUNDARIES: Dict[int, Any] = {}
 
 
-def _clone(tree: Any) -> Any:
-    if isinstance(tree, torch.Tensor):
-        return tree.detach().clone()
-    if isinstance(tree, dict):
-        return {k: _clone(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return [_clone(v) for v in tree]
-    return tree
 
 
-def _differences(a: Any, b: Any, where: str = "") -> List[str]:
-    if isinstance(a, torch.Tensor):
-        return [] if isinstance(b, torch.Tensor) and torch.equal(a, b) else [where]
-    if isinstance(a, dict):
-        if not isinstance(b, dict) or set(a) != set(b):
-            return [where]
-        return [d for k, v in a.items() for d in _differences(v, b[k], f"{where}.{k}")]
-    if isinstance(a, (list, tuple)):
-        if not isinstance(b, (list, tuple)) or len(a) != len(b):
-            return [where]
-        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _differences(x, y, f"{where}.{i}")]
-    return [] if a == b else [where]
 
 
 def _saved(run: str) -> Dict[int, Any]:
@@ -221,23 +202,6 @@ def _assert_each_save_is_its_step(found: Dict[str, Any], run: str) -> Dict[int, 
     return saved
 
 
-@pytest.fixture
-def held_copy(monkeypatch):
-    """The background copy of the save the loop names (``_HOLD``) waits until the loop has made its
-    change (``_RELEASE``)."""
-    _HOLD.clear()
-    _RELEASE.clear()
-    original = PendingCopy.run
-
-    def run(self):
-        if _HOLD.is_set():
-            _HOLD.clear()
-            assert _RELEASE.wait(30), "the loop never made its change"
-        original(self)
-
-    monkeypatch.setattr(PendingCopy, "run", run)
-    yield
-    _RELEASE.set()
 
 
 @pytest.mark.parametrize("variant", ["auto", "manual", "accumulate", "amp"])
@@ -265,7 +229,8 @@ def test_control_settled_at_the_step_start_the_copy_overlaps_no_backward(tmp_pat
     _assert_each_save_is_its_step(found, str(tmp_path / "run"))
 
 
-def test_a_weight_changed_before_its_copy_is_said_once_and_saved_again(tmp_path, capsys, held_copy):
+@pytest.mark.usefixtures("held_copy")
+def test_a_weight_changed_before_its_copy_is_said_once_and_saved_again(tmp_path, capsys):
     """A hand-made in-place change of a parameter in training_step after a save (inside the step's
     closure), with the copy held until after it: the version check drops that save (said once), the
     next step boundary saves again, and that parameter is copied at once from then on."""
@@ -279,7 +244,8 @@ def test_a_weight_changed_before_its_copy_is_said_once_and_saved_again(tmp_path,
     assert any(k.endswith("net.0.weight") for k in found["core"]._copy_at_once)
 
 
-def test_control_without_the_version_check_the_torn_save_is_committed(tmp_path, monkeypatch, held_copy):
+@pytest.mark.usefixtures("held_copy")
+def test_control_without_the_version_check_the_torn_save_is_committed(tmp_path, monkeypatch):
     monkeypatch.setattr(PendingCopy, "changed", lambda self: [])
     found = _train(str(tmp_path / "run"), every=2, change_at=4)
     saved = _saved(str(tmp_path / "run"))

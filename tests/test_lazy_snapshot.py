@@ -28,11 +28,12 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from crashkit import run_to_completion
 from keepalive.callbacks.torch import DriveCheckpoint
-from keepalive.state import PendingCopy, from_files
-from keepalive.store import CheckpointStore
+from keepalive.state import PendingCopy
+from lazykit import CHANGED, RELEASE, checkpoints, held_copy, hold_next_copy  # noqa: F401 - a fixture
+from lazykit import clone as _clone
+from lazykit import differences as _differences
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "torch_train.py")
-CHANGED = "changed in place before its snapshot was copied: copied synchronously from now on"
 
 
 def _setup(seed: int = 0):
@@ -47,30 +48,10 @@ def _setup(seed: int = 0):
     return model, opt, sched, loader
 
 
-def _clone(tree: Any) -> Any:
-    if isinstance(tree, torch.Tensor):
-        return tree.detach().clone()
-    if isinstance(tree, dict):
-        return {k: _clone(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_clone(v) for v in tree)
-    return tree
 
 
-def _differences(a: Any, b: Any, where: str = "") -> List[str]:
-    if isinstance(a, torch.Tensor):
-        return [] if isinstance(b, torch.Tensor) and torch.equal(a, b) else [where]
-    if isinstance(a, dict):
-        out: List[str] = []
-        for k, v in a.items():
-            out += _differences(v, b.get(k) if isinstance(b, dict) else None, f"{where}.{k}")
-        return out
-    return [] if a == b else [where]
 
 
-def _saved(run: str) -> Dict[int, Any]:
-    store = CheckpointStore(run)
-    return {info.step: from_files(store.read_files(info), copy=True)["objects"] for info in store.list()}
 
 
 def _train(run: str, *, epochs: int = 2, every: Any = 3, change_at: Optional[int] = None,
@@ -97,13 +78,13 @@ def _train(run: str, *, epochs: int = 2, every: Any = 3, change_at: Optional[int
             if i % accum == 0:  # a consistent boundary (no gradients pending): what a save there holds
                 boundaries[ckpt.step] = _clone({k: v.state_dict() for k, v in objects.items()})
             if change_at is not None and ckpt.step == change_at - 1:
-                _HOLD.set()  # the copy of the save at the next boundary waits for the change below
+                hold_next_copy()  # the copy of the save at the next boundary waits for the change below
             if change_at is not None and ckpt.step == change_at and pending is not None:
                 with torch.no_grad():
                     model[0].weight.mul_(0.5)  # a hand-made change before the next step
                 before_change[ckpt.step] = boundaries[ckpt.step]
                 boundaries[ckpt.step] = None  # the state of this boundary is gone now
-                _RELEASE.set()
+                RELEASE.set()
             (F.cross_entropy(model(x), y) / accum).backward()
             if (i + 1) % accum == 0 or i + 1 == len(loader):
                 opt.step()
@@ -116,26 +97,8 @@ def _train(run: str, *, epochs: int = 2, every: Any = 3, change_at: Optional[int
     return dict(boundaries=boundaries, deferred=deferred, core=ckpt.core, before_change=before_change)
 
 
-_HOLD, _RELEASE = threading.Event(), threading.Event()
-
-
-@pytest.fixture
-def held_copy(monkeypatch):
-    """The background copy of the save the loop names (``_HOLD``) waits until the loop has made its
-    change (``_RELEASE``)."""
-    _HOLD.clear()
-    _RELEASE.clear()
-    original = PendingCopy.run
-
-    def run(self):
-        if _HOLD.is_set():
-            _HOLD.clear()
-            assert _RELEASE.wait(30), "the loop never made its change"
-        original(self)
-
-    monkeypatch.setattr(PendingCopy, "run", run)
-    yield
-    _RELEASE.set()
+def _saved(run: str) -> Dict[int, Any]:
+    return {step: tree["objects"] for step, tree in checkpoints(run).items()}
 
 
 def _assert_each_save_is_its_step(found: Dict[str, Any], run: str, skip=()) -> Dict[int, Any]:
@@ -167,7 +130,8 @@ def test_blocking_copies_everything_at_once(tmp_path):
         DriveCheckpoint(str(tmp_path / "bad"), model=torch.nn.Linear(1, 1), snapshot="eager")
 
 
-def test_a_weight_changed_before_its_copy_is_said_once_and_saved_again(tmp_path, capsys, held_copy):
+@pytest.mark.usefixtures("held_copy")
+def test_a_weight_changed_before_its_copy_is_said_once_and_saved_again(tmp_path, capsys):
     """A hand-made in-place change of a parameter between a save and the next optimizer step, with
     the copy held until after it: the version check drops that save (said once), the next step
     boundary saves again, and that parameter is copied at once from then on."""
@@ -182,7 +146,8 @@ def test_a_weight_changed_before_its_copy_is_said_once_and_saved_again(tmp_path,
         k.endswith("0.weight") for k in found["core"]._copy_at_once)
 
 
-def test_control_without_the_version_check_the_torn_save_is_committed(tmp_path, monkeypatch, held_copy):
+@pytest.mark.usefixtures("held_copy")
+def test_control_without_the_version_check_the_torn_save_is_committed(tmp_path, monkeypatch):
     monkeypatch.setattr(PendingCopy, "changed", lambda self: [])
     found = _train(str(tmp_path / "run"), every=3, change_at=6)
     saved = _saved(str(tmp_path / "run"))
