@@ -13,7 +13,7 @@ the next forward and backward. Before that step changes them, the training threa
 version counter. The write is committed only after that check passed; a tensor changed in place
 before its copy (the copy may hold new values: not one state) drops the write, and
 :attr:`AsyncWriter.dropped` names it. The writer's thread runs at a lower priority (``nice``), so on a
-machine whose cores all train it takes what the training leaves.
+machine whose cores all train it takes what the training leaves (:data:`WRITER_NICE`, 0 for now).
 """
 from __future__ import annotations
 
@@ -46,13 +46,17 @@ class SnapshotChanged(RuntimeError):
     """The state changed while it was copied to host memory: the copy is not one state."""
 
 
-#: how much lower than the training the writer's thread runs (Linux ``nice`` of the thread)
-WRITER_NICE = 10
+#: how much lower than the training the writer's thread runs (Linux ``nice`` of the thread). 0 for
+#: now: at +10 the write's end came so late on a busy 2-core machine that ``every="auto"`` did not
+#: learn a write's cost within a short training (its line was never said)
+WRITER_NICE = 0
 
 
 def _lower_priority() -> None:
     """Make the calling thread yield to the training where they compete for cores (Linux: a thread
     is a task of its own for ``setpriority``; elsewhere nothing)."""
+    if not WRITER_NICE:
+        return
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
     except (AttributeError, OSError):  # pragma: no cover - not Linux, or not allowed
