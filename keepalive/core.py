@@ -403,6 +403,7 @@ class Checkpointer:
             if check is not None:
                 self.writer.submit(tree, step=c.step, epoch=c.epoch, metadata=meta, sync=sync, check=check)
             else:
+                self._settle_snapshot()  # the last lazy save's check, said here if it fails (not in submit's wait)
                 defer = None if sync else self._deferrable()
                 self._lazy_reason = reason if defer is not None else None
                 self._lazy_step = c.step
@@ -646,7 +647,6 @@ class Checkpointer:
         changed = self.writer.settle()
         if not changed:
             return
-        self.writer.take_dropped()
         self._copy_at_once.update(changed)
         names = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
         self.warn(f"{names} changed in place before its snapshot was copied: copied synchronously from now on, and "

@@ -11,8 +11,8 @@ optimizer step (its parameters and state) to the writer's thread: it copies them
 the next forward and backward. Before that step changes them, the training thread calls
 :meth:`AsyncWriter.settle`: it waits for what is not copied yet and checks every deferred tensor's
 version counter. The write is committed only after that check passed; a tensor changed in place
-before its copy (the copy may hold new values: not one state) drops the write, and
-:attr:`AsyncWriter.dropped` names it. The writer's thread runs at a lower priority (``nice``), so on a
+before its copy (the copy may hold new values: not one state) drops the write, and ``settle``
+returns its name. The writer's thread runs at a lower priority (``nice``), so on a
 machine whose cores all train it takes what the training leaves (:data:`WRITER_NICE`, 0 for now).
 """
 from __future__ import annotations
@@ -93,9 +93,6 @@ class AsyncWriter:
         #: the lazy snapshot whose copy the training thread has not settled yet
         self._pending: Optional[PendingCopy] = None
         self._verdict: Optional[_Verdict] = None
-        #: the deferred tensors changed in place before their copy, when a write was dropped for it
-        #: (the caller takes it, says it and saves again)
-        self.dropped: List[str] = []
         #: seconds the last settle waited for the background copy (a stall of the training too)
         self.settle_seconds = 0.0
 
@@ -131,7 +128,6 @@ class AsyncWriter:
         if pending is not None:
             self._pending, self._verdict = pending, _Verdict()
             job.update(pending=pending, verdict=self._verdict)
-        job["background"] = True
         # Not a daemon: an interpreter that exits normally finishes the write first.
         self._thread = threading.Thread(target=self._run, args=(job,), name="keepalive-writer")
         self._thread.start()
@@ -157,13 +153,7 @@ class AsyncWriter:
         self._pending = self._verdict = None
         verdict.changed = changed
         verdict.event.set()
-        if changed:
-            self.dropped = changed
         return changed
-
-    def take_dropped(self) -> List[str]:
-        dropped, self.dropped = self.dropped, []
-        return dropped
 
     def _run(self, job: Dict[str, Any]) -> None:
         bar = None
@@ -181,7 +171,7 @@ class AsyncWriter:
                         self.settle()
                 if verdict.changed:
                     return  # not one state: nothing is committed (the caller saves again)
-            if threading.current_thread() is not threading.main_thread() and job.get("background"):
+            if threading.current_thread() is self._thread:
                 _lower_priority()  # the write yields to the training (its own thread: it ends with it)
             progress = self.progress
             if self.progress_factory is not None:
