@@ -310,7 +310,7 @@ class PendingCopy:
     def _run_cuda(self) -> None:
         stream, events, group = _side_stream(self.items), [], 0
         for t, slot in self.items:
-            _copy_torch_into(t.value, slot, stream=stream, background=True)
+            _copy_torch_into(t.value, slot, stream=stream)
             group += t.nbytes
             if stream is not None and group >= self.GROUP_BYTES:
                 events.append(_record(stream))
@@ -329,7 +329,7 @@ class PendingCopy:
                 self._next += 1
             try:
                 if flat is None:
-                    _copy_torch_into(t.value, slot, background=not threaded)
+                    _copy_torch_into(t.value, slot)
                 elif threaded:  # torch's copy spreads over its intra-op threads
                     import torch
 
@@ -381,17 +381,12 @@ def _host_buffer(size: int) -> np.ndarray:
     return np.empty(max(size, 1), dtype=np.uint8)
 
 
-def _copy_torch_into(t, slot: np.ndarray, stream: Any = None, background: bool = False) -> None:
+def _copy_torch_into(t, slot: np.ndarray, stream: Any = None) -> None:
     import torch
 
     if t.numel() == 0:
         return
     src = t.detach()
-    if background and not src.is_cuda and src.is_contiguous() and src.dtype is not torch.bool:
-        # numpy's copy runs on one core without the GIL: a background copy does not take the
-        # training's intra-op threads (torch's copy_ would spread over all of them)
-        np.copyto(slot, src.reshape(-1).view(torch.uint8).numpy())
-        return
     dst = torch.from_numpy(slot).view(t.dtype).view(t.shape)
     with torch.no_grad():
         if stream is not None and src.is_cuda:
