@@ -75,3 +75,19 @@ def checkpoints(run: str) -> Dict[int, Any]:
     """Every committed checkpoint's state tree, by step."""
     store = CheckpointStore(run)
     return {info.step: from_files(store.read_files(info), copy=True) for info in store.list()}
+
+
+def overlapped(events: List[Any]) -> List[bool]:
+    """For each lazy save: whether a backward ran between it and the settle of its copy."""
+    out: List[bool] = []
+    for i, (kind, _) in enumerate(events):
+        if kind != "save":
+            continue
+        backward = False
+        for later, _ in events[i + 1:]:
+            if later == "backward":
+                backward = True
+            if later == "settle":
+                break
+        out.append(backward)
+    return out

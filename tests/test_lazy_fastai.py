@@ -35,6 +35,7 @@ from lazykit import HOLD as _HOLD
 from lazykit import RELEASE as _RELEASE
 from lazykit import clone as _clone
 from lazykit import differences as _differences
+from lazykit import overlapped as _overlapped
 
 
 def _saved(run: str) -> Dict[int, Any]:
@@ -117,22 +118,6 @@ def _train(run: str, *, every: Any = 2, epochs: int = 2, change_at: Optional[int
         learn.fit_one_cycle(epochs, 5e-3, cbs=[ckpt, watch])
     return dict(boundaries=watch.boundaries, deferred=watch.deferred, core=ckpt.core, events=events,
                 before_change=watch.before_change)
-
-
-def _overlapped(events: List[Any]) -> List[bool]:
-    """For each lazy save: whether a backward ran between it and the settle of its copy."""
-    out: List[bool] = []
-    for i, (kind, _) in enumerate(events):
-        if kind != "save":
-            continue
-        backward = False
-        for later, _ in events[i + 1:]:
-            if later == "backward":
-                backward = True
-            if later == "settle":
-                break
-        out.append(backward)
-    return out
 
 
 def _assert_each_save_is_its_step(found: Dict[str, Any], run: str) -> Dict[int, Any]:

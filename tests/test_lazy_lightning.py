@@ -44,6 +44,7 @@ from lazykit import HOLD as _HOLD
 from lazykit import RELEASE as _RELEASE
 from lazykit import clone as _clone
 from lazykit import differences as _differences
+from lazykit import overlapped as _overlapped
 
 
 class Data(pl.LightningDataModule):
@@ -173,22 +174,6 @@ def _train(run: str, *, mode: str = "auto", every: Any = 2, epochs: int = 2, cha
         trainer.fit(model, datamodule=Data())
     return dict(boundaries=dict(_BOUNDARIES), deferred=deferred, core=core, events=events,
                 before_change=model.before_change)
-
-
-def _overlapped(events: List[Any]) -> List[bool]:
-    """For each lazy save: whether a backward ran between it and the settle of its copy."""
-    out: List[bool] = []
-    for i, (kind, _) in enumerate(events):
-        if kind != "save":
-            continue
-        backward = False
-        for later, _ in events[i + 1:]:
-            if later == "backward":
-                backward = True
-            if later == "settle":
-                break
-        out.append(backward)
-    return out
 
 
 def _assert_each_save_is_its_step(found: Dict[str, Any], run: str) -> Dict[int, Any]:
