@@ -40,7 +40,6 @@ then raise ``KeyboardInterrupt`` / exit; a second one acts at once.
 """
 from __future__ import annotations
 
-import dis
 import gc
 import os
 import sys
@@ -55,6 +54,7 @@ from ..adapter import CheckpointAdapter
 from ..config import CheckpointConfig
 from ..core import Checkpointer
 from ..statetree import Captured, StateTree
+from ._torch_break import closed_by_break
 from ._torch_replay import DatasetKeys, ForeignIterators, LoaderReplay, fabric_loader
 from .torchstate import (
     RandomState,
@@ -80,19 +80,6 @@ __all__ = ["DriveCheckpoint"]
 
 
 _SCHEDULERS = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
-
-
-def _closed_by_break(frame: Any) -> bool:
-    """Whether a generator being closed now was dropped by a ``break`` (or a ``return``) out of the
-    ``for`` loop running in ``frame``, rather than by an exception passing through it: CPython pops
-    a loop's iterator with POP_TOP when the loop is left by ``break`` / ``return``, while an
-    exception unwinds from the instruction that raised (a call, a raise). Anything else (an explicit
-    ``close()``, the garbage collector) counts as no break."""
-    try:
-        code, at = frame.f_code.co_code, frame.f_lasti
-        return at >= 0 and dis.opname[code[at]] == "POP_TOP"
-    except (AttributeError, IndexError):
-        return False
 
 
 def _num(x: Any) -> str:
@@ -431,7 +418,7 @@ class DriveCheckpoint(CheckpointAdapter):
                         caller: Any = sys._getframe(1)
                     except ValueError:  # closed with no Python frame above it (at the interpreter's exit)
                         caller = None
-                    if _closed_by_break(caller):
+                    if closed_by_break(caller):
                         self._leave(n)
                     raise
                 self._resume_rng = None  # the resumed epoch's passes are positioned
