@@ -341,8 +341,8 @@ def test_the_reader_sees_every_kind_of_import():
 
 
 def test_every_module_has_a_layer():
-    unknown = [f"{m.path}: {m.key!r} is not in LAYERS (tests/test_architecture.py) nor in the README's "
-               "Architecture table" for m in MODULES if m.key not in LAYERS]
+    unknown = [f"{m.path}: {m.key!r} is not in LAYERS (tests/test_architecture.py) nor in the layer "
+               "table of docs/architecture.md" for m in MODULES if m.key not in LAYERS]
     _fail("modules without a layer", unknown)
 
 
