@@ -16,10 +16,16 @@ attributes read from a callback) are constants of the inventory modules, used by
 attribute reads stay spelled out in the adapters, and ``tests/test_compat.py`` checks both ways that
 the inventory and the adapters' sources agree.
 
-A probe looks at classes and code objects only, nothing is instantiated or run: an attribute of a
-class or module; a name a class's own code reads or sets (``co_names``, which holds the instance
-attributes ``__init__`` creates); a local variable of a function (``co_varnames`` / ``co_cellvars``,
-what a frame walk finds in ``f_locals``); a parameter (``inspect.signature``).
+An inventory is a table, data rather than code: a module-level tuple of :class:`Internal` rows whose
+probe is a :class:`Check` (or a tuple of them, all of which must hold) naming what to look at as text
+(``"module:Class.attr"``, imported only when the check runs) and how to look. :meth:`Framework.missing`
+walks the table. A check looks at classes and code objects only, nothing is instantiated or run: an
+attribute of a class or module (``has``); a name a class's own code reads or sets (``uses``:
+``co_names``, which holds the instance attributes ``__init__`` creates); a string constant of its code
+(``says``); a local variable of a function (``local``: ``co_varnames`` / ``co_cellvars``, what a frame
+walk finds in ``f_locals``); a parameter (``param``: ``inspect.signature``); a dataclass field
+(``field``). The few looks no check can say are small functions of the inventory module, in the
+table by name like the checks.
 """
 from __future__ import annotations
 
@@ -28,14 +34,17 @@ import inspect
 import sys
 from dataclasses import dataclass
 from types import CodeType
-from typing import Any, Callable, Iterable, Iterator, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple, Union
 
 from ..errors import IncompatibleFrameworkError
 
-__all__ = ["ACCELERATE", "FABRIC", "Internal", "Package", "Framework", "code_names", "code_consts", "local_names",
-           "params_of", "given", "has", "uses", "local", "param", "field", "module_has"]
+__all__ = ["ACCELERATE", "FABRIC", "Internal", "Package", "Framework", "Check", "code_names", "code_consts",
+           "local_names", "params_of", "resolve", "has", "uses", "says", "stores", "local", "param", "field"]
 
+#: a look at the installed version: True when it has what the adapter needs (a :class:`Check` is one)
 Probe = Callable[[], bool]
+#: what an inventory row checks: one look, or several that must all hold
+Looks = Union[Probe, Tuple[Probe, ...]]
 
 
 @dataclass(frozen=True)
@@ -45,7 +54,7 @@ class Internal:
     name: str           #: as a reader finds it in the framework: ``Trainer._run_epoch``
     what: str           #: what it is and what the adapter does with it
     where: str          #: the adapter file, then what in it: ``transformers.py: _EpochRunner``
-    probe: Probe        #: True when the installed version has it
+    probe: Looks        #: True (each of them) when the installed version has it
     token: str = ""     #: text the adapter file contains where it uses it (default: the name's last part)
     package: str = ""   #: the distribution that provides it (default: the framework's, listed first)
     required: bool = True  #: False: the adapter falls back without it (said to the user); never refused
@@ -72,10 +81,11 @@ class Package:
 class Framework:
     """A framework's inventory and its check (run once per process, at callback creation)."""
 
-    def __init__(self, name: str, packages: Sequence[Package], internals: Callable[[], List[Internal]]):
+    def __init__(self, name: str, packages: Sequence[Package],
+                 internals: Union[Sequence[Internal], Callable[[], Iterable[Internal]]]):
         self.name = name
         self.packages = {p.name: p for p in packages}
-        self._build = internals
+        self._table = internals  # the inventory's table (or a callable that lists one)
         self._internals: Optional[List[Internal]] = None
         self._verdict: Optional[str] = None  # "" when the check passed, else its message
         self._missing: Tuple[str, ...] = ()
@@ -83,7 +93,8 @@ class Framework:
     @property
     def internals(self) -> List[Internal]:
         if self._internals is None:
-            self._internals = list(self._build())
+            table = self._table
+            self._internals = list(table() if callable(table) else table)
         return self._internals
 
     def package_of(self, item: Internal) -> Package:
@@ -135,9 +146,9 @@ class Framework:
         self._verdict = None
 
 
-def _holds(probe: Probe) -> bool:
+def _holds(probe: Looks) -> bool:
     try:
-        return bool(probe())
+        return all(bool(p()) for p in (probe if isinstance(probe, tuple) else (probe,)))
     except Exception:  # noqa: BLE001 - a probe that cannot look (a module gone, a class renamed): missing
         return False
 
@@ -194,110 +205,142 @@ def params_of(func: Any) -> Set[str]:
     return set(inspect.signature(func).parameters)
 
 
-# ----------------------------------------------------------------------------------- probes
-def given(value: Any) -> Callable[[], Any]:
-    """A getter for an object already at hand (the probes take getters: most import on demand)."""
-    return lambda: value
+# ----------------------------------------------------------------------------------- checks
+def resolve(at: Any) -> Any:
+    """The object a check names: ``"module"`` or ``"module:Attr.path"`` (imported now), else ``at``
+    itself (an object already at hand)."""
+    if not isinstance(at, str):
+        return at
+    module, _, path = at.partition(":")
+    obj = importlib.import_module(module)
+    for part in path.split(".") if path else ():
+        obj = getattr(obj, part)
+    return obj
 
 
-def has(get: Callable[[], Any], *names: str) -> Probe:
-    """``get()`` (a class or module) has these attributes."""
-    return lambda: all(hasattr(get(), n) for n in names)
+def _stored(obj: Any, name: str) -> bool:
+    """``obj``'s code reads or sets ``name``, also through fastcore's ``store_attr('a,b,...')``."""
+    return name in code_names(obj) or any(name in k.replace(" ", "").split(",") for k in code_consts(obj))
 
 
-def uses(get: Callable[[], Any], *names: str) -> Probe:
-    """The code of ``get()`` (a class: all its methods, bases included; or a function) reads or sets
+#: how a check looks: its kind -> (the object, the names, unwrap) -> whether the object has them all
+_LOOKS: Dict[str, Callable[[Any, Tuple[str, ...], bool], bool]] = {
+    "has": lambda obj, names, _: all(hasattr(obj, n) for n in names),
+    "uses": lambda obj, names, _: set(names) <= code_names(obj),
+    "says": lambda obj, names, _: set(names) <= code_consts(obj),
+    "stores": lambda obj, names, _: all(_stored(obj, n) for n in names),
+    "local": lambda obj, names, unwrap: set(names) <= local_names(obj, unwrap=unwrap),
+    "param": lambda obj, names, _: set(names) <= params_of(obj),
+    "field": lambda obj, names, _: set(names) <= set(getattr(obj, "__dataclass_fields__", ())),
+}
+
+
+@dataclass(frozen=True)
+class Check:
+    """One look at the installed version, as data: ``how`` (a key of :data:`_LOOKS`) the object ``at``
+    names (see :func:`resolve`) is looked at, for ``names``. Called, it looks."""
+
+    how: str
+    at: Any
+    names: Tuple[str, ...]
+    unwrap: bool = True  #: ``local``: the frame of the function under its decorators
+
+    def __call__(self) -> bool:
+        return _LOOKS[self.how](resolve(self.at), self.names, self.unwrap)
+
+
+def has(at: Any, *names: str) -> Check:
+    """The class or module at ``at`` has these attributes."""
+    return Check("has", at, names)
+
+
+def uses(at: Any, *names: str) -> Check:
+    """The code at ``at`` (a class: all its methods, bases included; or a function) reads or sets
     these attributes: instance attributes, which a class only shows once an instance exists."""
-    return lambda: set(names) <= code_names(get())
+    return Check("uses", at, names)
 
 
-def local(get: Callable[[], Any], *names: str, unwrap: bool = True) -> Probe:
-    """The frame of ``get()`` (a function) holds these local variables."""
-    return lambda: set(names) <= local_names(get(), unwrap=unwrap)
+def says(at: Any, *texts: str) -> Check:
+    """The code at ``at`` holds these string constants (an event name it passes on)."""
+    return Check("says", at, texts)
 
 
-def param(get: Callable[[], Any], *names: str) -> Probe:
-    """``get()`` (a function) takes these parameters."""
-    return lambda: set(names) <= params_of(get())
+def stores(at: Any, *names: str) -> Check:
+    """Like :func:`uses`, or the names are set through fastcore's ``store_attr('a,b,...')``."""
+    return Check("stores", at, names)
 
 
-def field(get: Callable[[], Any], *names: str) -> Probe:
-    """``get()`` (a dataclass) has these fields."""
-    return lambda: set(names) <= set(getattr(get(), "__dataclass_fields__", ()))
+def local(at: Any, *names: str, unwrap: bool = True) -> Check:
+    """The frame of the function at ``at`` holds these local variables."""
+    return Check("local", at, names, unwrap)
 
 
-def module_has(module: str, *names: str) -> Probe:
-    """``module`` (imported on demand) has these attributes."""
-    return lambda: all(hasattr(importlib.import_module(module), n) for n in names)
+def param(at: Any, *names: str) -> Check:
+    """The function at ``at`` takes these parameters."""
+    return Check("param", at, names)
 
+
+def field(at: Any, *names: str) -> Check:
+    """The dataclass at ``at`` has these fields."""
+    return Check("field", at, names)
 
 
 # ------------------------------------------------------------------- Accelerate (torch adapter)
-def _class_at(module: str, name: str) -> Callable[[], Any]:
-    """A framework class (accelerate's, Fabric's), imported when a probe runs."""
-    return lambda: getattr(importlib.import_module(module), name)
+_OPT, _SCHED = "accelerate.optimizer:AcceleratedOptimizer", "accelerate.scheduler:AcceleratedScheduler"
+_SHARD, _DISPATCHER = "accelerate.data_loader:DataLoaderShard", "accelerate.data_loader:DataLoaderDispatcher"
 
-
-def _accelerate_internals() -> List[Internal]:
-    """What the torch adapter relies on in the objects ``accelerator.prepare`` returns: the torch
-    object each wrapper holds (``torchstate.ACCELERATE_WRAPPERS``), the DataLoader a prepared loader
-    iterates (``_torch_replay._base_loader``), and the loader's epoch count (saved as a counter)."""
-    opt, sched = _class_at("accelerate.optimizer", "AcceleratedOptimizer"), \
-        _class_at("accelerate.scheduler", "AcceleratedScheduler")
-    shard, dispatcher = _class_at("accelerate.data_loader", "DataLoaderShard"), \
-        _class_at("accelerate.data_loader", "DataLoaderDispatcher")
-    return [
-        Internal("accelerate.optimizer.AcceleratedOptimizer.optimizer", "the torch optimizer inside: "
-                 "registered, its step hook counts the steps that change the weights",
-                 "torchstate.py: ACCELERATE_WRAPPERS", uses(opt, "optimizer"), token='"optimizer"'),
-        Internal("accelerate.scheduler.AcceleratedScheduler.scheduler", "the torch scheduler inside: "
-                 "registered, its settings are the plan", "torchstate.py: ACCELERATE_WRAPPERS",
-                 uses(sched, "scheduler"), token='"scheduler"'),
-        Internal("accelerate.data_loader.DataLoaderShard.base_dataloader", "the torch DataLoader a "
-                 "prepared loader iterates: its index sampler is positioned", "_torch_replay.py: _base_loader",
-                 uses(shard, "base_dataloader")),
-        Internal("accelerate.data_loader.DataLoaderDispatcher.base_dataloader", "the same for a loader "
-                 "prepared with dispatch_batches=True (iterated on rank 0 only; its state and split_batches "
-                 "say how many base batches a rank's batch stands for: _Dispatch)",
-                 "_torch_replay.py: _base_loader", uses(dispatcher, "base_dataloader", "state", "split_batches")),
-        Internal("accelerate.data_loader.DataLoaderDispatcher._drop_last", "whether the dispatcher completes "
-                 "an uneven last batch with the iteration's first samples (told: not replayed after a resume)",
-                 "_torch_replay.py: _Dispatch.completes_last_batch", uses(dispatcher, "_drop_last"),
-                 token='"_drop_last"'),
-        Internal("accelerate.data_loader.DataLoaderShard.iteration", "the prepared loader's epoch count "
-                 "(its sampler's set_epoch): saved with a checkpoint as a counter of the loader",
-                 "_torch_replay.py: _counters", uses(shard, "iteration", "set_epoch"), token="_counters"),
-    ]
-
+#: What the torch adapter relies on in the objects ``accelerator.prepare`` returns: the torch object each
+#: wrapper holds (``torchstate.ACCELERATE_WRAPPERS``), the DataLoader a prepared loader iterates
+#: (``_torch_replay._base_loader``), and the loader's epoch count (saved as a counter).
+ACCELERATE_INTERNALS = (
+    Internal("accelerate.optimizer.AcceleratedOptimizer.optimizer", "the torch optimizer inside: "
+             "registered, its step hook counts the steps that change the weights",
+             "torchstate.py: ACCELERATE_WRAPPERS", uses(_OPT, "optimizer"), token='"optimizer"'),
+    Internal("accelerate.scheduler.AcceleratedScheduler.scheduler", "the torch scheduler inside: "
+             "registered, its settings are the plan", "torchstate.py: ACCELERATE_WRAPPERS",
+             uses(_SCHED, "scheduler"), token='"scheduler"'),
+    Internal("accelerate.data_loader.DataLoaderShard.base_dataloader", "the torch DataLoader a "
+             "prepared loader iterates: its index sampler is positioned", "_torch_replay.py: _base_loader",
+             uses(_SHARD, "base_dataloader")),
+    Internal("accelerate.data_loader.DataLoaderDispatcher.base_dataloader", "the same for a loader "
+             "prepared with dispatch_batches=True (iterated on rank 0 only; its state and split_batches "
+             "say how many base batches a rank's batch stands for: _Dispatch)",
+             "_torch_replay.py: _base_loader", uses(_DISPATCHER, "base_dataloader", "state", "split_batches")),
+    Internal("accelerate.data_loader.DataLoaderDispatcher._drop_last", "whether the dispatcher completes "
+             "an uneven last batch with the iteration's first samples (told: not replayed after a resume)",
+             "_torch_replay.py: _Dispatch.completes_last_batch", uses(_DISPATCHER, "_drop_last"),
+             token='"_drop_last"'),
+    Internal("accelerate.data_loader.DataLoaderShard.iteration", "the prepared loader's epoch count "
+             "(its sampler's set_epoch): saved with a checkpoint as a counter of the loader",
+             "_torch_replay.py: _counters", uses(_SHARD, "iteration", "set_epoch"), token="_counters"),
+)
 
 #: Accelerate's objects as the torch adapter takes them (checked when a prepared object is registered)
-ACCELERATE = Framework("Accelerate", [Package("accelerate", "accelerate", ">=1.1,<2")], _accelerate_internals)
+ACCELERATE = Framework("Accelerate", [Package("accelerate", "accelerate", ">=1.1,<2")], ACCELERATE_INTERNALS)
 
 
 # ------------------------------------------------------------------- Lightning Fabric (torch adapter)
-def _fabric_internals() -> List[Internal]:
-    """What the torch adapter relies on in the objects ``fabric.setup`` / ``setup_dataloaders`` return:
-    the torch object each wrapper holds (``torchstate.FABRIC_WRAPPERS``), the DataLoader a Fabric loader
-    wraps (``_torch_replay._base_loader``), and its count of ``iter()`` calls (the epoch it sets on the
-    sampler; saved as a counter of the loader)."""
-    module, opt = _class_at("lightning.fabric.wrappers", "_FabricModule"), \
-        _class_at("lightning.fabric.wrappers", "_FabricOptimizer")
-    loader = _class_at("lightning.fabric.wrappers", "_FabricDataLoader")
-    return [
-        Internal("lightning.fabric.wrappers._FabricModule._original_module", "the user's module inside "
-                 "(not the DDP wrapper): its state is saved", "torchstate.py: FABRIC_WRAPPERS",
-                 uses(module, "_original_module"), token='"_original_module"'),
-        Internal("lightning.fabric.wrappers._FabricOptimizer._optimizer", "the torch optimizer inside: "
-                 "registered, its step hook counts the steps", "torchstate.py: FABRIC_WRAPPERS",
-                 uses(opt, "_optimizer"), token='"_optimizer"'),
-        Internal("lightning.fabric.wrappers._FabricDataLoader._dataloader", "the torch DataLoader a Fabric "
-                 "loader iterates: its index sampler is positioned", "_torch_replay.py: _base_loader",
-                 uses(loader, "_dataloader"), token='"_dataloader"'),
-        Internal("lightning.fabric.wrappers._FabricDataLoader._num_iter_calls", "the loader's count of "
-                 "iter() calls, the epoch Fabric sets on its sampler: saved with a checkpoint as a counter",
-                 "_torch_replay.py: _counters", uses(loader, "_num_iter_calls"), token="_counters"),
-    ]
+_WRAPPERS = "lightning.fabric.wrappers"
 
+#: What the torch adapter relies on in the objects ``fabric.setup`` / ``setup_dataloaders`` return: the
+#: torch object each wrapper holds (``torchstate.FABRIC_WRAPPERS``), the DataLoader a Fabric loader wraps
+#: (``_torch_replay._base_loader``), and its count of ``iter()`` calls (the epoch it sets on the sampler;
+#: saved as a counter of the loader).
+FABRIC_INTERNALS = (
+    Internal("lightning.fabric.wrappers._FabricModule._original_module", "the user's module inside "
+             "(not the DDP wrapper): its state is saved", "torchstate.py: FABRIC_WRAPPERS",
+             uses(f"{_WRAPPERS}:_FabricModule", "_original_module"), token='"_original_module"'),
+    Internal("lightning.fabric.wrappers._FabricOptimizer._optimizer", "the torch optimizer inside: "
+             "registered, its step hook counts the steps", "torchstate.py: FABRIC_WRAPPERS",
+             uses(f"{_WRAPPERS}:_FabricOptimizer", "_optimizer"), token='"_optimizer"'),
+    Internal("lightning.fabric.wrappers._FabricDataLoader._dataloader", "the torch DataLoader a Fabric "
+             "loader iterates: its index sampler is positioned", "_torch_replay.py: _base_loader",
+             uses(f"{_WRAPPERS}:_FabricDataLoader", "_dataloader"), token='"_dataloader"'),
+    Internal("lightning.fabric.wrappers._FabricDataLoader._num_iter_calls", "the loader's count of "
+             "iter() calls, the epoch Fabric sets on its sampler: saved with a checkpoint as a counter",
+             "_torch_replay.py: _counters", uses(f"{_WRAPPERS}:_FabricDataLoader", "_num_iter_calls"),
+             token="_counters"),
+)
 
 #: Lightning Fabric's objects as the torch adapter takes them (checked when a Fabric object is registered)
-FABRIC = Framework("Lightning Fabric", [Package("lightning", "lightning", ">=2.6,<2.7")], _fabric_internals)
+FABRIC = Framework("Lightning Fabric", [Package("lightning", "lightning", ">=2.6,<2.7")], FABRIC_INTERNALS)

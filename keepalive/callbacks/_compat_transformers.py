@@ -10,16 +10,13 @@ from __future__ import annotations
 
 import importlib
 import re
-from typing import Any, Callable, List
 
-import torch
-from transformers import Trainer, TrainerState
-from transformers.trainer_callback import CallbackHandler
+from transformers import Trainer
 
 from . import _hf_data
-from ._compat import Framework, Internal, Package, code_names, field, given, has, local, param, uses
+from ._compat import Framework, Internal, Package, code_names, field, has, local, param, uses
 
-__all__ = ["COMPAT", "RUN_EPOCH", "GET_BATCH_SAMPLES", "LOAD_BEST_MODEL", "INNER_LOOP", "LOOP_LOCALS",
+__all__ = ["COMPAT", "INTERNALS", "RUN_EPOCH", "GET_BATCH_SAMPLES", "LOAD_BEST_MODEL", "INNER_LOOP", "LOOP_LOCALS",
            "STATE_FIELDS"]
 
 #: the Trainer method that runs one epoch: replaced on the instance for one ``train()`` call
@@ -65,109 +62,104 @@ def _skip_keeps_wrappers() -> bool:
     return "collate_fn" in kwargs and "worker_init_fn" in kwargs
 
 
-def _accelerate(module: str, name: str) -> Callable[[], Any]:
-    """An accelerate class, imported when a probe runs."""
-    return lambda: getattr(importlib.import_module(module), name)
+def _inner_loop_named() -> bool:
+    """The Trainer's training loop is the function of that name (not an alias of another)."""
+    return INNER_LOOP == Trainer._inner_training_loop.__name__
 
 
-def _internals() -> List[Internal]:
-    T = "transformers.py"
-    rows = [
-        Internal("Trainer._inner_training_loop local 'self'", "the frame the callback walks up to at "
-                 "on_train_begin to find its Trainer (callbacks get no reference to it)",
-                 f"{T}: DriveCheckpoint._find_trainer",
-                 lambda: local(lambda: Trainer._inner_training_loop, "self")()
-                 and "on_train_begin" in code_names(Trainer._inner_training_loop),
-                 token='f_locals.get("self")'),
-        Internal(f"Trainer.{INNER_LOOP} locals {', '.join(LOOP_LOCALS)}", "where the Trainer's own resume "
-                 "(train(resume_from_checkpoint=...)) starts its epoch loop, read at on_train_begin",
-                 f"{T}: DriveCheckpoint._find_trainer, _TrainersResume",
-                 lambda: INNER_LOOP == Trainer._inner_training_loop.__name__
-                 and local(lambda: Trainer._inner_training_loop, *LOOP_LOCALS)(), token="LOOP_LOCALS"),
-        Internal(f"Trainer.{LOAD_BEST_MODEL}", "replaced on the instance for one train() call: the best model "
-                 "comes from keepalive's checkpoint when its folder is gone", f"{T}: _BestModelLoader",
-                 lambda: has(lambda: Trainer, LOAD_BEST_MODEL)()
-                 and LOAD_BEST_MODEL in code_names(Trainer._finalize_training), token="LOAD_BEST_MODEL"),
-        Internal("Trainer._initial_global_step / _initial_num_input_tokens_seen", "set to a whole run's when "
-                 "keepalive's checkpoint replaces the Trainer's own resume",
-                 f"{T}: DriveCheckpoint._replace_trainers_resume",
-                 uses(lambda: Trainer, "_initial_global_step", "_initial_num_input_tokens_seen"),
-                 token="_initial_global_step"),
-        Internal("CallbackHandler.callbacks", "the callback list the found Trainer must hold this callback in",
-                 f"{T}: DriveCheckpoint._find_trainer, _exportable", uses(lambda: CallbackHandler, "callbacks"),
-                 token="callback_handler.callbacks"),
-        Internal("CallbackHandler.train_dataloader", "passed to on_train_begin as train_dataloader=: the "
-                 "loader whose batch sampler is replaced", f"{T}: DriveCheckpoint.on_train_begin",
-                 uses(lambda: CallbackHandler.call_event, "train_dataloader"), token='"train_dataloader"'),
-        Internal("Trainer._train_batch_size", "the per-step batch size (samples counter, resume check)",
-                 f"{T}: DriveCheckpoint.on_train_begin", uses(lambda: Trainer, "_train_batch_size")),
-        Internal(f"Trainer.{RUN_EPOCH}", "replaced on the instance for one train() call: skips completed "
-                 "epochs, starts the resumed one at its batch", f"{T}: DriveCheckpoint.on_train_begin, "
-                 "_EpochRunner", has(lambda: Trainer, RUN_EPOCH), token="RUN_EPOCH"),
-        Internal(f"Trainer._inner_training_loop calls {RUN_EPOCH}(epoch=...)", "the runner reads the epoch "
-                 "from the keyword arguments", f"{T}: _EpochRunner.__call__", _calls_run_epoch_with_keywords,
-                 token='kwargs["epoch"]'),
-        Internal(f"Trainer.{RUN_EPOCH}(skip_first_batches)", "a resumed epoch's first batches are dropped by "
-                 "accelerate's skip_first_batches (the positioned sampler yields placeholders for them)",
-                 f"{T}: _EpochRunner.__call__", uses(lambda: getattr(Trainer, RUN_EPOCH), "skip_first_batches"),
-                 token="SkipBatchSampler"),
-        Internal(f"Trainer.{GET_BATCH_SAMPLES}", "replaced on the instance for one train() call: the step "
-                 "that ended is saved before the next step's batches are made; a resumed pass's random "
-                 "states are planned before its iterator is created", f"{T}: _BatchFetcher",
-                 has(lambda: Trainer, GET_BATCH_SAMPLES), token="GET_BATCH_SAMPLES"),
-        Internal(f"Trainer.{RUN_EPOCH} calls {GET_BATCH_SAMPLES}(epoch_iterator, ...)", "the fetcher reads the "
-                 "epoch iterator as the first argument", f"{T}: _BatchFetcher.__call__",
-                 _calls_get_batch_samples, token="epoch_iterator"),
-        Internal("accelerate.data_loader.skip_first_batches keeps collate_fn / worker_init_fn", "a resumed "
-                 "pass's loader is rebuilt by accelerate from the loader's attributes: keepalive's wrappers "
-                 "of the two must be among them", "_hf_data.py: Replay",
-                 _skip_keeps_wrappers, token="worker_init_fn", package="accelerate"),
-        Internal("Trainer._tr_loss", "the running loss sum since the last log (saved, restored)",
-                 f"{T}: DriveCheckpoint.capture, _restore", uses(lambda: Trainer, "_tr_loss")),
-        Internal("Trainer._total_loss_scalar", "the loss sum of the whole training (saved, restored)",
-                 f"{T}: DriveCheckpoint.capture, _restore", uses(lambda: Trainer, "_total_loss_scalar")),
-        Internal("Trainer._globalstep_last_logged", "the step of the last log (saved, restored)",
-                 f"{T}: DriveCheckpoint.capture, _restore", uses(lambda: Trainer, "_globalstep_last_logged")),
-        Internal("accelerate.Accelerator.scaler", "the GradScaler of a mixed-precision run (saved, restored)",
-                 f"{T}: DriveCheckpoint._objects", uses(_accelerate("accelerate", "Accelerator"), "scaler"),
-                 token='"scaler"', package="accelerate"),
-        Internal("accelerate.data_loader.DataLoaderShard.base_dataloader", "the torch DataLoader inside "
-                 "accelerate's wrapper, whose batch sampler is replaced", "_hf_data.py: base_loader",
-                 uses(_accelerate("accelerate.data_loader", "DataLoaderShard"), "base_dataloader"),
-                 package="accelerate"),
-        Internal("accelerate.data_loader.SeedableRandomSampler.initial_seed", "the seed of each epoch's order "
-                 "(seed + epoch), recognised by the class name", "_hf_data.py: install",
-                 uses(_accelerate("accelerate.data_loader", "SeedableRandomSampler"), "initial_seed"),
-                 package="accelerate"),
-        Internal("accelerate.data_loader.BatchSamplerShard(batch_sampler, num_processes, process_index, "
-                 "split_batches, even_batches)", "several processes: the Trainer's training batches as accelerate "
-                 "splits them between the ranks; the positioned sampler takes over these settings and runs the "
-                 "class itself over each epoch's batches (the same split)", "_hf_data.py: install, "
-                 "PositionedBatchSampler._batches",
-                 lambda: param(_accelerate("accelerate.data_loader", "BatchSamplerShard"), "batch_sampler",
-                               *_hf_data.SHARD_SETTINGS)()
-                 and uses(_accelerate("accelerate.data_loader", "BatchSamplerShard"), "batch_sampler",
-                          *_hf_data.SHARD_SETTINGS)(),
-                 token="SHARD_SETTINGS", package="accelerate"),
-        Internal("accelerate.data_loader.DataLoaderDispatcher.state", "recognised by the class name: with "
-                 "dispatch_batches=True on several processes rank 0 reads every rank's batches (checkpoints at "
-                 "epoch ends only, said once)", "_hf_data.py: install",
-                 uses(_accelerate("accelerate.data_loader", "DataLoaderDispatcher"), "state"),
-                 token="DataLoaderDispatcher", package="accelerate"),
-        Internal("torch.utils.data.RandomSampler._num_samples", "None unless num_samples= was given (then the "
-                 "order cannot be reproduced)", "_hf_data.py: install",
-                 uses(lambda: torch.utils.data.RandomSampler, "_num_samples"), package="torch"),
-    ]
-    rows += [Internal(f"Trainer.{RUN_EPOCH}({p}=)", "a resume argument the runner passes to the Trainer's "
-                      "own epoch (its step counter continues at the saved batch)", f"{T}: _EpochRunner.__call__",
-                      param(lambda: getattr(Trainer, RUN_EPOCH), p), token=f"{p}=")
-             for p in ("resume_from_checkpoint", "epochs_trained", "steps_trained_in_current_epoch")]
-    rows += [Internal(f"TrainerState.{f}", "a progress field saved and restored", f"{T}: DriveCheckpoint.capture",
-                      field(given(TrainerState), f), token="STATE_FIELDS")
-             for f in STATE_FIELDS]
-    return rows
+_TRAINER = "transformers:Trainer"
+_LOOP = f"{_TRAINER}.{INNER_LOOP}"
+_LOADERS = "accelerate.data_loader"
+_HANDLER = "transformers.trainer_callback:CallbackHandler"
+_T = "transformers.py"
+
+#: the internals, as a table: name, what the adapter does with it, where, the check
+INTERNALS = (
+    Internal("Trainer._inner_training_loop local 'self'", "the frame the callback walks up to at "
+             "on_train_begin to find its Trainer (callbacks get no reference to it)",
+             f"{_T}: DriveCheckpoint._find_trainer", (local(_LOOP, "self"), uses(_LOOP, "on_train_begin")),
+             token='f_locals.get("self")'),
+    Internal(f"Trainer.{INNER_LOOP} locals {', '.join(LOOP_LOCALS)}", "where the Trainer's own resume "
+             "(train(resume_from_checkpoint=...)) starts its epoch loop, read at on_train_begin",
+             f"{_T}: DriveCheckpoint._find_trainer, _TrainersResume", (_inner_loop_named, local(_LOOP, *LOOP_LOCALS)),
+             token="LOOP_LOCALS"),
+    Internal(f"Trainer.{LOAD_BEST_MODEL}", "replaced on the instance for one train() call: the best model "
+             "comes from keepalive's checkpoint when its folder is gone", f"{_T}: _BestModelLoader",
+             (has(_TRAINER, LOAD_BEST_MODEL), uses(f"{_TRAINER}._finalize_training", LOAD_BEST_MODEL)),
+             token="LOAD_BEST_MODEL"),
+    Internal("Trainer._initial_global_step / _initial_num_input_tokens_seen", "set to a whole run's when "
+             "keepalive's checkpoint replaces the Trainer's own resume",
+             f"{_T}: DriveCheckpoint._replace_trainers_resume",
+             uses(_TRAINER, "_initial_global_step", "_initial_num_input_tokens_seen"), token="_initial_global_step"),
+    Internal("CallbackHandler.callbacks", "the callback list the found Trainer must hold this callback in",
+             f"{_T}: DriveCheckpoint._find_trainer, _exportable", uses(_HANDLER, "callbacks"),
+             token="callback_handler.callbacks"),
+    Internal("CallbackHandler.train_dataloader", "passed to on_train_begin as train_dataloader=: the "
+             "loader whose batch sampler is replaced", f"{_T}: DriveCheckpoint.on_train_begin",
+             uses(f"{_HANDLER}.call_event", "train_dataloader"), token='"train_dataloader"'),
+    Internal("Trainer._train_batch_size", "the per-step batch size (samples counter, resume check)",
+             f"{_T}: DriveCheckpoint.on_train_begin", uses(_TRAINER, "_train_batch_size")),
+    Internal(f"Trainer.{RUN_EPOCH}", "replaced on the instance for one train() call: skips completed "
+             "epochs, starts the resumed one at its batch", f"{_T}: DriveCheckpoint.on_train_begin, "
+             "_EpochRunner", has(_TRAINER, RUN_EPOCH), token="RUN_EPOCH"),
+    Internal(f"Trainer._inner_training_loop calls {RUN_EPOCH}(epoch=...)", "the runner reads the epoch "
+             "from the keyword arguments", f"{_T}: _EpochRunner.__call__", _calls_run_epoch_with_keywords,
+             token='kwargs["epoch"]'),
+    Internal(f"Trainer.{RUN_EPOCH}(skip_first_batches)", "a resumed epoch's first batches are dropped by "
+             "accelerate's skip_first_batches (the positioned sampler yields placeholders for them)",
+             f"{_T}: _EpochRunner.__call__", uses(f"{_TRAINER}.{RUN_EPOCH}", "skip_first_batches"),
+             token="SkipBatchSampler"),
+    Internal(f"Trainer.{GET_BATCH_SAMPLES}", "replaced on the instance for one train() call: the step "
+             "that ended is saved before the next step's batches are made; a resumed pass's random "
+             "states are planned before its iterator is created", f"{_T}: _BatchFetcher",
+             has(_TRAINER, GET_BATCH_SAMPLES), token="GET_BATCH_SAMPLES"),
+    Internal(f"Trainer.{RUN_EPOCH} calls {GET_BATCH_SAMPLES}(epoch_iterator, ...)", "the fetcher reads the "
+             "epoch iterator as the first argument", f"{_T}: _BatchFetcher.__call__",
+             _calls_get_batch_samples, token="epoch_iterator"),
+    Internal("accelerate.data_loader.skip_first_batches keeps collate_fn / worker_init_fn", "a resumed "
+             "pass's loader is rebuilt by accelerate from the loader's attributes: keepalive's wrappers "
+             "of the two must be among them", "_hf_data.py: Replay",
+             _skip_keeps_wrappers, token="worker_init_fn", package="accelerate"),
+    Internal("Trainer._tr_loss", "the running loss sum since the last log (saved, restored)",
+             f"{_T}: DriveCheckpoint.capture, _restore", uses(_TRAINER, "_tr_loss")),
+    Internal("Trainer._total_loss_scalar", "the loss sum of the whole training (saved, restored)",
+             f"{_T}: DriveCheckpoint.capture, _restore", uses(_TRAINER, "_total_loss_scalar")),
+    Internal("Trainer._globalstep_last_logged", "the step of the last log (saved, restored)",
+             f"{_T}: DriveCheckpoint.capture, _restore", uses(_TRAINER, "_globalstep_last_logged")),
+    Internal("accelerate.Accelerator.scaler", "the GradScaler of a mixed-precision run (saved, restored)",
+             f"{_T}: DriveCheckpoint._objects", uses("accelerate:Accelerator", "scaler"),
+             token='"scaler"', package="accelerate"),
+    Internal("accelerate.data_loader.DataLoaderShard.base_dataloader", "the torch DataLoader inside "
+             "accelerate's wrapper, whose batch sampler is replaced", "_hf_data.py: base_loader",
+             uses(f"{_LOADERS}:DataLoaderShard", "base_dataloader"), package="accelerate"),
+    Internal("accelerate.data_loader.SeedableRandomSampler.initial_seed", "the seed of each epoch's order "
+             "(seed + epoch), recognised by the class name", "_hf_data.py: install",
+             uses(f"{_LOADERS}:SeedableRandomSampler", "initial_seed"), package="accelerate"),
+    Internal("accelerate.data_loader.BatchSamplerShard(batch_sampler, num_processes, process_index, "
+             "split_batches, even_batches)", "several processes: the Trainer's training batches as accelerate "
+             "splits them between the ranks; the positioned sampler takes over these settings and runs the "
+             "class itself over each epoch's batches (the same split)", "_hf_data.py: install, "
+             "PositionedBatchSampler._batches",
+             (param(f"{_LOADERS}:BatchSamplerShard", "batch_sampler", *_hf_data.SHARD_SETTINGS),
+              uses(f"{_LOADERS}:BatchSamplerShard", "batch_sampler", *_hf_data.SHARD_SETTINGS)),
+             token="SHARD_SETTINGS", package="accelerate"),
+    Internal("accelerate.data_loader.DataLoaderDispatcher.state", "recognised by the class name: with "
+             "dispatch_batches=True on several processes rank 0 reads every rank's batches (checkpoints at "
+             "epoch ends only, said once)", "_hf_data.py: install",
+             uses(f"{_LOADERS}:DataLoaderDispatcher", "state"), token="DataLoaderDispatcher", package="accelerate"),
+    Internal("torch.utils.data.RandomSampler._num_samples", "None unless num_samples= was given (then the "
+             "order cannot be reproduced)", "_hf_data.py: install",
+             uses("torch.utils.data:RandomSampler", "_num_samples"), package="torch"),
+    *(Internal(f"Trainer.{RUN_EPOCH}({p}=)", "a resume argument the runner passes to the Trainer's "
+               "own epoch (its step counter continues at the saved batch)", f"{_T}: _EpochRunner.__call__",
+               param(f"{_TRAINER}.{RUN_EPOCH}", p), token=f"{p}=")
+      for p in ("resume_from_checkpoint", "epochs_trained", "steps_trained_in_current_epoch")),
+    *(Internal(f"TrainerState.{f}", "a progress field saved and restored", f"{_T}: DriveCheckpoint.capture",
+               field("transformers:TrainerState", f), token="STATE_FIELDS")
+      for f in STATE_FIELDS),
+)
 
 
 COMPAT = Framework("transformers", [Package("transformers", "transformers", ">=5.3,<6"),
                                     Package("accelerate", "accelerate", ">=1.1,<2"),
-                                    Package("torch", "torch", ">=2.1")], _internals)
+                                    Package("torch", "torch", ">=2.1")], INTERNALS)
