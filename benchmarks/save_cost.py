@@ -119,12 +119,16 @@ def _instrument(timers: _Timers) -> None:
     """Time keepalive's boundary and save path, function by function (--profile)."""
     from keepalive import backends, core, pauses, rng, state, store, writer
     from keepalive.callbacks import torch as ka_torch
+    from keepalive.lifecycle import between_steps, boundaries, saving
 
     C = core.Checkpointer
-    for attr in ("advance", "_remember", "_before_boundary", "check_storable", "build_tree", "_save",
-                 "end_epoch", "flush", "_agree", "_carry_out"):
+    for attr in ("advance", "check_storable", "build_tree", "end_epoch", "flush"):
         timers.wrap(C, attr, f"Checkpointer.{attr}")
-    timers.wrap(C, "_feed", "Checkpointer._feed (boundary state machine)")
+    timers.wrap(saving.Saver, "save", "Saver.save")
+    timers.wrap(between_steps.BetweenSteps, "remember", "BetweenSteps.remember")
+    for attr in ("before_boundary", "agree", "carry_out"):
+        timers.wrap(boundaries.BoundaryDriver, attr, f"BoundaryDriver.{attr}")
+    timers.wrap(boundaries.BoundaryMachine, "feed", "BoundaryMachine.feed (boundary state machine)")
     timers.wrap(rng, "capture", "rng.capture")
     timers.wrap(pauses, "version_sum", "pauses.version_sum")
     timers.wrap(pauses, "tensors_of", "pauses.tensors_of")
@@ -253,13 +257,13 @@ def child(variant: str, steps: int, batch: int, folder: str, profile: bool) -> D
         at = [0]  # the batch whose boundary is running
         from keepalive import core as ka_core
 
-        original_save = ka_core.Checkpointer._save
+        original_save = ka_core.Checkpointer.save
 
         def noted_save(self: Any, *a: Any, **k: Any) -> None:
             saved_after.append(at[0])
             original_save(self, *a, **k)
 
-        ka_core.Checkpointer._save = noted_save  # type: ignore[method-assign]
+        ka_core.Checkpointer.save = noted_save  # type: ignore[method-assign]
         last = time.perf_counter()
         for _epoch in ckpt.epochs(1):
             for i, (x, y) in enumerate(ckpt.batches(loader)):

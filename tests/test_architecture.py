@@ -46,6 +46,7 @@ LAYERS: Dict[str, int] = {
     "pauses": 3, "autointerval": 3,  # saves between steps (marks, the step gate, the guard); every="auto"
     # 4 core
     "config": 4, "core": 4, "adapter": 4, "status": 4,
+    "lifecycle": 4,  # the parts the core's Checkpointer is a facade over (boundaries, saves, pauses, ...)
     # 5 adapters
     "callbacks": 5,
     # 6 shells; the package itself (`keepalive/__init__.py` loads the IPython extension on demand)

@@ -173,7 +173,7 @@ def test_a_weight_changed_before_its_copy_is_said_once_and_saved_again(tmp_path,
     assert "the save of step 4 is made again at the next step boundary" in err
     saved = _assert_each_save_is_its_step(found, str(tmp_path / "run"))
     assert 4 not in saved and 5 in saved  # dropped, made again one step later
-    assert any(k.endswith("head.1.weight") for k in found["core"]._copy_at_once)
+    assert any(k.endswith("head.1.weight") for k in found["core"].snapshots.copy_at_once)
 
 
 @pytest.mark.usefixtures("held_copy")

@@ -142,8 +142,8 @@ def test_a_weight_changed_before_its_copy_is_said_once_and_saved_again(tmp_path,
     assert "the save of step 6 is made again at the next step boundary" in err
     saved = _assert_each_save_is_its_step(found, str(tmp_path / "run"))
     assert 6 not in saved and 7 in saved  # dropped, made again one step later
-    assert "objects.model.0.weight" in found["core"]._copy_at_once or any(
-        k.endswith("0.weight") for k in found["core"]._copy_at_once)
+    assert "objects.model.0.weight" in found["core"].snapshots.copy_at_once or any(
+        k.endswith("0.weight") for k in found["core"].snapshots.copy_at_once)
 
 
 @pytest.mark.usefixtures("held_copy")

@@ -356,7 +356,7 @@ def die(ckpt):
     ckpt.writer.wait()
     spool_mod.UPLOADERS.stop_all(timeout=10)
     ckpt.spooled.spool.lease.release()
-    ckpt._opened = False
+    ckpt.saver.opened = False
 
 
 def test_resume_takes_the_newest_of_spool_and_destination(tmp_path, spool_env, capsys):

@@ -1,0 +1,58 @@
+"""Resume: the newest valid checkpoint of a run loaded, and the checkpointer positioned at it.
+
+The run is its destination and this machine's spool of it (:class:`keepalive.runs.Run`: the newest
+valid checkpoint of both, falling back past corrupt ones). Loading takes the writer lease at once,
+so that a second session on the same run learns it at the start of training, not after its first
+epoch. The adapter's ``check`` may refuse the tree before anything changes; then the counters, the
+plan, the extras and the epoch length come from the checkpoint, and one line says what is resumed.
+The adapter restores its objects and the random state from the tree itself.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Optional, cast
+
+from .. import boundary as bd
+from ..runs import Run, resuming_line
+from ..savepath import Found
+from ..statetree import StateTree
+
+if TYPE_CHECKING:
+    from ..core import Checkpointer
+
+__all__ = ["load"]
+
+
+def load(ckpt: "Checkpointer", describe: Optional[Callable[[StateTree], str]] = None,
+         check: Optional[Callable[[StateTree], None]] = None) -> Optional[StateTree]:
+    """:meth:`keepalive.core.Checkpointer.load`."""
+    # the run = its destination and this machine's spool of it: the newest valid checkpoint of both
+    found = cast(Optional[Found], Run(ckpt.store, spool=ckpt.spooled.local_spool()).load_newest(quiet=ckpt.quiet))
+    # Take the writer lease now, at the start of training: a second session on the same run
+    # learns it at once instead of after its first epoch.
+    ckpt.saver.open()
+    ckpt.messages.tell_budget_used_up()
+    found = ckpt.path.localize(found, ckpt.url, lambda text: ckpt.warn(text, key="world-size"))
+    if found is None:
+        return None
+    info, tree, previous = found
+    if check is not None:
+        ckpt.resumed_from = info  # for the check's messages; reset if it refuses
+        try:
+            check(tree)
+        except BaseException:
+            ckpt.resumed_from = None
+            raise
+    ckpt.resumed_from = info
+    ckpt.saved_plan = dict(tree.get("plan") or {}) or None
+    ckpt.machine.feed(bd.Restored(bd.Counters.of(tree.get("counters") or {})))
+    ckpt.between_steps.mark_checkpoint()
+    header = tree.get("keepalive")
+    saved_length = header.get("epoch_batches") if header else None
+    if ckpt.epoch_batches is None and isinstance(saved_length, int) and saved_length > 0:
+        ckpt.epoch_batches = saved_length
+    ckpt.extras.update(tree.get("extras") or {})
+    ckpt.trigger.saved()
+    if not ckpt.quiet:
+        words = (lambda: describe(tree)) if describe is not None else None
+        ckpt.say(resuming_line(ckpt.store.run, info, ckpt.state.counters.as_dict(), previous, words))
+    return tree
