@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from crashkit import assert_differs, assert_same
 from keepalive import StateMismatchError
-from keepalive.callbacks import torch as ka_torch
+from keepalive.callbacks import _torch_objects as ka_torch_objects
 from keepalive.callbacks.torch import DriveCheckpoint
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "torch_stages.py")
@@ -200,7 +200,7 @@ def _unfreeze_run(path, kill_in=None, control=False, monkeypatch=None):
     for q in model[0].parameters():
         q.requires_grad = False
     if control:
-        monkeypatch.setattr(ka_torch, "restore_requires_grad", lambda module, frozen: 0)
+        monkeypatch.setattr(ka_torch_objects, "restore_requires_grad", lambda module, frozen: 0)
     ckpt = DriveCheckpoint(path, model=model, optimizer=opt, quiet=True)
     try:
         for epoch in ckpt.epochs(4):
@@ -474,7 +474,7 @@ def test_loop_cell_run_again_after_ctrl_c_replays_the_prologue(tmp_path, control
         _prologue_loop(ckpt, model, opt, loader, interrupt_at=PER_EPOCH + 2)
     assert (ckpt.epoch, ckpt.counters["batch"]) == (1, 2)
     if control:  # without the epoch-start random state the prologue draws from the state of now
-        ckpt._epoch_rng = None
+        ckpt._data.epoch_rng = None
     _prologue_loop(ckpt, model, opt, loader)  # the same cell, run again in the same process
     ckpt.close()
     if control:
@@ -514,7 +514,7 @@ def test_a_checkpoint_with_the_compile_prefix_loads_unwrapped_with_control(tmp_p
     loader = DataLoader(data(), batch_size=BATCH, shuffle=True)
     model, opt = make()
     with monkeypatch.context() as older:
-        older.setattr(ka_torch, "unwrap_module", lambda obj: obj)
+        older.setattr(ka_torch_objects, "unwrap_module", lambda obj: obj)
         old = DriveCheckpoint(tmp_path / "run", model=torch.compile(model, backend="eager"), optimizer=opt,
                               quiet=True)
     assert all(k.startswith("_orig_mod.") for k in old.objects["model"].state_dict())
@@ -528,7 +528,7 @@ def test_a_checkpoint_with_the_compile_prefix_loads_unwrapped_with_control(tmp_p
     assert again.resume()
     assert_same(saved, weights(model2))
     again.close()
-    monkeypatch.setattr(ka_torch, "unwrapped_keys", lambda live, saved: saved)  # control
+    monkeypatch.setattr(ka_torch_objects, "unwrapped_keys", lambda live, saved: saved)  # control
     control = DriveCheckpoint(tmp_path / "run", model=make()[0], optimizer=opt2, quiet=True)
     with pytest.raises(StateMismatchError, match="'0.weight' is not in the checkpoint"):
         control.resume()
@@ -583,7 +583,7 @@ def test_kernel_interrupted_then_the_loop_cell_run_again_is_exact(tmp_path, cont
         state = k.run_ok("print('AT', ckpt.epoch, ckpt.counters['batch'])").stdout
         assert state.split()[1] == "1", state  # inside epoch 1: its prologue drew before the interrupt
         if control:  # without the epoch-start random state, the prologue draws from the state of now
-            k.run_ok("ckpt._epoch_rng = None")
+            k.run_ok("ckpt._data.epoch_rng = None")
         k.run_ok("loop(ckpt, model, opt, loader)")  # the same cell, run again
         same = k.run_ok("print('SAME', all(torch.equal(v, expected[n]) "
                         "for n, v in model.state_dict().items()))").stdout

@@ -201,7 +201,7 @@ def accum() -> None:
     loader = loader_for(Indexed(args.samples))
     ckpt = checkpoint(model=model, optimizer=opt, scheduler=sched)
     if args.control == "guard-off":
-        import keepalive.callbacks.torch as adapter
+        import keepalive.callbacks._torch_passes as adapter
 
         adapter.gradients_pending = lambda optimizers: False  # the adapter's pending-gradient test
         advance = ckpt.core.advance  # every batch counts as one step, whatever the optimizer did
@@ -210,7 +210,7 @@ def accum() -> None:
             return advance(capture, steps=1 if steps is None else steps, **kw)
 
         ckpt.core.advance = advance_every_batch
-        assert not adapter.gradients_pending(ckpt._optimizers)  # the patch point exists
+        assert not adapter.gradients_pending(ckpt._objects.optimizers)  # the patch point exists
     acc, iters = args.accum, len(loader)
     for epoch in ckpt.epochs(args.epochs):
         epoch_began(ckpt, epoch)
@@ -336,7 +336,7 @@ def prologue() -> None:
     if args.control == "no-prologue-replay":
         ckpt.resume()
         ckpt._saved_data.pop("epoch_rng", None)
-        ckpt._resume_rng = None
+        ckpt._data.resume_rng = None
     for epoch in ckpt.epochs(args.epochs):
         epoch_began(ckpt, epoch)
         weights = torch.ones(CLASSES)

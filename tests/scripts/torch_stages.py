@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 from toydata import NoisyIndexed
 
+from keepalive.callbacks import _torch_objects as ka_torch_objects
 from keepalive.callbacks import torch as ka_torch
 from keepalive.callbacks.torch import DriveCheckpoint
 
@@ -35,9 +36,9 @@ torch.set_num_threads(1)
 torch.manual_seed(11)
 
 if args.control == "late":  # a saved optimizer registered after the resume stays fresh
-    ka_torch.DriveCheckpoint._restore_late = lambda self, name, obj: None  # type: ignore[method-assign]
+    ka_torch_objects.TorchObjects.restore_late = lambda self, name, obj: None  # type: ignore[method-assign]
 if args.control == "frozen":  # the parameters' requires_grad flags are not restored
-    ka_torch.restore_requires_grad = lambda module, frozen: 0
+    ka_torch_objects.restore_requires_grad = lambda module, frozen: 0
 if args.control == "first":  # the first step's checkpoint as if the training loader were not known yet
     capture = ka_torch.DriveCheckpoint.capture
 
