@@ -93,7 +93,7 @@ if args.mode == "keepalive":
     from keepalive.callbacks import transformers as kt
 
     if args.control_ignore_trainer:
-        kt._TrainersResume.of = staticmethod(lambda loop, state: None)
+        kt.TrainersResume.of = staticmethod(lambda loop, state: None)
     if args.control_no_best:
         kt.DriveCheckpoint.on_save = lambda self, *a, **k: None
     if args.control_eval_again:
