@@ -38,7 +38,7 @@ import os
 import sys
 import time
 import uuid
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Union
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple, Union
 
 from . import report, settings
 from . import session as _session
@@ -187,42 +187,13 @@ def capture_context(ip: Any = None) -> Optional[Dict[str, Any]]:
     ip = ip if ip is not None else ipython_shell()
     if ip is None:
         return None
-    hist = _history(ip)
-    top = _stack[-1] if _stack else None
-    count: Optional[int]
-    if top is not None:
-        source, key, cell_id = top["source"], top["key"], top.get("cell_id")
-        if top.get("store_history") and len(hist) > 1 and hist[-1].rstrip() == source.rstrip():
-            count = len(hist) - 1
-            before = hist[1:count]
-        else:  # a nested run_cell (not stored in the history): everything stored so far came first
-            count = None
-            before = hist[1:]
-        recorded_by = "pre_run_cell"
-    else:
-        if len(hist) < 2:
-            return None
-        count = len(hist) - 1
-        source, key, cell_id = hist[-1], f"{_TOKEN}:hist:{count}", None
-        before = hist[1:count]
-        recorded_by = "history"
+    cell = _running_cell(_history(ip))
+    if cell is None:
+        return None
+    source, key, cell_id, count, before, recorded_by = cell
     if not source or not source.strip():
         return None
-    first = 1
-    setup = [{"execution_count": i + first, "source": s, "ok": _results.get(i + first)}
-             for i, s in enumerate(before) if s and s.strip()]
-    left_out = 0
-    total = 0
-    kept: List[Dict[str, Any]] = []
-    for cell in reversed(setup):
-        total += len(str(cell["source"]))
-        if total > MAX_SETUP_CHARS or len(kept) >= MAX_SETUP_CELLS:
-            left_out = len(setup) - len(kept)
-            break
-        kept.append(cell)
-    kept.reverse()
-    if mode == "cell":
-        kept, left_out = [], len(setup)
+    kept, left_out = _setup_cells(before, mode)
     shell = type(ip).__name__
     kernel = any(c.__name__ == "ZMQInteractiveShell" for c in type(ip).__mro__)
     ctx: Dict[str, Any] = {
@@ -241,6 +212,46 @@ def capture_context(ip: Any = None) -> Optional[Dict[str, Any]]:
         ctx["notebook"] = nb
     return ctx
 
+
+
+def _running_cell(hist: List[str]) -> Optional[Tuple[str, str, Optional[str], Optional[int], List[str], str]]:
+    """``(source, key, cell id, execution count, the cells run before it, recorded by)`` of the running
+    cell: from the cell hooks' stack, else from the history (None: no cell run yet)."""
+    top = _stack[-1] if _stack else None
+    count: Optional[int]
+    if top is None:
+        if len(hist) < 2:
+            return None
+        count = len(hist) - 1
+        return hist[-1], f"{_TOKEN}:hist:{count}", None, count, hist[1:count], "history"
+    source = top["source"]
+    if top.get("store_history") and len(hist) > 1 and hist[-1].rstrip() == source.rstrip():
+        count = len(hist) - 1
+        before = hist[1:count]
+    else:  # a nested run_cell (not stored in the history): everything stored so far came first
+        count = None
+        before = hist[1:]
+    return source, top["key"], top.get("cell_id"), count, before, "pre_run_cell"
+
+
+def _setup_cells(before: List[str], mode: Optional[str]) -> Tuple[List[Dict[str, Any]], int]:
+    """The cells run before, newest kept first within the bounds, and how many were left out."""
+    first = 1
+    setup = [{"execution_count": i + first, "source": s, "ok": _results.get(i + first)}
+             for i, s in enumerate(before) if s and s.strip()]
+    left_out = 0
+    total = 0
+    kept: List[Dict[str, Any]] = []
+    for cell in reversed(setup):
+        total += len(str(cell["source"]))
+        if total > MAX_SETUP_CHARS or len(kept) >= MAX_SETUP_CELLS:
+            left_out = len(setup) - len(kept)
+            break
+        kept.append(cell)
+    kept.reverse()
+    if mode == "cell":
+        kept, left_out = [], len(setup)
+    return kept, left_out
 
 # ----------------------------------------------------------------------------- name analysis
 def script_context() -> Optional[Dict[str, Any]]:

@@ -77,28 +77,37 @@ class TensorRef:
 # ------------------------------------------------------------------------------------- encoding
 def encode(tree: Any) -> Tuple[Any, List[TensorRef]]:
     """Split a state tree into a JSON-able tree and the list of its tensors."""
-    tensors: List[TensorRef] = []
-    used: Dict[str, int] = {}
+    encoder = _Encoder()
+    return encoder.enc(tree, []), encoder.tensors
 
-    def key_for(path: List[str]) -> str:
+
+class _Encoder:
+    """One :func:`encode`: the tensors found so far, and the keys given to them (each unique)."""
+
+    def __init__(self) -> None:
+        self.tensors: List[TensorRef] = []
+        self.used: Dict[str, int] = {}
+
+    def key_for(self, path: List[str]) -> str:
         base = ".".join(path) or "tensor"
-        n = used.get(base, 0)
-        used[base] = n + 1
+        n = self.used.get(base, 0)
+        self.used[base] = n + 1
         return base if n == 0 else f"{base}#{n}"
 
-    def enc(x: Any, path: List[str]) -> Any:
+    def enc(self, x: Any, path: List[str]) -> Any:
+        enc = self.enc
         if x is None or isinstance(x, (bool, str)):
             return x
         if isinstance(x, np.generic) and x.dtype in _NP_TO_CODE:  # before float: np.float64 is one
-            return {_MARK + "npscalar__": _add_numpy(np.asarray(x), key_for(path))}
+            return {_MARK + "npscalar__": self.add_numpy(np.asarray(x), self.key_for(path))}
         if isinstance(x, int):
             return int(x)
         if isinstance(x, float):
             return float(x)
         if _is_torch_tensor(x):
-            return {_MARK + "tensor__": _add_torch(x, key_for(path))}
+            return {_MARK + "tensor__": self.add_torch(x, self.key_for(path))}
         if isinstance(x, np.ndarray):
-            return {_MARK + "tensor__": _add_numpy(x, key_for(path))}
+            return {_MARK + "tensor__": self.add_numpy(x, self.key_for(path))}
         if isinstance(x, (bytes, bytearray)):
             return {_MARK + "bytes__": base64.b64encode(bytes(x)).decode()}
         if isinstance(x, tuple):
@@ -120,24 +129,22 @@ def encode(tree: Any) -> Tuple[Any, List[TensorRef]]:
             "only tensors, arrays, numbers, strings, bytes, lists and dicts, because loading must never "
             "run code (no pickle). Convert it, or leave it out of the state.")
 
-    def _add_torch(t, key: str) -> str:
+    def add_torch(self, t: Any, key: str) -> str:
         name = str(t.dtype).replace("torch.", "")
         if name not in _TORCH_CODES:
             raise UnsupportedStateError(f"tensor {key} has dtype {t.dtype}, which safetensors cannot hold")
         if t.is_sparse or getattr(t, "is_quantized", False):
             raise UnsupportedStateError(f"tensor {key} is sparse or quantized; store a dense copy")
-        tensors.append(TensorRef(key, t, "torch", _TORCH_CODES[name], tuple(t.shape),
-                                 t.numel() * t.element_size(), t.element_size()))
+        self.tensors.append(TensorRef(key, t, "torch", _TORCH_CODES[name], tuple(t.shape),
+                                      t.numel() * t.element_size(), t.element_size()))
         return key
 
-    def _add_numpy(a: np.ndarray, key: str) -> str:
+    def add_numpy(self, a: np.ndarray, key: str) -> str:
         if a.dtype not in _NP_TO_CODE:
             raise UnsupportedStateError(f"array {key} has dtype {a.dtype}, which cannot be stored safely")
-        tensors.append(TensorRef(key, a, "numpy", _NP_TO_CODE[a.dtype], tuple(a.shape), a.nbytes,
-                                 a.dtype.itemsize))
+        self.tensors.append(TensorRef(key, a, "numpy", _NP_TO_CODE[a.dtype], tuple(a.shape), a.nbytes,
+                                      a.dtype.itemsize))
         return key
-
-    return enc(tree, []), tensors
 
 
 def layout(tensors: List[TensorRef]) -> Tuple[bytes, int]:

@@ -130,23 +130,10 @@ def status_report(checkpoint_dir: Optional[str] = None) -> Dict[str, Any]:
     now = time.time()
     warnings: List[str] = list(info.warnings)
     if checkpoint_dir is None:
-        try:
-            checkpoint_dir = session.default_checkpoint_dir()
-        except Exception as exc:  # noqa: BLE001
-            warnings.append(f"no default checkpoint dir: {exc}")
-            checkpoint_dir = os.path.abspath("keepalive-checkpoints")
+        checkpoint_dir = _default_dir(warnings)
     remaining = info.remaining_seconds(now)
     idle = session.idle_seconds()
-    if remaining is not None:
-        if remaining <= 0:
-            warnings.append(session.budget_used_up(info, now) or "the session budget is used up")
-        elif remaining < 30 * 60:
-            warnings.append(f"only {format_duration(remaining)} of the session budget left")
-    if info.idle_timeout_seconds is not None:
-        margin = info.idle_timeout_seconds - idle
-        if idle > 0 and margin < session.tracker().warn_margin(info.idle_timeout_seconds):
-            warnings.append(f"idle for {format_duration(idle)} of a "
-                            f"{format_duration(info.idle_timeout_seconds)} idle timeout")
+    warnings.extend(_time_warnings(info, now, remaining, idle))
     w = session.storage_warning(info.platform, checkpoint_dir)
     if w:
         warnings.append(w)
@@ -193,6 +180,30 @@ def status_report(checkpoint_dir: Optional[str] = None) -> Dict[str, Any]:
         "keepalive_version": __version__,
     }
 
+
+
+def _default_dir(warnings: List[str]) -> str:
+    try:
+        return session.default_checkpoint_dir()
+    except Exception as exc:  # noqa: BLE001
+        warnings.append(f"no default checkpoint dir: {exc}")
+        return os.path.abspath("keepalive-checkpoints")
+
+
+def _time_warnings(info: session.SessionInfo, now: float, remaining: Optional[float], idle: float) -> List[str]:
+    """What the session budget and the idle timeout leave: nothing to say, or little."""
+    warnings: List[str] = []
+    if remaining is not None:
+        if remaining <= 0:
+            warnings.append(session.budget_used_up(info, now) or "the session budget is used up")
+        elif remaining < 30 * 60:
+            warnings.append(f"only {format_duration(remaining)} of the session budget left")
+    if info.idle_timeout_seconds is not None:
+        margin = info.idle_timeout_seconds - idle
+        if idle > 0 and margin < session.tracker().warn_margin(info.idle_timeout_seconds):
+            warnings.append(f"idle for {format_duration(idle)} of a "
+                            f"{format_duration(info.idle_timeout_seconds)} idle timeout")
+    return warnings
 
 # ------------------------------------------------------------------------------------------ text
 def _bar(fraction: float, width: int = 30) -> str:

@@ -231,21 +231,31 @@ def hardware(checkpoint_dir: Optional[str] = None) -> Dict[str, Any]:
     gpu_list, gpu_source = gpus()
     hw: Dict[str, Any] = {"gpus": gpu_list, "gpu_source": gpu_source,
                           "gpu": "; ".join(f"{g['name']} ({g['memory']})" for g in gpu_list) or "none"}
+    hw.update(_cpu_facts())
+    hw.update(_ram_facts(warnings))
+    hw["disks"] = _disk_facts(checkpoint_dir, platform, warnings)
+    hw.update(_shm_facts(platform, warnings))
+    hw["warnings"] = warnings
+    return hw
 
-    # CPU
+
+def _cpu_facts() -> Dict[str, Any]:
     try:
         usable: Optional[int] = len(os.sched_getaffinity(0))  # type: ignore[attr-defined]
     except (AttributeError, OSError):
         usable = os.cpu_count()
-    hw.update(cpu_model=_cpu_model(), cpu_count=os.cpu_count(), cpu_usable=usable, cpu_quota=_cpu_quota())
+    return dict(cpu_model=_cpu_model(), cpu_count=os.cpu_count(), cpu_usable=usable, cpu_quota=_cpu_quota())
 
-    # RAM
+
+def _ram_facts(warnings: List[str]) -> Dict[str, Any]:
     mem = _meminfo()
     total, avail = mem.get("MemTotal"), mem.get("MemAvailable", mem.get("MemFree"))
     limit = _cgroup_int("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
     if limit is not None and total is not None and limit >= total:
         limit = None
-    hw.update(
+    if total and avail is not None and avail < 0.1 * total:
+        warnings.append(f"low RAM: {both_units(avail)} available of {both_units(total)}")
+    return dict(
         ram_total_bytes=total, ram_available_bytes=avail,
         ram_total_gib=None if total is None else round(total / GIB, 2),
         ram_total_gb=None if total is None else round(total / 1e9, 2),
@@ -253,20 +263,20 @@ def hardware(checkpoint_dir: Optional[str] = None) -> Dict[str, Any]:
         ram_available_gb=None if avail is None else round(avail / 1e9, 2),
         ram_total=both_units(total), ram_available=both_units(avail),
         ram_cgroup_limit_bytes=limit, ram_cgroup_limit=None if limit is None else both_units(limit))
-    if total and avail is not None and avail < 0.1 * total:
-        warnings.append(f"low RAM: {both_units(avail)} available of {both_units(total)}")
 
-    # disks
+
+def _disk_facts(checkpoint_dir: Optional[str], platform: str, warnings: List[str]) -> List[Dict[str, Any]]:
     disks = []
     if checkpoint_dir:
         disks.append(_disk(checkpoint_dir, "checkpoint dir"))
     disks.append(_disk(vm_disk_path(platform), "VM disk"))
-    hw["disks"] = disks
     for d in disks:
         if d.get("free_bytes") is not None and d["free_bytes"] < GIB:
             warnings.append(f"low disk: {d['free']} free for the {d['what']} ({d['path']})")
+    return disks
 
-    # /dev/shm
+
+def _shm_facts(platform: str, warnings: List[str]) -> Dict[str, Any]:
     shm_total = shm_free = None
     if os.path.isdir("/dev/shm"):
         try:
@@ -274,9 +284,7 @@ def hardware(checkpoint_dir: Optional[str] = None) -> Dict[str, Any]:
             shm_total, shm_free = usage.total, usage.free
         except OSError:
             pass
-    hw.update(shm_total_bytes=shm_total, shm_free_bytes=shm_free, shm_total=both_units(shm_total))
     w = shm_warning(shm_total, platform)
     if w:
         warnings.append(w)
-    hw["warnings"] = warnings
-    return hw
+    return dict(shm_total_bytes=shm_total, shm_free_bytes=shm_free, shm_total=both_units(shm_total))

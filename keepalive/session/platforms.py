@@ -283,98 +283,125 @@ def _platform_from_environment(env: Mapping[str, str], kernel: bool, kernel_pid:
     return "local", "no notebook platform found"
 
 
-def _detect(env: Mapping[str, str], overrides: Mapping[str, Any]) -> SessionInfo:
-    """The session as ``env`` (the environment) and ``overrides`` (:func:`configure`) describe it."""
-    warnings: List[str] = []
-    kernel = in_kernel()
-    kernel_pid: Optional[int] = os.getpid() if kernel else ancestor_kernel()
+class _Choices:
+    """What the user asked for (:func:`configure`, then the settings), and the warnings about what
+    made no sense (reported once, then ignored: a typo never stops a training)."""
 
-    # --- platform
-    platform, evidence = None, ""
-    forced_profile = overrides.get("profile", _UNSET)
-    profile_src = "configure(profile=...)"
-    if forced_profile is _UNSET or forced_profile is None:
-        forced_profile, profile_src = settings.get("KEEPALIVE_PROFILE", env=env), "KEEPALIVE_PROFILE"
+    def __init__(self, env: Mapping[str, str], overrides: Mapping[str, Any]):
+        self.env = env
+        self.overrides = overrides
+        self.warnings: List[str] = []
+
+    def forced(self, key: str, setting: str) -> Tuple[Any, str]:
+        """``configure(key=...)`` when given, else the setting: the value and where it came from."""
+        value = self.overrides.get(key, _UNSET)
+        if value is _UNSET or value is None:
+            return settings.get(setting, env=self.env), setting
+        return value, f"configure({key}=...)"
+
+    def pick(self, key: str, setting: str, current: Any, source: str, parser: Any) -> Tuple[Any, str]:
+        """configure(key=...) first, then the setting, else ``current``; a bad value is a warning."""
+        value = self.overrides.get(key, _UNSET)
+        if value is not _UNSET:
+            try:
+                return parser(value), f"configure({key}={value!r})"
+            except (ValueError, TypeError) as exc:
+                self.warnings.append(f"configure({key}={value!r}) ignored: {exc}")
+        raw = settings.get(setting, env=self.env)  # stripped text, None when unset or empty
+        if raw is not None:
+            try:
+                return parser(raw), f"{setting}={raw}"
+            except (ValueError, TypeError) as exc:
+                self.warnings.append(f"{setting}={raw!r} ignored: {exc}")
+        return current, source
+
+
+def _platform(choices: _Choices, kernel: bool, kernel_pid: Optional[int]
+              ) -> Tuple[str, str, Optional[PlatformProfile]]:
+    """The platform, the evidence for it, and the profile asked for (None: none, or an unknown one)."""
     prof: Optional[PlatformProfile] = None
-    if forced_profile:
-        if forced_profile in _BY_NAME:
-            prof = _BY_NAME[forced_profile]
+    wanted, profile_src = choices.forced("profile", "KEEPALIVE_PROFILE")
+    if wanted:
+        if wanted in _BY_NAME:
+            prof = _BY_NAME[wanted]
         else:
-            warnings.append(f"{profile_src}={forced_profile!r} is not a known profile "
-                            f"({', '.join(_BY_NAME)}); ignored")
-    forced = overrides.get("platform", _UNSET)
-    forced_src = "configure(platform=...)"
-    if forced is _UNSET or forced is None:
-        forced, forced_src = settings.get("KEEPALIVE_PLATFORM", env=env), "KEEPALIVE_PLATFORM"
+            choices.warnings.append(f"{profile_src}={wanted!r} is not a known profile "
+                                    f"({', '.join(_BY_NAME)}); ignored")
+    forced, forced_src = choices.forced("platform", "KEEPALIVE_PLATFORM")
     if forced:
         if forced in PLATFORMS:
-            platform, evidence = forced, f"{forced_src}={forced}"
-        else:
-            warnings.append(f"{forced_src}={forced!r} is not one of {', '.join(PLATFORMS)}; ignored")
-    if platform is None and prof is not None:
-        platform, evidence = prof.platform, f"{profile_src}={prof.name}"
-    if platform is None:
-        platform, evidence = _platform_from_environment(env, kernel, kernel_pid)
+            return forced, f"{forced_src}={forced}", prof
+        choices.warnings.append(f"{forced_src}={forced!r} is not one of {', '.join(PLATFORMS)}; ignored")
+    if prof is not None:
+        return prof.platform, f"{profile_src}={prof.name}", prof
+    platform, evidence = _platform_from_environment(choices.env, kernel, kernel_pid)
+    return platform, evidence, prof
 
-    run_type = env.get("KAGGLE_KERNEL_RUN_TYPE") or None
-    accelerator = _accelerator(env) if platform in ("kaggle", "colab") else None
 
-    # --- profile
-    if prof is None or prof.platform != platform:
-        if prof is not None:
-            warnings.append(f"profile {prof.name!r} is for {prof.platform}, not {platform}; ignored")
-        name = platform
-        if platform == "kaggle" and accelerator == "tpu":
-            name = "kaggle-tpu"
-        prof = _BY_NAME[name]
+def _profile(choices: _Choices, asked: Optional[PlatformProfile], platform: str,
+             accelerator: Optional[str]) -> PlatformProfile:
+    """The profile asked for when it is this platform's, else the platform's own."""
+    if asked is not None and asked.platform == platform:
+        return asked
+    if asked is not None:
+        choices.warnings.append(f"profile {asked.name!r} is for {asked.platform}, not {platform}; ignored")
+    name = platform
+    if platform == "kaggle" and accelerator == "tpu":
+        name = "kaggle-tpu"
+    return _BY_NAME[name]
 
+
+def _limits(choices: _Choices, prof: PlatformProfile, platform: str, run_type: Optional[str]
+            ) -> Tuple[Optional[float], str, Optional[float], str]:
+    """The session budget and the idle timeout, each with its source."""
     budget, budget_source = prof.budget_seconds, f"{prof.name} profile: {prof.budget_source}"
     idle, idle_source = prof.idle_timeout_seconds, f"{prof.name} profile: {prof.idle_source}"
     if platform == "kaggle" and run_type and run_type.lower() == "batch":
         idle, idle_source = None, ("kaggle profile: a Batch run (Save & Run All) has no browser "
                                    "session, so no idle timeout applies")
+    budget, budget_source = choices.pick("budget", "KEEPALIVE_BUDGET", budget, budget_source, _parse_limit)
+    idle, idle_source = choices.pick("idle", "KEEPALIVE_IDLE", idle, idle_source, _parse_limit)
+    return budget, budget_source, idle, idle_source
 
-    def pick(key: str, setting: str, current: Any, source: str, parser: Any) -> Tuple[Any, str]:
-        """configure(key=...) first, then the setting, else ``current``; a bad value is a warning."""
-        value = overrides.get(key, _UNSET)
-        if value is not _UNSET:
-            try:
-                return parser(value), f"configure({key}={value!r})"
-            except (ValueError, TypeError) as exc:
-                warnings.append(f"configure({key}={value!r}) ignored: {exc}")
-        raw = settings.get(setting, env=env)  # stripped text, None when unset or empty
-        if raw is not None:
-            try:
-                return parser(raw), f"{setting}={raw}"
-            except (ValueError, TypeError) as exc:
-                warnings.append(f"{setting}={raw!r} ignored: {exc}")
-        return current, source
 
-    budget, budget_source = pick("budget", "KEEPALIVE_BUDGET", budget, budget_source, _parse_limit)
-    idle, idle_source = pick("idle", "KEEPALIVE_IDLE", idle, idle_source, _parse_limit)
-
-    # --- clock: which start the budget counts from (the profile's, unless a clock is chosen)
-    wanted, clock_reason = pick("clock", "KEEPALIVE_CLOCK", prof.clock,
-                                f"{prof.name} profile: {prof.clock_source}", _parse_clock)
+def _clock(choices: _Choices, prof: PlatformProfile, kernel: bool, kernel_pid: Optional[int]
+           ) -> Tuple[str, float, str, str]:
+    """Which start the budget counts from (the profile's, unless a clock or a start is given):
+    ``(clock, start, where the start comes from, why this clock)``."""
+    wanted, clock_reason = choices.pick("clock", "KEEPALIVE_CLOCK", prof.clock,
+                                        f"{prof.name} profile: {prof.clock_source}", _parse_clock)
     if wanted != prof.clock and not clock_reason.startswith(prof.name):
         clock_reason += f" (the {prof.name} profile's budget runs on the {prof.clock} clock)"
-    start, clock_source = pick("start", "KEEPALIVE_SESSION_START", None, "", parse_start)
-    if start is not None:
-        clock, clock_reason = "override", f"the session start is given ({clock_source})"
-        now = time.time()
-        if start > now + FUTURE_START_TOLERANCE:
-            # a start in the future makes every elapsed time negative and the budget larger than
-            # it is; the usual cause is a local time read as UTC
-            warnings.append(f"{clock_source} is {format_duration(start - now)} in the future "
-                            f"({iso_time(start)}); the session is counted from now ({iso_time(now)}) "
-                            "instead. Give unix seconds, or ISO-8601 with its offset (a time without "
-                            "one is UTC), e.g. 2025-01-31T08:00:00+02:00")
-            start, clock_source = now, f"{clock_source}, in the future: now instead"
-    else:
+    start, clock_source = choices.pick("start", "KEEPALIVE_SESSION_START", None, "", parse_start)
+    if start is None:
         clock, start, clock_source = read_clock(wanted, kernel, kernel_pid)
         if clock != wanted:
             clock_reason += f"; the {wanted} clock cannot be read here, so the {clock} clock is used"
+        return clock, start, clock_source, clock_reason
+    clock_reason = f"the session start is given ({clock_source})"
+    now = time.time()
+    if start > now + FUTURE_START_TOLERANCE:
+        # a start in the future makes every elapsed time negative and the budget larger than
+        # it is; the usual cause is a local time read as UTC
+        choices.warnings.append(f"{clock_source} is {format_duration(start - now)} in the future "
+                                f"({iso_time(start)}); the session is counted from now ({iso_time(now)}) "
+                                "instead. Give unix seconds, or ISO-8601 with its offset (a time without "
+                                "one is UTC), e.g. 2025-01-31T08:00:00+02:00")
+        start, clock_source = now, f"{clock_source}, in the future: now instead"
+    return "override", start, clock_source, clock_reason
 
+
+def _detect(env: Mapping[str, str], overrides: Mapping[str, Any]) -> SessionInfo:
+    """The session as ``env`` (the environment) and ``overrides`` (:func:`configure`) describe it."""
+    choices = _Choices(env, overrides)
+    kernel = in_kernel()
+    kernel_pid: Optional[int] = os.getpid() if kernel else ancestor_kernel()
+    platform, evidence, asked = _platform(choices, kernel, kernel_pid)
+    run_type = env.get("KAGGLE_KERNEL_RUN_TYPE") or None
+    accelerator = _accelerator(env) if platform in ("kaggle", "colab") else None
+    prof = _profile(choices, asked, platform, accelerator)
+    budget, budget_source, idle, idle_source = _limits(choices, prof, platform, run_type)
+    clock, start, clock_source, clock_reason = _clock(choices, prof, kernel, kernel_pid)
     return SessionInfo(
         platform=platform, profile=prof.name, budget_seconds=budget, idle_timeout_seconds=idle,
         budget_source=budget_source, idle_source=idle_source, start_time=start, clock=clock,
@@ -382,7 +409,7 @@ def _detect(env: Mapping[str, str], overrides: Mapping[str, Any]) -> SessionInfo
         frontend=frontend_name(env, platform, kernel or kernel_pid is not None),
         run_type=run_type if platform == "kaggle" else None, accelerator=accelerator,
         in_kernel=kernel, kernel_pid=kernel_pid if clock == "kernel" else None,
-        warnings=warnings)
+        warnings=choices.warnings)
 
 
 #: seconds a given session start may lie ahead of this machine's clock (clock skew) unremarked

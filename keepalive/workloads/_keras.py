@@ -153,12 +153,8 @@ def run_keras(spec: Any, run_dir: str, *, epochs: Optional[int] = None, syntheti
         val = (data["x_test"], data["y_test"])
 
     dev = device_facts()
-    meta = {"workload": spec.NAME, "framework": "keras", "model": spec.MODEL, "dataset": spec.DATASET,
-            "synthetic": bool(synthetic), "size": size, "epochs": epochs, "batch_size": batch_size,
-            "steps_per_epoch": train.batches_per_epoch,
-            "train_samples": int(data.get("train_samples") or train.order.n),
-            "params": int(model.count_params()), "seed": seed, "every": str(every),
-            "data_note": data.get("note", "")}
+    meta = _meta(spec, data, model, train, synthetic=synthetic, size=size, epochs=epochs, batch_size=batch_size,
+                 seed=seed, every=every)
     facts = common.facts("keras", dev["device"], "fp32", dev["versions"])
     recorder = common.RunRecorder(run_dir, meta, facts, write=write_results)
     if quiet:
@@ -180,6 +176,17 @@ def run_keras(spec: Any, run_dir: str, *, epochs: Optional[int] = None, syntheti
         final.update(spec.after_training(model, data, synthetic=synthetic) or {})
     return recorder.finish(final=final, completed=completed)
 
+
+
+def _meta(spec: Any, data: Dict[str, Any], model: Any, train: Any, *, synthetic: bool, size: str, epochs: int,
+          batch_size: int, seed: int, every: Any) -> Dict[str, Any]:
+    """What the results file says about this run."""
+    return {"workload": spec.NAME, "framework": "keras", "model": spec.MODEL, "dataset": spec.DATASET,
+            "synthetic": bool(synthetic), "size": size, "epochs": epochs, "batch_size": batch_size,
+            "steps_per_epoch": train.batches_per_epoch,
+            "train_samples": int(data.get("train_samples") or train.order.n),
+            "params": int(model.count_params()), "seed": seed, "every": str(every),
+            "data_note": data.get("note", "")}
 
 def one_hot(y: np.ndarray, n: int) -> np.ndarray:
     return keras.utils.to_categorical(y, n).astype("float32")

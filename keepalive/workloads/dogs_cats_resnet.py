@@ -21,7 +21,7 @@ import os
 import shutil
 import tempfile
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 from . import common
 
@@ -224,33 +224,18 @@ def run(dir: str, epochs: Optional[int] = None, synthetic: bool = False, size: O
     pretrained = (not synthetic) if pretrained is None else pretrained
     arch = cfg["arch"] if synthetic else "resnet34"
     dev = device_facts()
-    fp16 = dev["fp16"] if fp16 is None else (fp16 and dev["fp16"])
-    precision = "fp16 (mixed, to_fp16)" if fp16 else \
-        ("fp32 (no CUDA device: to_fp16 skipped)" if not dev["fp16"] else "fp32")
+    fp16, precision = _precision(fp16, dev["fp16"])
 
     set_seed(seed, reproducible=deterministic)
     dls = load_data(synthetic, size, workers=workers)
     learn = build_model(dls, arch=arch, pretrained=pretrained)
     if not verbose:
-        from fastcore.basics import noop
-
-        if hasattr(learn, "progress"):
-            learn.remove_cb(learn.progress)
-        learn.logger = noop  # the recorder's per-epoch print: the timing line says it all
+        _silence(learn)
     if fp16:
         learn.to_fp16()
 
-    n_train = len(dls.train_ds)
-    meta = {"workload": NAME, "framework": "fastai", "model": f"vision_learner({arch})", "dataset": DATASET,
-            "synthetic": bool(synthetic), "size": size, "epochs": freeze_epochs + epochs,
-            "freeze_epochs": freeze_epochs, "batch_size": dls.train.bs, "steps_per_epoch": len(dls.train),
-            "train_samples": n_train, "valid_samples": len(dls.valid_ds),
-            "image_size": cfg["px"] if synthetic else IMAGE_SIZE, "arch": arch, "pretrained": pretrained,
-            "params": int(sum(p.numel() for p in learn.model.parameters())), "seed": seed,
-            "every": str(every),
-            "data_note": (f"synthetic PNG folders ({n_train} train / {len(dls.valid_ds)} valid, "
-                          f"{cfg['px']} px)" if synthetic else "untar_data(URLs.DOGS)")
-            + ("; tiny size: resnet18 instead of resnet34" if synthetic and arch != "resnet34" else "")}
+    meta = _meta(dls, learn, cfg, synthetic=synthetic, size=size, epochs=epochs, freeze_epochs=freeze_epochs,
+                 arch=arch, pretrained=pretrained, seed=seed, every=every)
     facts = common.facts("fastai", dev["device"], precision, dev["versions"])
     recorder = common.RunRecorder(dir, meta, facts, write=write_results)
     if quiet:
@@ -266,17 +251,54 @@ def run(dir: str, epochs: Optional[int] = None, synthetic: bool = False, size: O
     learn.fine_tune(epochs, freeze_epochs=freeze_epochs, cbs=cbs)
     recorder.finish_epoch()  # the last epoch ends after the end-of-fit checkpoint
     completed = True if ckpt is None else (ckpt.finished and not ckpt.stopped)
-    final: Dict[str, Any] = {}
-    if completed and tta:
-        from fastai.metrics import error_rate
-
-        t0 = time.perf_counter()
-        preds, targs = learn.tta()
-        final["tta_error_rate"] = round(float(error_rate(preds, targs)), 6)
-        final["tta_seconds"] = round(time.perf_counter() - t0, 3)
-        valid = learn.validate()
-        final["error_rate"] = round(float(valid[1]), 6)
-        if recorder.printer is not None:
-            recorder.printer(f"error rate {final['error_rate']:.4f}, with TTA {final['tta_error_rate']:.4f} "
-                             f"({final['tta_seconds']:.1f} s)")
+    final = _tta_metrics(learn, recorder) if completed and tta else {}
     return recorder.finish(final=final, completed=completed)
+
+
+def _precision(wanted: Optional[bool], possible: bool) -> Tuple[bool, str]:
+    """Whether to train in mixed precision (default: where CUDA is), and the results' word for it."""
+    fp16 = possible if wanted is None else (wanted and possible)
+    return fp16, "fp16 (mixed, to_fp16)" if fp16 else \
+        ("fp32 (no CUDA device: to_fp16 skipped)" if not possible else "fp32")
+
+
+def _silence(learn: Any) -> None:
+    """No progress bars and no per-epoch print of the recorder."""
+    from fastcore.basics import noop
+
+    if hasattr(learn, "progress"):
+        learn.remove_cb(learn.progress)
+    learn.logger = noop  # the recorder's per-epoch print: the timing line says it all
+
+
+def _meta(dls: Any, learn: Any, cfg: Dict[str, Any], *, synthetic: bool, size: str, epochs: int,
+          freeze_epochs: int, arch: str, pretrained: bool, seed: int, every: Any) -> Dict[str, Any]:
+    """What the results file says about this run."""
+    n_train = len(dls.train_ds)
+    return {"workload": NAME, "framework": "fastai", "model": f"vision_learner({arch})", "dataset": DATASET,
+            "synthetic": bool(synthetic), "size": size, "epochs": freeze_epochs + epochs,
+            "freeze_epochs": freeze_epochs, "batch_size": dls.train.bs, "steps_per_epoch": len(dls.train),
+            "train_samples": n_train, "valid_samples": len(dls.valid_ds),
+            "image_size": cfg["px"] if synthetic else IMAGE_SIZE, "arch": arch, "pretrained": pretrained,
+            "params": int(sum(p.numel() for p in learn.model.parameters())), "seed": seed,
+            "every": str(every),
+            "data_note": (f"synthetic PNG folders ({n_train} train / {len(dls.valid_ds)} valid, "
+                          f"{cfg['px']} px)" if synthetic else "untar_data(URLs.DOGS)")
+            + ("; tiny size: resnet18 instead of resnet34" if synthetic and arch != "resnet34" else "")}
+
+
+def _tta_metrics(learn: Any, recorder: common.RunRecorder) -> Dict[str, Any]:
+    """The error rate of the trained model, with and without test-time augmentation."""
+    from fastai.metrics import error_rate
+
+    final: Dict[str, Any] = {}
+    t0 = time.perf_counter()
+    preds, targs = learn.tta()
+    final["tta_error_rate"] = round(float(error_rate(preds, targs)), 6)
+    final["tta_seconds"] = round(time.perf_counter() - t0, 3)
+    valid = learn.validate()
+    final["error_rate"] = round(float(valid[1]), 6)
+    if recorder.printer is not None:
+        recorder.printer(f"error rate {final['error_rate']:.4f}, with TTA {final['tta_error_rate']:.4f} "
+                         f"({final['tta_seconds']:.1f} s)")
+    return final
