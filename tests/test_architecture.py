@@ -515,3 +515,84 @@ def test_the_cycle_check_sees_lazy_imports_and_skips_type_checking_ones():
     assert cycle == [["keepalive.errors", "keepalive.units"]]
     text = _describe_cycle(_graph(up + lazy), cycle[0])
     assert "keepalive/units.py:2 (inside a function): keepalive.units imports keepalive.errors" in text
+
+
+# ------------------------------------------------------------------------------------- sizes
+#: the most lines a class and a function may span, counted from the ``class`` / ``def`` line (its
+#: decorators left out) to its last line, as :mod:`ast` reports them. A class over it holds several
+#: jobs, a function over it several steps: each is read only by scrolling, and split into named parts
+#: it reads top-down. Data tables (the compat inventories) are module-level assignments, not functions.
+MAX_CLASS_LINES = 400
+MAX_FUNCTION_LINES = 60
+#: ``"path: qualified name"`` -> why it may stay over the limit. EMPTY BY GOAL: a definition that
+#: needs an entry here is one to split; an entry says why it cannot be yet, and goes when it can.
+SIZE_EXEMPT: Dict[str, str] = {}
+
+
+@dataclass(frozen=True)
+class Definition:
+    path: str
+    line: int
+    kind: str       # "class" or "function"
+    name: str       # qualified within the module: Checkpointer.__init__, outer.<locals>.inner
+    lines: int
+
+    @property
+    def limit(self) -> int:
+        return MAX_CLASS_LINES if self.kind == "class" else MAX_FUNCTION_LINES
+
+    def describe(self) -> str:
+        return f"{self.path}:{self.line}: {self.kind} {self.name}: {self.lines} lines (at most {self.limit})"
+
+
+def _definitions(path: str, tree: ast.AST, prefix: str = "") -> Iterator[Definition]:
+    """Every class and function of a module, methods and nested functions included."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            name = prefix + node.name
+            kind = "class" if isinstance(node, ast.ClassDef) else "function"
+            yield Definition(path, node.lineno, kind, name, node.end_lineno - node.lineno + 1)
+            inner = name + "." if kind == "class" else name + ".<locals>."
+            yield from _definitions(path, node, inner)
+        else:
+            yield from _definitions(path, node, prefix)
+
+
+DEFINITIONS: List[Definition] = [d for m in MODULES for d in _definitions(m.path, _parse(m))]
+
+
+def _oversized(kind: str) -> List[str]:
+    return [d.describe() for d in DEFINITIONS
+            if d.kind == kind and d.lines > d.limit and f"{d.path}: {d.name}" not in SIZE_EXEMPT]
+
+
+def test_the_size_check_on_a_made_up_module():
+    source = ("X = [\n" + "    1,\n" * 100 + "]\n"           # a table: no function, never counted
+              "class A:\n    def f(self):\n" + "        pass\n" * 3 +
+              "def g():\n    def h():\n        return 1\n    return h\n")
+    found = {(d.kind, d.name): d.lines for d in _definitions("m.py", ast.parse(source))}
+    assert found == {("class", "A"): 5, ("function", "A.f"): 4, ("function", "g"): 4,
+                     ("function", "g.<locals>.h"): 2}
+    d = Definition("m.py", 3, "function", "A.f", 61)
+    assert d.describe() == "m.py:3: function A.f: 61 lines (at most 60)"
+
+
+def test_no_class_over_400_lines():
+    """A class this long holds several jobs: move each into a collaborator of its own."""
+    _fail(f"classes over {MAX_CLASS_LINES} lines (split them into collaborators; SIZE_EXEMPT is empty "
+          "by goal)", _oversized("class"))
+
+
+def test_no_function_over_60_lines():
+    """A function this long holds several steps: give each a name of its own. A table belongs in a
+    module-level assignment (data), not in a function that builds it."""
+    _fail(f"functions over {MAX_FUNCTION_LINES} lines (split them into named steps; SIZE_EXEMPT is empty "
+          "by goal)", _oversized("function"))
+
+
+def test_the_size_exemptions_name_real_definitions():
+    """An entry of SIZE_EXEMPT whose definition is gone, or back under the limit, goes."""
+    sizes = {f"{d.path}: {d.name}": d for d in DEFINITIONS}
+    stale = [f"{key}: {'no such definition' if key not in sizes else 'within the limit now'}"
+             for key in SIZE_EXEMPT if key not in sizes or sizes[key].lines <= sizes[key].limit]
+    _fail("stale entries of SIZE_EXEMPT", stale)
