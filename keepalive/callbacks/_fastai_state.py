@@ -32,7 +32,7 @@ from fastcore.foundation import L
 
 from .. import notebook, rng
 from ..errors import StateMismatchError
-from ..plan import changes, fingerprint, plain
+from ..plan import by_plan, changes, fingerprint, plain
 from ..state import frozen_copy  # loaded tensors are views on the file buffer: what is kept gets copies
 from . import _compat_fastai as fc
 from ._fastai_data import dl_rngs
@@ -449,13 +449,6 @@ def run_here(url: str, learn: Learner) -> RunHere:
     return here
 
 
-def _same_plan(saved: Optional[Mapping[str, Any]], now: Optional[Mapping[str, Any]]) -> Optional[bool]:
-    """True / False; None when either is unknown (a checkpoint written before plans were saved)."""
-    if not saved or not now:
-        return None
-    return not plan_changes(saved, now)
-
-
 class FitLog:
     """The run's fit calls in order, each identified so that it is recognised after a restart.
 
@@ -509,10 +502,13 @@ class FitLog:
 
     def _prefer_plan(self, candidates: List[int], at: Optional[int], plan: Optional[Dict[str, Any]]) -> Optional[int]:
         """``at`` (the entry at the fit's place) unless its plan differs from ``plan`` and a candidate's
-        equals it. No candidate with this plan: ``at`` still (the plan changed: said at the resume)."""
-        if at is not None and _same_plan(self.entries[at].get("plan"), plan) is not False:
-            return at
-        return next((j for j in candidates if _same_plan(self.entries[j].get("plan"), plan)), at)
+        equals it (:func:`keepalive.plan.by_plan`; an entry without a plan, written before
+        plans were recorded, is the fit at its place). No candidate with this plan: ``at`` still (the
+        plan changed: said at the resume)."""
+        places = ([at] if at is not None else []) + [j for j in candidates if j != at]
+        hit = by_plan({j: self.entries[j].get("plan") for j in places}, at, plan, FIT_PLAN_KEYS,
+                      unknown_is_same=True)
+        return at if hit is None else hit
 
     def find(self, fit: Dict[str, Any]) -> Optional[int]:
         """The run's number of ``fit`` among the entries from the cursor on, or None (a new fit).

@@ -45,7 +45,6 @@ from __future__ import annotations
 import contextlib
 import os
 import weakref
-from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from fastai.callback.core import Callback, CancelFitException
@@ -58,11 +57,12 @@ from .. import rng
 from ..adapter import RunViews
 from ..config import CheckpointConfig
 from ..core import Checkpointer
-from ..plan import describe as describe_plan
 from ..statetree import Captured, StateTree
 from . import _compat_fastai as fc
 from . import _fastai_data as data
 from . import _fastai_state as state
+from ._fastai_fits import At, FitState, RunFits, ValidSplit
+from ._fastai_resume import restore_in_fit, resume_epoch
 
 __all__ = ["DriveCheckpoint"]
 
@@ -71,50 +71,6 @@ FORMAT = 2  # 2: the run's fits are recorded ("fits"); 1 numbered them by proces
 PAUSE_HINT = ("To have it saved at once during the validation, change the state (a learning rate, a weight, an "
               "EMA, the freeze state) in a callback's after_epoch or before_train, not in after_train or "
               "before_validate")
-
-
-@dataclass
-class _FitState:
-    """What one counted fit call needs while it runs."""
-
-    index: int
-    phase: Optional[int] = None    # 1 / 2: fine_tune's frozen / unfrozen fit; None: another fit
-    begun: bool = False
-    n_iter: int = 0
-    skip_until: int = 0            # epochs below this are skipped (finished before the restart)
-    resume_mid: Optional[StateTree] = None  # a mid-epoch checkpoint, applied at before_train
-    iter_offset: int = 0
-    dl: Any = None                 # the training loader of this fit
-    positioned: bool = False       # it can start an epoch at any batch (mid-epoch saves possible)
-    why_not: Optional[str] = None
-    epoch_start: Optional[Dict[str, Any]] = None  # the RNGs as the running epoch's data began
-    stopped: bool = False
-    epoch_ended: bool = False      # the running epoch's work is done (after_validate reached)
-    epochs_done: int = 0
-    completed: bool = False        # the fit ended through fastai's own path (normally or cancelled)
-    #: moves of the training loop away from its last boundary that no boundary counts yet: a training
-    #: batch begun, an epoch's work (its validation included) ended. Part of the loop position the
-    #: core compares before saving between steps: it changes before any callback of that batch or of
-    #: after_epoch can change what a checkpoint holds
-    moves: int = 0
-    #: the capture of the last boundary, with its position fixed there (an evaluation's batches move
-    #: learn.iter, the next epoch's prologue learn.epoch, pct_train and the loaders' RNGs): what a
-    #: save between steps writes
-    capture: Optional[Callable[[], Captured]] = None
-    plan: Dict[str, Any] = field(default_factory=dict)  # what the code asks of it (_fastai_state.fit_plan)
-
-
-@dataclass(frozen=True)
-class _At:
-    """Where a boundary left the fit, as a checkpoint of it says: epochs done, batches done in the
-    running one, the learner's training iterations and schedule position, and (at an epoch end,
-    where a resume starts the next epoch's data from them) the loaders' RNGs."""
-
-    epoch: int
-    batch: int
-    train_iter: int
-    pct_train: float
-    dl_rngs: Optional[List[Any]] = None
 
 
 class _EventsHook:
@@ -142,7 +98,7 @@ class DriveCheckpoint(RunViews, Callback):  # RunViews: no epoch / step (a callb
 
     order = 95  # only before_train / before_batch work is done in callback events; saves run after all
     # not pickled (learn.export()): rebuilt
-    _stateattrs = ("_core", "_fit", "_tree", "_fits", "_loaded", "_split_seen", "_next_stage")
+    _stateattrs = ("_core", "_fit", "_runfits", "_split")
 
     def __init__(self, path: Union[str, "os.PathLike[str]", None] = None, *,
                  config: Optional[CheckpointConfig] = None, **options: Any):
@@ -156,12 +112,9 @@ class DriveCheckpoint(RunViews, Callback):  # RunViews: no epoch / step (a callb
     def _init_state(self) -> None:
         super()._init_state()
         self._core: Optional[Checkpointer] = None
-        self._fit: Optional[_FitState] = None
-        self._tree: Optional[StateTree] = None  # loaded, not yet applied to a fit
-        self._fits = state.FitLog()
-        self._loaded = False  # the checkpoint (and with it the run's fits) is read at the next fit
-        self._split_seen: Optional[Tuple[Any, Optional[str]]] = None  # (the DataLoaders, their split's fingerprint)
-        self._next_stage: Optional[int] = None  # the fit this process trained before (said at the next fit)
+        self._fit: Optional[FitState] = None
+        self._runfits = RunFits()  # the run's fits: which one each fit call is, what it starts from
+        self._split = ValidSplit()  # the validation split's fingerprint (compared on resume)
 
     @property  # built on first use: learn.export() pickles the callback without it
     def core(self) -> Checkpointer:  # type: ignore[override]
@@ -250,8 +203,8 @@ class DriveCheckpoint(RunViews, Callback):  # RunViews: no epoch / step (a callb
         here = state.run_here(core.url, learn)
         phase = state.fine_tune_phase(learn)
         plan_now = state.fit_plan(learn, phase)
-        core.plan = dict(plan_now, valid_split=self._valid_split(learn))
-        tree = self._load(learn, here)
+        core.plan = dict(plan_now, valid_split=self._split.of(learn))
+        tree = self._runfits.load(core, learn, here)
         if tree is not None:
             # fastai finds the batch layout lazily, fetching (and augmenting: RNG draws) one item the
             # first time it is asked, in the first batch of the run; a resumed process asks it now,
@@ -261,62 +214,11 @@ class DriveCheckpoint(RunViews, Callback):  # RunViews: no epoch / step (a callb
                 getattr(learn.dls, "n_inp", None)
             rng.restore(saved)
         self._n_fits += 1
-        fit_id = self._fits.next_id(here, plan_now)
-        k = self._fits.find(fit_id)  # its number in the run, if the run has seen it
-        pos = tree["fastai"]["position"] if tree is not None else None
-        if pos is not None and k is None and not pos["done"]:  # inside a fit: at a fit's end, new fits
-            k = self._fits.find_like(fit_id, pos["fit"], phase)  # start from there (another cell)
-            if k is not None:
-                core.warn(f"this fit call is not recorded in run '{core.store.run}' (another cell, or the cell "
-                          f"was edited): it is taken as fit {k}, at its place in the cell that wrote the "
-                          "checkpoint", key="fastai-fit-like")
-        if pos is not None and k is None and not pos["done"]:
-            k = pos["fit"]
-            self._fits.pass_all()
-            core.warn(f"this fit call is not recorded in run '{core.store.run}' (another cell, or the cell was "
-                      f"edited): it continues fit {k}, the one the checkpoint is in", key="fastai-unknown-fit")
-        if pos is not None and k is not None and k < pos["fit"]:
-            core.say(f"fit {k}{state.phase_words(phase)} had completed before the restart (the checkpoint is "
-                     f"in fit {pos['fit']}): skipped")
-            here.live = None  # the learner is behind the run: a later fit loads the checkpoint
-            core.fit_trained(plan_now)
+        placed = self._runfits.place(core, learn, here, self._runfits.log.next_id(here, plan_now), phase, tree)
+        if placed is None:  # completed before the restart (or the checkpoint is its end): skipped
             return None
-        if pos is not None and pos["done"] and tree is not None:  # a fit's end: go on from that state
-            self._tree = None
-            state.restore(learn, tree)
-            state.write_loggers(learn, tree["fastai"])
-            data.set_dl_rngs(learn, tree["fastai"].get("dl_rngs"))
-            core.restore_rng(tree)
-            self._check_split(tree)
-            if k is not None:  # this very fit
-                core.finished = pos.get("phase") != 1
-                words = state.phase_words(pos.get("phase"), state.epochs(pos["n_epoch"]))
-                changed = state.plan_changes(self._fits.plan_of(k), plan_now)
-                if changed:
-                    core.warn(f"fit {k}{words} had completed before the restart; the code now asks another plan "
-                              f"({self._plan_words(changed)}): the checkpoint wins, the fit is skipped and its "
-                              "end state restored. To train the new plan, use another run (path or run=).",
-                              key=f"fastai-plan-done-{k}")
-                else:
-                    core.say(f"fit {k}{words} had completed before the restart: skipped, its end state "
-                             "restored. To train again from here, use another run (path or run=).")
-                here.live = {"fits": self._fits.upto(k), "counters": dict(core.counters)}
-                core.fit_trained(plan_now)
-                return None
-            self._fits.pass_all()
-            core.say(f"fit {len(self._fits.entries) + 1}{state.phase_words(phase)} is new to run "
-                     f"'{core.store.run}': it trains from the end of fit {pos['fit']}")
-        elif tree is None and self._next_stage is not None:
-            core.say(f"fit {len(self._fits.entries) + 1}{state.phase_words(phase)} of run '{core.store.run}' is "
-                     f"the next stage after fit {self._next_stage}, which this process trained: it trains from "
-                     "the learner as it is")
-        self._next_stage = None
-        resume: Optional[StateTree] = None
-        if pos is not None and k == pos["fit"]:
-            resume, self._tree = tree, None
-        if k is None:
-            k = self._fits.add(fit_id, phase)
-        st = _FitState(k, phase, plan=plan_now)
+        k, resume = placed
+        st = FitState(k, phase, plan=plan_now)
         self._fit = st
 
         def do_fit():  # runs after every callback's before_fit
@@ -334,73 +236,10 @@ class DriveCheckpoint(RunViews, Callback):  # RunViews: no epoch / step (a callb
             if not st.completed:
                 # Interrupted (Ctrl-C, an error): running the cell again starts over from its first
                 # fit, and resumes from the newest checkpoint as a new session would.
-                self._loaded, self._tree = False, None
-                self._fits.restart_cell()
+                self._runfits.interrupted()
                 here.live = None
 
-    # ------------------------------------------------------------------------------------ resume
-    def _load(self, learn: Learner, here: state.RunHere) -> Optional[StateTree]:
-        if self._loaded:
-            return self._tree
-        core = self.core
-        core.new_fit()  # the first fit, or one run again after an interruption: from the checkpoint
-        live = here.live if core.trained_here else None
-        if live is not None:
-            # A callback new to the run after a fit that this process trained on this learner (one
-            # callback per fit call): the next stage, from the learner as it is (the newest
-            # checkpoint is that fit's end, and the user may have changed the learner since, e.g.
-            # unfreeze()); the run's fits and counters go on.
-            self._fits.load({"fits": live["fits"]})
-            self._fits.pass_all()
-            for name, value in live["counters"].items():
-                core.counters[name] = value
-            self._next_stage = len(live["fits"])
-            self._tree, self._loaded = None, True
-            return None
-        tree = core.load(describe=state.describe, check=lambda t: state.check_fits(
-            learn, t, core.resumed_from.url if core.resumed_from else core.url))
-        self._tree = tree
-        self._fits.load(tree["fastai"] if tree is not None else None)
-        self._loaded = True
-        return tree
-
-    def _valid_split(self, learn: Learner) -> Optional[str]:
-        """The validation split's fingerprint (computed once per DataLoaders object)."""
-        dls = getattr(learn, "dls", None)
-        if self._split_seen is None or self._split_seen[0]() is not dls:
-            try:
-                ref: Any = weakref.ref(dls)
-            except TypeError:
-                ref = lambda: None  # noqa: E731 - not weak-referenceable: computed each time
-            self._split_seen = (ref, state.valid_split(learn))
-        return self._split_seen[1]
-
-    def _check_split(self, tree: StateTree) -> None:
-        """Say once when the validation split is not the checkpoint's (an unseeded random split)."""
-        saved = (tree.get("plan") or {}).get("valid_split")
-        now = self.core.plan.get("valid_split")
-        if saved and now and saved != now:
-            self.core.warn("the validation set differs from the one before the restart (a random split made "
-                           "again in this process, e.g. RandomSplitter() without a seed): training goes on, "
-                           "but on other training samples and with metrics on another validation set than the "
-                           "uninterrupted run's. Give the splitter a seed (RandomSplitter(seed=42), "
-                           "TabularPandas(splits=RandomSplitter(seed=42)(...))) so that every session splits "
-                           "the same way.", key="fastai-valid-split")
-
-    @staticmethod
-    def _plan_words(changed: Any) -> str:
-        """A fit's plan changes in words (the schedule's fingerprint is no value to read)."""
-        words = []
-        for key, was, now in changed:
-            if key == "epochs":
-                words.append(f"epochs {was} -> {now}")
-            elif key == "schedule":
-                words.append("another hyper-parameter schedule (lr_max, div, pct_start, ...)")
-            else:
-                words.append(describe_plan([(key, was, now)]))
-        return ", ".join(words)
-
-    def _begin(self, learn: Learner, st: _FitState, resume: Optional[StateTree]) -> None:
+    def _begin(self, learn: Learner, st: FitState, resume: Optional[StateTree]) -> None:
         """Start of a counted fit, after every callback's before_fit: position data, restore state."""
         core = self.core
         st.begun = True
@@ -415,7 +254,7 @@ class DriveCheckpoint(RunViews, Callback):  # RunViews: no epoch / step (a callb
                       "its end)", key="fastai-positionable")
         core.trigger.mid_epoch, core.mid_epoch_obstacle = st.positioned, st.why_not
         if resume is not None:
-            self._restore_in_fit(learn, st, resume)
+            restore_in_fit(self.core, self._runfits.log, learn, st, resume)
             mbar = getattr(getattr(learn, "progress", None), "mbar", None)
             if st.skip_until and mbar is not None:  # fastprogress' bar must see 0 first; the skipped
                 with contextlib.suppress(Exception):  # epochs never reach it (display only: never fatal)
@@ -431,7 +270,7 @@ class DriveCheckpoint(RunViews, Callback):  # RunViews: no epoch / step (a callb
         st = self._fit
         if st is None or self.learn is None:
             raise RuntimeError("DriveCheckpoint.restore() works while a fit runs")
-        self._restore_in_fit(self.learn, st, tree)
+        restore_in_fit(self.core, self._runfits.log, self.learn, st, tree)
 
     def capture(self) -> Captured:
         """The running fit's state as at its last epoch end (as :meth:`save` writes it)."""
@@ -439,46 +278,6 @@ class DriveCheckpoint(RunViews, Callback):  # RunViews: no epoch / step (a callb
         if st is None or self.learn is None:
             raise RuntimeError("DriveCheckpoint.capture() works while a fit runs")
         return self._state_tree(self.learn, st, "epoch")
-
-    def _restore_in_fit(self, learn: Learner, st: _FitState, tree: StateTree) -> None:
-        fa = tree["fastai"]
-        pos = fa["position"]
-        if pos["batch"]:  # inside an epoch: this loader must start there exactly
-            data.check_resumable(pos["n_iter"], st.n_iter, st.why_not)
-        self._say_plan_changes(learn, st, tree)
-        state.restore(learn, tree, warn=lambda msg, key: self.core.warn(msg, key=key))
-        state.restore_loggers(learn, fa)
-        self._check_split(tree)
-        learn.train_iter = int(pos["train_iter"])
-        st.skip_until = st.epochs_done = int(pos["epoch"])
-        if pos["batch"]:
-            st.resume_mid = tree
-        else:
-            data.set_dl_rngs(learn, fa.get("dl_rngs"))
-            self.core.restore_rng(tree)
-        where = state.where_words(pos["epoch"], learn.n_epoch, pos["batch"], pos["n_iter"])
-        self.core.say(f"fit {st.index}{state.phase_words(st.phase)} continues: {where}")
-
-    def _say_plan_changes(self, learn: Learner, st: _FitState, tree: StateTree) -> None:
-        """The resumed fit's plan is not the checkpoint's: the code's wins (fastai runs the fit's
-        epochs and schedule as the code gives them; the position is the work done), said once."""
-        pos = tree["fastai"]["position"]
-        saved = self._fits.plan_of(st.index) or dict(tree.get("plan") or {}) or {"epochs": pos["n_epoch"]}
-        changed = state.plan_changes(saved, st.plan)
-        self._fits.replan(st.index, st.plan)
-        if not changed:
-            return
-        was = int(saved.get("epochs", pos["n_epoch"]))
-        where = state.where_words(min(pos["epoch"], learn.n_epoch), learn.n_epoch, pos["batch"], pos["n_iter"])
-        if pos["epoch"] >= learn.n_epoch:
-            outcome = f"{state.epochs(pos['epoch'])} are done, so the fit ends here"
-        else:
-            outcome = f"the fit goes on from {where} with the code's schedule at that point"
-        self.core.warn(f"fit {st.index}{state.phase_words(st.phase)} was planned otherwise before the restart "
-                       f"({self._plan_words(changed)}): the code's plan wins, {outcome}. To finish the saved "
-                       f"plan instead, run the fit as before the restart ({state.epochs(was)}, the same "
-                       "learning rates); to train the new plan from the start, use another run (path or run=).",
-                       key=f"fastai-plan-{st.index}")
 
     # ------------------------------------------------------------------------- callback events
     def before_train(self) -> None:
@@ -488,25 +287,8 @@ class DriveCheckpoint(RunViews, Callback):  # RunViews: no epoch / step (a callb
         learn = self.learn
         mid = st.resume_mid
         if mid is not None and learn.epoch == mid["fastai"]["position"]["epoch"]:
-            st.resume_mid, pos = None, mid["fastai"]["position"]
-            # the schedule's position: as saved, or (the code changed the fit's epochs) the same work
-            # done placed on the code's epochs
-            learn.pct_train = (float(pos["pct_train"]) if pos["n_epoch"] == learn.n_epoch
-                               else int(pos["train_iter"]) / (st.n_iter * learn.n_epoch))
-            st.iter_offset = int(pos["batch"])
-            start = mid["fastai"]["epoch_start"]
-            workers = mid["fastai"].get("workers")
-            if "rng" not in start and st.dl.fake_l.num_workers > 0:
-                self.core.warn("this checkpoint was written by an older keepalive, which seeded DataLoader workers "
-                               "per batch: the resumed epoch has the saved order, but its random draws differ "
-                               "from the uninterrupted run's", key="fastai-old-epoch-start")
-            if workers and int(start.get("workers", st.dl.fake_l.num_workers)) != st.dl.fake_l.num_workers:
-                self.core.warn(f"the checkpoint was written with {start['workers']} DataLoader workers, this "
-                               f"training has {st.dl.fake_l.num_workers}: the rest of the resumed epoch's "
-                               "augmentation in workers differs from the uninterrupted run's (the order is "
-                               "the same)", key="fastai-workers-changed")
-            st.epoch_start = data.resume_epoch(learn, st.dl, start, st.iter_offset, workers,
-                                               lambda: self.core.restore_rng(mid))
+            st.resume_mid = None
+            st.epoch_start = resume_epoch(self.core, learn, st, mid)
             return
         st.epoch_start = data.epoch_start(learn, st.dl) if st.positioned else None
 
@@ -541,9 +323,9 @@ class DriveCheckpoint(RunViews, Callback):  # RunViews: no epoch / step (a callb
             self._paused(st)
 
     # ------------------------------------------------------------------------------- boundaries
-    def _step_end(self, learn: Learner, st: _FitState) -> None:
+    def _step_end(self, learn: Learner, st: FitState) -> None:
         ga = getattr(learn, "gradient_accumulation", None)  # partial gradients are not saved
-        at = _At(learn.epoch, learn.iter + 1, int(getattr(learn, "train_iter", 0)),
+        at = At(learn.epoch, learn.iter + 1, int(getattr(learn, "train_iter", 0)),
                  float(getattr(learn, "pct_train", 0.0)))
         st.capture = lambda: self._state_tree(learn, st, "step", at)
         decision = self.core.advance(st.capture, batch=learn.iter + 1,
@@ -553,21 +335,21 @@ class DriveCheckpoint(RunViews, Callback):  # RunViews: no epoch / step (a callb
             st.stopped = True
             raise CancelFitException()
 
-    def _epoch_end(self, learn: Learner, st: _FitState) -> None:
+    def _epoch_end(self, learn: Learner, st: FitState) -> None:
         st.epoch_ended = False
         st.epochs_done = learn.epoch + 1
         if learn.epoch + 1 >= learn.n_epoch:
             # the fit's end is saved in _fit_end, after the other callbacks' after_fit
             self.core.count_epoch()
             return
-        at = _At(learn.epoch + 1, 0, int(getattr(learn, "train_iter", 0)), float(getattr(learn, "pct_train", 0.0)),
+        at = At(learn.epoch + 1, 0, int(getattr(learn, "train_iter", 0)), float(getattr(learn, "pct_train", 0.0)),
                  data.dl_rngs(learn))
         st.capture = lambda: self._state_tree(learn, st, "epoch", at)
         if self.core.end_epoch(st.capture).stop:
             st.stopped = True
             raise CancelFitException()
 
-    def _fit_end(self, learn: Learner, st: _FitState, here: state.RunHere) -> None:
+    def _fit_end(self, learn: Learner, st: FitState, here: state.RunHere) -> None:
         st.completed = True  # the fit ended through fastai's own path (normally or cancelled)
         if not st.begun or st.stopped:
             return
@@ -579,15 +361,15 @@ class DriveCheckpoint(RunViews, Callback):  # RunViews: no epoch / step (a callb
                                        reason=f"end of fit {st.index}{state.phase_words(st.phase)}")
         st.stopped = st.stopped or decision.stop
         if not st.stopped:  # trained to its end here: a new callback on this run goes on from here
-            here.live = {"fits": self._fits.upto(st.index), "counters": dict(self.core.counters)}
+            here.live = {"fits": self._runfits.log.upto(st.index), "counters": dict(self.core.counters)}
             self.core.fit_trained(st.plan)
 
     # ------------------------------------------------------------------------ saves between steps
     @staticmethod
-    def _moved(st: _FitState) -> None:
+    def _moved(st: FitState) -> None:
         st.moves += 1
 
-    def _paused(self, st: _FitState) -> None:
+    def _paused(self, st: FitState) -> None:
         """The loop is between training steps (an evaluation): the core saves now what cannot wait
         (a signal, a preemption notice, the deadline) if nothing moved since the last boundary."""
         self.core.active(st.capture)
@@ -595,17 +377,17 @@ class DriveCheckpoint(RunViews, Callback):  # RunViews: no epoch / step (a callb
     def _fingerprint(self) -> Tuple[Any, Any]:
         """What the captures read beside tensors (optimizer hyper-parameters, the Recorder, trackers,
         the ParamScheduler's record, the loggers' files), and where the loop is: the fit, the epoch,
-        the batches begun and epochs' work ended since (:attr:`_FitState.moves`), the training
+        the batches begun and epochs' work ended since (:attr:`._fastai_fits.FitState.moves`), the training
         iterations. Asked by the core at each boundary and before a save between steps. Not the epoch:
         the next epoch's prologue (before its first batch: workers starting, a slow first fetch) is a
-        pause too, and the capture of an epoch end holds its position itself (:class:`_At`)."""
+        pause too, and the capture of an epoch end holds its position itself (:class:`._fastai_fits.At`)."""
         st, learn = self._fit, self.learn
         if st is None or learn is None:
             return None, None
         return state.summary(learn), (st.index, st.moves, getattr(learn, "train_iter", None))
 
     # ---------------------------------------------------------------------------------- capture
-    def _state_tree(self, learn: Learner, st: _FitState, kind: str, at: Optional[_At] = None) -> Captured:
+    def _state_tree(self, learn: Learner, st: FitState, kind: str, at: Optional[At] = None) -> Captured:
         """``at``: where the boundary the capture was made for left the fit (else read from the learner)."""
         objects = state.capture_objects(learn)
         train_iter, pct_train = int(getattr(learn, "train_iter", 0)), float(getattr(learn, "pct_train", 0.0))
@@ -619,7 +401,7 @@ class DriveCheckpoint(RunViews, Callback):  # RunViews: no epoch / step (a callb
             epoch, batch = st.epochs_done, 0
         fa: Dict[str, Any] = {
             "format": FORMAT,
-            "fits": self._fits.upto(st.index),
+            "fits": self._runfits.log.upto(st.index),
             "position": {"fit": st.index, "phase": st.phase, "done": kind == "fit", "epoch": epoch,
                          "batch": batch, "n_epoch": int(learn.n_epoch), "n_iter": st.n_iter,
                          "train_iter": train_iter, "pct_train": pct_train},

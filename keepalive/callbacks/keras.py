@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import os
 import weakref
-from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union, cast
 
 import keras
@@ -68,24 +67,12 @@ import numpy as np
 from ..adapter import CheckpointAdapter
 from ..config import CheckpointConfig
 from ..core import Checkpointer
-from ..plan import changes, describe
 from ..statetree import Captured, StateTree
 from . import _compat_keras as kc
 from . import _keras_state as kstate
-from ._keras_data import (
-    PassPosition,
-    ResumableData,
-    batch_samples,
-    bind_passes,
-    inexact_input,
-    pass_length,
-    resume_at,
-    sample_batch,
-    set_epoch_length,
-    skip_pass,
-    unbind_passes,
-    unskip_pass,
-)
+from ._keras_data import ResumableData, pass_length, sample_batch
+from ._keras_input import FitInput
+from ._keras_stages import Stages
 
 __all__ = ["DriveCheckpoint", "ResumableData"]
 
@@ -98,29 +85,6 @@ _LIVE: "weakref.WeakSet[DriveCheckpoint]" = weakref.WeakSet()
 #: the next fit must still find it to release its writer lease (else: RunLockedError, depending on GC)
 _RUNNING: List["DriveCheckpoint"] = []
 Logs = Optional[Dict[str, Any]]
-
-
-@dataclass
-class _Fits:
-    """What this process knows of one model's fits on one run, whichever callback object ran them
-    (one per ``fit`` or one for all): module docstring, "Several fits"."""
-
-    next: int = 0  # the stage the model's next fit is
-    done: List[Dict[str, Any]] = field(default_factory=list)  # completed stages: {"epochs", "plan", "history"}
-    loaded: bool = False  # the run's newest checkpoint was read; False: the next fit reads it (again)
-    tree: Optional[StateTree] = None  # that checkpoint, when it belongs to a later fit than the one that read it
-    reader: Optional[Checkpointer] = None  # the checkpointer that read it (another one reads it again)
-    counters: Optional[Dict[str, int]] = None  # where the last completed fit ended: the next one goes on
-    optimizer: Any = None  # a weak reference to the optimizer the last completed fit trained with
-
-
-#: per model, per run URL: a model that completed a fit here continues the run with its next fit (a new
-#: stage); a model built anew (the script or cell run again) resumes the run from its checkpoint
-_FITS: "weakref.WeakKeyDictionary[Any, Dict[str, _Fits]]" = weakref.WeakKeyDictionary()
-
-
-def _fits_of(model: Any, url: str) -> _Fits:
-    return _FITS.setdefault(model, {}).setdefault(url, _Fits())
 
 
 class _EpochEnd(keras.callbacks.Callback):
@@ -165,11 +129,8 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
         self.core = Checkpointer(config=cfg, framework="keras")
         self.core.metadata["keras"] = {"version": keras.__version__, "backend": keras.backend.backend()}
         self.track = list(track)
-        self.data: Optional[ResumableData] = None
         self._active = False
-        self._stage = 0  # this fit's stage: module docstring, "Several fits"
-        self._fits = _Fits()  # this model's fits on this run (set at the start of each fit)
-        self._base = {"epoch": 0, "step": 0}  # the counters where this stage began
+        self._stages = Stages(self.core)  # which fit of the run this is: module docstring, "Several fits"
         self._reset_fit_state()
         self.core.fingerprint = self._fingerprint
         _LIVE.add(self)
@@ -179,10 +140,7 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
         self._callbacks: List[Any] = []
         self._tail: Optional[_EpochEnd] = None
         self._pending: Dict[str, Any] = {}  # restored at the latest moment before the first batch
-        self._adapter: Any = None  # the Keras data adapter bound to ResumableData
-        self._pass: Optional[PassPosition] = None  # fit(steps_per_epoch=...): the pass kept across epochs
-        self._notes: List[Any] = []  # (key, problem): what will not resume exactly, said at the first save
-        self._short_epoch: Optional[int] = None
+        self._input = FitInput(self.core, None, [])  # this fit's input (bound at its start)
         self._pass_done = 0  # batches done in this pass over the data
         self._offset = 0  # the batch a resumed epoch starts at
         self._nothing_to_do = False
@@ -194,6 +152,11 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
         self._last_batch: Optional[Dict[str, Any]] = None
 
     @property
+    def data(self) -> Optional[ResumableData]:
+        """The running fit's :class:`ResumableData` (None: another input, or no fit)."""
+        return self._input.data
+
+    @property
     def mid_epoch(self) -> bool:
         """Whether this fit can be checkpointed and resumed inside an epoch (ResumableData)."""
         return self.core.trigger.mid_epoch
@@ -201,7 +164,7 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
     def _place(self, epoch: Optional[int] = None, batch: Optional[int] = None) -> None:
         """Where Keras says the run stands (epoch of this fit, a resumed epoch's first batch)."""
         if epoch is not None:
-            self.core.counters["epoch"] = self._base["epoch"] + int(epoch)
+            self.core.counters["epoch"] = self._stages.base["epoch"] + int(epoch)
         if batch is not None:
             self.core.counters["batch"] = self._offset = int(batch)
 
@@ -212,7 +175,7 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
         if self in _RUNNING:
             _RUNNING.remove(self)
         self._tail = None
-        self._fits.loaded, self._fits.tree = False, None  # run again: from the newest checkpoint, same stage
+        self._stages.abandoned()
         try:
             self.core.close()
         except Exception as exc:  # noqa: BLE001 - cleaning up after someone else's failure
@@ -228,141 +191,44 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
         self._fit = kstate.fit_locals(model)
         epochs = self._epochs()
         self._callbacks = self._find_callbacks()
-        self._bind_data()
+        self._input = FitInput(core, self._fit.get("iterator"), self._callbacks)
+        self._input.bind()
         model._initial_epoch = None
-        it = self._fit.get("iterator")
-        problem = kstate.ensure_built(model, sample_batch(it, self.data))
+        problem = kstate.ensure_built(model, sample_batch(self._fit.get("iterator"), self.data))
         if problem:
             core.warn(problem, key="build")
-        fits = self._fits = _fits_of(model, core.url)
-        core.plan = self._code_plan(epochs, fits)
-        tree = self._read(fits)
-        self._begin_stage(tree, epochs, fits)
-        core.total_epochs = (self._base["epoch"] + epochs) or None
+        tree = self._stages.start(model, epochs)
+        self._begin_stage(tree, epochs)
+        core.total_epochs = (self._stages.base["epoch"] + epochs) or None
         self._install_tail()
         core.install_signal_handlers()
         self._active = True
         _RUNNING.append(self)
-        if tree is not None and not self._nothing_to_do and core.counters["epoch"] - self._base["epoch"] >= epochs:
+        done = self._stages.done_in_fit()
+        if tree is not None and not self._nothing_to_do and done >= epochs:
             self._nothing_to_do = True
-            self._already_complete(epochs, core.counters["epoch"] - self._base["epoch"])
+            self._stages.already_complete(epochs, done)
 
-    def _already_complete(self, epochs: int, done: int, why: str = "") -> None:
-        k = self._stage
-        self.core.already_complete(epochs, detail=" (weights restored)", message=None if k == 0 and not why
-                                   else why or f"fit {k + 1} of run '{self.core.store.run}' already completed "
-                                   f"{done} epoch(s) of {epochs}; nothing to do (its end state restored)")
-
-    def _code_plan(self, epochs: int, fits: _Fits) -> Dict[str, Any]:
-        """What this fit's code asks for (:mod:`keepalive.plan`), read before anything is restored: the
-        epochs, and the optimizer's class and learning rate when the optimizer is new to this model's
-        fits here (compiled for this fit; one that goes on from the last fit carries its rate, which
-        ReduceLROnPlateau may have lowered, and is no part of the code's plan)."""
-        found: Dict[str, Any] = {"epochs": epochs}
-        optimizer = self.model.optimizer
-        if optimizer is not None and (fits.optimizer is None or fits.optimizer() is not optimizer):
-            found["optimizer"] = type(optimizer).__name__
-            rate = kstate.learning_rate_plan(optimizer)
-            if isinstance(rate, dict):  # a schedule: one plan value per setting (each change named)
-                found.update({f"optimizer.learning_rate.{key}": value for key, value in rate.items()})
-            else:
-                found["optimizer.learning_rate"] = rate
-        return found
-
-    def _read(self, fits: _Fits) -> Optional[StateTree]:
-        """The checkpoint this fit starts from: the run's newest, read at the model's first fit here
-        (or again after a fit that raised or stopped), or kept by an earlier fit for this one; None
-        when the fit goes on from the state in memory (the model's next stage)."""
-        core = self.core
-        if not fits.loaded:
-            core.new_fit()
-            fits.loaded, fits.tree = True, None
-            return core.load(describe=kstate.describe)
-        core.new_fit(keep_counters=True)  # a further stage: the counters go on
-        if fits.tree is not None:  # read by an earlier fit (skipped): it belongs to this one or a later
-            tree, reader, fits.tree, fits.reader = fits.tree, fits.reader, None, None
-            return tree if reader is core else core.load(describe=kstate.describe)
-        if fits.counters:  # the counters go on from the model's last fit (a new callback starts at 0)
-            for name, value in fits.counters.items():
-                core.counters[name] = value
-            core.say(f"fit {fits.next + 1} of run '{core.store.run}': the next stage, after fit {fits.next} of this "
-                     f"model (from epoch {fits.counters['epoch']}, step {fits.counters['step']})")
-        return None
-
-    def _which_stage(self, saved: Dict[str, Any], tree: StateTree, fits: _Fits) -> int:
-        """The stage of the run this fit is: by position (the model's n-th fit here), unless its plan
-        says otherwise (an earlier fit commented out on a re-run: the fit whose plan this one has)."""
-        k, index, now = fits.next, saved["index"], self.core.plan
-        if k > index:  # fits completed here that the checkpoint is behind (one raised before a save)
-            return k
-        stages = list((tree.get("keras") or {}).get("stages") or [])
-        plans = [(stages[j] if j < len(stages) else {}).get("plan") for j in range(k, index)]
-        plans.append(tree.get("plan"))
-        for j, planned in enumerate(plans, start=k):
-            if planned and not changes(planned, now):
-                return j
-        last = plans[-1]
-        if k == index and saved["done"] and last and any(key != "epochs" for key, _, _ in changes(last, now)):
-            return index + 1  # the checkpoint's fit had completed, and this one is another fit
-        return k
-
-    def _other_plan(self, skipped: Optional[Dict[str, Any]], last: Optional[Dict[str, Any]], index: int) -> str:
-        """Words for a fit skipped by its position although its plan differs from the skipped fit's:
-        what differs, and how to have it recognised instead (its plan as before) or trained anew."""
-        differs = changes(skipped, self.core.plan)
-        if not differs:
-            return ""
-        other = changes(last, self.core.plan)
-        return (f". Its plan differs from this code's ({describe(differs)})"
-                + (f", and so does fit {index + 1}'s ({describe(other)})" if other else "")
-                + f": if this is fit {index + 1} (the fits before it left out), set its epochs and learning rate "
-                "as before to resume it; to train this fit anew, use another path or run=")
-
-    def _begin_stage(self, tree: Optional[StateTree], epochs: int, fits: _Fits) -> None:
-        """Match this fit with the checkpoint's stage (module docstring, "Several fits")."""
-        core, saved = self.core, kstate.stage_of(tree)
-        self._stage = fits.next
-        if tree is not None:
-            index = saved["index"]
-            fits.done = list(((tree.get("keras") or {}).get("stages") or [])[:index])
-            if saved["done"]:  # the checkpoint's own fit had completed: it is a completed stage too
-                keras_part = tree.get("keras") or {}
-                fits.done.append({"epochs": keras_part.get("epochs"), "plan": tree.get("plan"),
-                                  "history": keras_part.get("history")})
-            self._stage = self._which_stage(saved, tree, fits)
-        k = self._stage
-        if tree is not None and saved["index"] > k:  # completed before the restart: skipped
-            fits.tree, fits.reader, self._nothing_to_do = tree, core, True
-            planned = (fits.done[k] if k < len(fits.done) else {})
+    def _begin_stage(self, tree: Optional[StateTree], epochs: int) -> None:
+        """Match this fit with the checkpoint's stage (module docstring, "Several fits") and start it:
+        skipped (completed before the restart), resumed from the checkpoint, or a new stage."""
+        stages, model = self._stages, self.model
+        saved = stages.match(tree)
+        if tree is not None and saved["index"] > stages.index:  # completed before the restart: skipped
+            planned = stages.skipped(tree, saved)
+            self._nothing_to_do = True
             self._pending = {"history": planned.get("history")}
-            kstate.assign_if_fits(self.model.variables, (tree.get("objects") or {}).get("model"))
-            self.model._initial_epoch = max(epochs, int(self._fit.get("initial_epoch") or 0))
-            self._already_complete(epochs, epochs, why=(
-                f"fit {k + 1} of run '{core.store.run}' had completed before the restart (the checkpoint "
-                f"is in fit {saved['index'] + 1}): skipped, the newest weights loaded"
-                + self._other_plan(planned.get("plan"), tree.get("plan"), saved["index"])))
-        elif tree is not None and saved["index"] == k:
-            self._base = {"epoch": saved["epoch_base"], "step": saved["step_base"]}
+            kstate.assign_if_fits(model.variables, (tree.get("objects") or {}).get("model"))
+            model._initial_epoch = max(epochs, int(self._fit.get("initial_epoch") or 0))
+            stages.already_complete(epochs, epochs, why=stages.skipped_words(planned, tree, saved))
+        elif tree is not None and saved["index"] == stages.index:
+            stages.base = {"epoch": saved["epoch_base"], "step": saved["step_base"]}
             self.restore(tree, epochs)
         else:  # a new stage; from an earlier stage's end when this stage's fit raised before a save
             if tree is not None:
-                # the optimizer goes on only when the plan names none (not recompiled for this fit)
-                fresh = "optimizer" in core.plan
-                kstate.load_start(self.model, tree, optimizer=not fresh)
-                stepped = kstate.optimizer_steps(self.model.optimizer) if fresh else 0
-                if stepped:  # this fit ran before (it raised or was interrupted before its first save)
-                    core.warn(f"fit {k + 1} of run '{core.store.run}' starts again from the end of fit {k}, but the "
-                              f"optimizer compiled for it took {stepped} step(s) in its interrupted attempt: call "
-                              "model.compile(...) again before fit for the start of a run never interrupted",
-                              key="stepped-optimizer")
+                stages.from_earlier_end(model, tree)
                 self._pending = {"rng": tree.get("rng")}
-                if k > fits.next:
-                    differs = changes(tree.get("plan"), core.plan)
-                    core.warn(f"fit {k + 1} of run '{core.store.run}': fit {k} had completed before the restart "
-                              f"with another plan than this fit's ({describe(differs)}), so this fit is taken as "
-                              f"the next one and starts from its end state. If it is fit {k} with new settings, "
-                              "use another path or run= to train it anew.", key="plan")
-            self._base = {"epoch": core.counters["epoch"], "step": core.counters["step"]}
+            stages.begin_here()
             first = int(self._fit.get("initial_epoch") or 0)  # fit(initial_epoch=...) of the user
             self._place(epoch=first)
             if self.data is not None:
@@ -390,20 +256,6 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
                            "callbacks listed after DriveCheckpoint save their state one epoch late. "
                            "Put DriveCheckpoint last in callbacks=[...].", key="callback-list")
 
-    def _bind_data(self) -> None:
-        """Find the fit's input; with ResumableData, bind each pass to its epoch (mid-epoch saves)."""
-        it = self._fit.get("iterator")
-        self.data, self._adapter, problem = bind_passes(it)
-        self.core.trigger.mid_epoch = self.data is not None
-        if problem:
-            self.core.warn(problem, key="resumable-data")
-        self._pass = PassPosition(it, self.data) if it is not None else None
-        inexact = inexact_input(it, self.data)
-        if inexact:
-            self._notes.append(("inexact-data", inexact))
-        elif self._pass is not None and self._pass.problem:
-            self._notes.append(("data-pass", self._pass.problem))
-
     # -------------------------------------------------------------------------------- restore
     def restore(self, tree: StateTree, epochs: Optional[int] = None) -> None:
         """Put a loaded tree into the model, optimizer, metrics, callbacks and the data position of
@@ -413,20 +265,11 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
         objects = tree.get("objects", {})
         kstate.load_variables(model, tree, core.resumed_from.url if core.resumed_from else "?")
         saved = tree.get("keras", {}) or {}
-        epoch = core.counters["epoch"] - self._base["epoch"]  # the epoch of this fit
-        self._plan_changed(changes(core.saved_plan, core.plan), epoch)
-        batch, problems = resume_at(self.data, tree.get("data") or {}, epoch, int(tree["counters"].get("batch", 0)))
-        problem = self._pass.restore((tree.get("data") or {}).get("pass")) if self._pass is not None else None
-        for line in problems + ([problem] if problem else []):
-            core.warn(line)
-        it = self._fit.get("iterator")
-        if batch and self.data is not None:
-            self._short_epoch = epoch
-            set_epoch_length(it, self._callbacks, self.data.batches_per_epoch - batch)
-            if batch == self.data.batches_per_epoch:  # saved during the epoch's validation
-                skip_pass(it, self.data)
+        epoch = self._stages.done_in_fit()  # the epoch of this fit
+        self._stages.plan_changed(model, epoch)
+        batch = self._input.restore(tree.get("data") or {}, epoch, int(tree["counters"].get("batch", 0)))
         self._place(batch=batch)
-        problem = kstate.seed_mismatch(it, tree.get("rng") or {}) if self.data is None else None
+        problem = kstate.seed_mismatch(self._fit.get("iterator"), tree.get("rng") or {}) if self.data is None else None
         if problem:
             core.warn(problem, key="seed")
         self._pending = {"metrics": objects.get("metrics") if batch else None,
@@ -442,30 +285,6 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
                                   "EarlyStopping) and is complete; nothing to do (weights restored). Use "
                                   "another path or run= to train anew.")
         model._initial_epoch = start
-
-    def _plan_changed(self, found: List[Any], done: int) -> None:
-        """This code's plan differs from the checkpoint's for the fit it resumes: the code wins (its
-        epochs, its learning rate); say so once, with how to get the checkpoint's instead."""
-        if not found:
-            return
-        parts = []
-        for key, old, new in found:
-            change = describe([(key, old, new)])
-            if key == "epochs" and new < old:
-                reached = " (reached already: nothing to train)" if done >= new else ""
-                parts.append(f"{change}: this code's {new} wins, the fit ends after epoch {new}{reached} and "
-                             f"counts as complete; to train the {old} planned, run fit(epochs={old}) (it goes on "
-                             "from there)")
-            elif key == "epochs":
-                parts.append(f"{change}: this code's {new} wins, the fit goes on to epoch {new}; to end at "
-                             f"{old}, run fit(epochs={old})")
-            elif key == "optimizer.learning_rate" and kstate.set_learning_rate(self.model.optimizer, new):
-                parts.append(f"{change}: this code's {new} wins (it replaces the checkpoint's rate); to go on "
-                             f"with the checkpoint's, compile with learning_rate={old} as before")
-            else:
-                parts.append(f"{change}: this code's wins; to go on with the checkpoint's, set it as before")
-        self.core.warn(f"run '{self.core.store.run}', fit {self._stage + 1}: this code's plan differs from the "
-                       f"checkpoint's: {'; '.join(parts)}.", key=f"plan:{self._stage}:{describe(found)}")
 
     def _late_train_begin(self) -> None:
         """After every callback's on_train_begin (they reset their state there): restore theirs,
@@ -521,8 +340,7 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
         n = max(0, done - self._pass_done)
         self._pass_done = done
         first = core.counters["batch"]
-        samples = self.data.samples_between(first, n) if self.data is not None else \
-            batch_samples(getattr(self._fit.get("iterator"), "data_adapter", None), first, n)
+        samples = self._input.samples(first, n)
         # The epoch's last batch: its end (validation, other callbacks) has not run yet; a resume from
         # here runs an epoch with no batch left (its validation and its end, once). A signal that came
         # during it is saved here; a scheduled save or a deadline stop due here waits for the epoch end
@@ -583,14 +401,11 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
         if not self._active or core.stopped:  # stopped inside this epoch: it is not complete
             return
         self._offset = 0
-        if self._short_epoch is not None and self.data is not None:
-            set_epoch_length(self._fit["iterator"], self._callbacks, self.data.batches_per_epoch)
-            unskip_pass(self._fit["iterator"])
-            self._short_epoch = None
+        self._input.epoch_ended()
         self._last_batch = None
         done = int(epoch) + 1
         last = done >= self._epochs() or bool(self.model.stop_training)
-        if core.end_epoch(self.capture, last=last, epoch=self._base["epoch"] + done).stop:
+        if core.end_epoch(self.capture, last=last, epoch=self._stages.base["epoch"] + done).stop:
             self.model.stop_training = True
 
     def on_train_end(self, logs: Logs = None) -> None:
@@ -609,26 +424,9 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
                 # fit ended without our last-epoch marker (e.g. stopped by a callback after us)
                 core.end_epoch(self.capture, last=True, count=False)
         finally:
-            fits = self._fits
-            if core.finished:  # this fit (stage) is complete: the model's next fit is the next stage
-                if len(fits.done) <= self._stage:
-                    fits.done.append({"epochs": self._epochs(), "plan": dict(core.plan),
-                                      "history": kstate.history_state(self.model)})
-                fits.next = self._stage + 1
-                fits.counters = dict(core.counters)
-                optimizer = self.model.optimizer
-                fits.optimizer = weakref.ref(optimizer) if optimizer is not None else None
-                core.fit_trained(core.plan)
-            else:  # stopped (deadline, interrupt): the next fit resumes this stage from its checkpoint
-                fits.loaded, fits.tree = False, None
+            self._stages.ended(self.model, self._epochs())
             self.model._initial_epoch = None
-            if self._adapter is not None:
-                unbind_passes(self._adapter)
-                self._adapter = None
-            if self._pass is not None:
-                self._pass.unbind()
-                self._pass = None
-            unskip_pass(self._fit.get("iterator"))
+            self._input.release()
             lst = getattr(self._fit.get("callbacks"), "callbacks", None)
             if self._tail is not None and isinstance(lst, list) and self._tail in lst:
                 lst.remove(self._tail)
@@ -639,21 +437,13 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
     # ------------------------------------------------------------------------------- capture
     def capture(self) -> Captured:
         core, epochs = self.core, self._epochs()
-        for key, problem in self._notes:  # said at the first save (once per run: the keys)
+        for key, problem in self._input.take_notes():  # said at the first save (once per run: the keys)
             core.warn(problem, key=key)
-        self._notes = []
-        stage = {"index": self._stage, "epoch_base": self._base["epoch"], "step_base": self._base["step"]}
+        record = self._stages.record()
         tree = cast(Captured, kstate.capture_tree(
             self.model, self._callbacks, epochs=epochs, finished=core.finished,
-            ended_early=core.counters["epoch"] - self._base["epoch"] < epochs, stage=stage,
-            stages=self._fits.done[:self._stage]))
-        data: Dict[str, Any] = {"kind": "resumable" if self.data is not None else "keras"}
-        if self.data is not None:
-            data.update(seed=self.data.seed, batches_per_epoch=self.data.batches_per_epoch)
-        position = self._pass.state() if self._pass is not None else None
-        if position is not None:
-            data["pass"] = position
-        tree["data"] = data
+            ended_early=self._stages.done_in_fit() < epochs, stage=record["stage"], stages=record["stages"]))
+        tree["data"] = self._input.state()
         if self._last_batch is not None:
             # saved after the epoch's last batch (during its validation, or at that batch): its end has
             # not run; the running means as the training batches left them (the validation resets them)
