@@ -14,6 +14,9 @@ to its destination by a background **uploader**. One concept per module:
 * :mod:`~keepalive.spool.uploader` -- :class:`Uploader`, one thread per spool and process: copies
   spooled checkpoints newest first, verifies what landed, applies the destination's retention, keeps
   the newest uploaded one as a local cache, retries with backoff for as long as the process lives.
+  Its jobs are its collaborators: :mod:`~keepalive.spool.backlog` (which checkpoint goes next, which
+  are dropped or kept), :mod:`~keepalive.spool.transfer` (one checkpoint copied and verified),
+  :mod:`~keepalive.spool.outage` (an outage told once when it begins, once when it ends).
 * :mod:`~keepalive.spool.spooled` -- :class:`SpooledStore`, what :class:`keepalive.core.Checkpointer`'s
   writer commits through: the destination directly, or the spool (remote URLs and Drive always;
   failing or slow local paths from then on). It uses the uploader; the uploader calls back into it

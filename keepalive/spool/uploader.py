@@ -10,6 +10,11 @@ least ``keep`` newer ones supersede (retention would delete it at once) is not u
 retried with exponential backoff (0.5 s doubling to 30 s, with jitter) for as long as the process
 lives; each attempt is bounded by the backend's own timeouts and the store's retry policy.
 
+The uploader is the thread, its loop and its locks; the jobs it runs are its collaborators:
+:class:`~keepalive.spool.backlog.Backlog` (which checkpoint goes next, which are dropped or kept as the
+local cache), :class:`~keepalive.spool.transfer.CheckpointCopy` (one checkpoint copied and verified)
+and :class:`~keepalive.spool.outage.Outage` (an outage told once when it begins, once when it ends).
+
 This module knows nothing of :class:`~keepalive.spool.spooled.SpooledStore`, which imports it. What
 an uploader tells a store that uses it goes through one callable, its :data:`UploadListener` (called
 on the uploader's thread for every checkpoint that landed); everything else a store learns or asks
@@ -17,52 +22,35 @@ goes through the uploader's methods, which take the uploader's own locks.
 """
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import random
 import socket
-import sys
 import threading
 import time
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, TypeVar
+from typing import Callable, Dict, List, Optional, Tuple, TypeVar
 
-from .. import report, settings
-from ..backends import FsspecBackend
-from ..errors import LeaseLostError, RunLockedError, StorageError
-from ..store import MANIFEST, CheckpointInfo, CheckpointStore, new_hasher
-from ..units import format_bytes, format_duration
+from .. import report
+from ..errors import LeaseLostError, RunLockedError
+from ..store import CheckpointInfo, CheckpointStore
+from ..units import format_bytes
+from .backlog import Backlog
 from .local import Spool
-from .mount import REMOUNT_HINT, MountWatch, describe_error, is_mount_error
+from .mount import MountWatch
+from .outage import Outage, outage_warning, recovery_warning
+from .transfer import CheckpointCopy, SourceGone
 
 log = logging.getLogger("keepalive.spool")
 
 BACKOFF_INITIAL = 0.5
 BACKOFF_MAX = 30.0
 IDLE_POLL = 5.0
-COPY_CHUNK = 8 << 20
 
 __all__ = ["Uploader", "UploaderRegistry", "UPLOADERS", "UploadListener"]
 
 #: called on the uploader's thread with each checkpoint that landed and the seconds its upload took
 UploadListener = Callable[[CheckpointInfo, float], None]
 T = TypeVar("T")
-
-
-class _SourceGone(Exception):
-    """The spooled copy vanished while it was being uploaded (dropped by the size bound)."""
-
-
-class _NullBar:
-    def update(self, n: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def _order(info: CheckpointInfo) -> Tuple[int, float, str]:
-    return (info.step if info.step is not None else -1, info.created or 0.0, info.name)
 
 
 class Uploader:
@@ -75,8 +63,8 @@ class Uploader:
     Other threads (the spooled store's writer, a flush) use it through its methods; they read its
     status (``fatal``, ``failing``, ``last_error``, ``uploaded``, ``dropped``, :attr:`seq_floor`) and
     never write its fields. It owns its locks: ``_dest_lock`` while the destination is in use
-    (:meth:`exclusive` lends it), ``_spool_lock`` while spooled checkpoints are chosen or dropped,
-    ``_state`` for the fields both sides touch.
+    (:meth:`exclusive` lends it), its backlog's lock while spooled checkpoints are chosen or dropped,
+    ``_state`` for the fields both sides touch (the outage's fields have their own).
     """
 
     def __init__(self, spool: Spool, dest: CheckpointStore, *, takeover: bool = False,
@@ -92,9 +80,10 @@ class Uploader:
         # mount that is already gone)
         self.mount = mount if mount is not None else (MountWatch(dest.path) if dest.backend.local else None)
         self._dest_lock = threading.RLock()    # held while the destination is used (uploads, direct commits)
-        self._spool_lock = threading.Lock()    # choosing / dropping spooled checkpoints
-        # guards what other threads set or read together: the outage fields, the next destination,
-        # the open request, the sequence floor, the work counter; waiters for a pass wait on it
+        self.backlog = Backlog(spool, quiet=quiet)  # its lock: choosing / dropping spooled checkpoints
+        self.outage = Outage()
+        # guards what other threads set or read together: the next destination, the open request,
+        # the sequence floor, the work counter; waiters for a pass wait on it
         self._state = threading.Condition()
         # Work on the spool (dropping, uploading, marking uploaded, evicting older local copies,
         # retention at the destination) happens between two increments of this counter: odd while
@@ -114,16 +103,27 @@ class Uploader:
         self.exited = False
         self.fatal: Optional[BaseException] = None
         self._opened = threading.Event()       # an attempt to open the destination has finished
-        self.failing: Optional[str] = None     # the current outage, None while healthy
-        self.failing_since: Optional[float] = None
-        self.last_error: Optional[str] = None
-        self.in_flight: Optional[str] = None
         self.uploaded = 0
-        self.dropped = 0
         self.bytes_uploaded = 0
         self.last_ok: Optional[float] = None
-        self.dest_known: List[CheckpointInfo] = []   # the destination's checkpoints at the last listing
-        self._outage_reported = False
+
+    @property
+    def failing(self) -> Optional[str]:
+        """The current outage, None while healthy."""
+        return self.outage.failing
+
+    @property
+    def failing_since(self) -> Optional[float]:
+        return self.outage.since
+
+    @property
+    def last_error(self) -> Optional[str]:
+        return self.outage.last_error
+
+    @property
+    def dropped(self) -> int:
+        """Un-uploaded checkpoints dropped because newer ones supersede them."""
+        return self.backlog.dropped
 
     # ------------------------------------------------------------------------------- control
     def start(self) -> "Uploader":
@@ -191,19 +191,11 @@ class Uploader:
     def note_outage(self, exc: BaseException) -> bool:
         """A spooled store saw the destination fail and tells the user itself: record the outage as
         reported, so only its end is reported from here. True when it is a new outage."""
-        with self._state:
-            if self.failing is not None:
-                return False
-            self.failing, self.failing_since = describe_error(exc), time.time()
-            self._outage_reported = True
-            return True
+        return self.outage.note_told(exc)
 
     # ------------------------------------------------------------------------------- waiting
     def pending(self) -> List[CheckpointInfo]:
-        try:
-            return self.spool.pending()
-        except OSError:
-            return []
+        return self.backlog.pending()
 
     def settled(self) -> bool:
         """Whether every spooled checkpoint is uploaded (or dropped as superseded) and nothing the
@@ -250,7 +242,7 @@ class Uploader:
                 except (RunLockedError, LeaseLostError) as exc:
                     self._set_fatal(exc)
                     break
-                except _SourceGone:
+                except SourceGone:
                     continue
                 except Exception as exc:  # noqa: BLE001 - every storage fault is retried
                     self._fault(exc)
@@ -303,76 +295,22 @@ class Uploader:
         self._opened_done()
         if not pending:
             return touched, False
-        with self._spool_lock:
+        with self.backlog.lock:
             with self._state:
                 self._work += 1  # from here on this pass changes the spool: not settled until it ends
-            pending = self.pending()
-            for bad in [c for c in pending if c.error]:
-                report.warn(f"spooled checkpoint {bad.name} is damaged ({bad.error}); removing it",
-                            quiet=self.quiet)
-                self.drop(bad)
-            pending = [c for c in pending if not c.error]
-            self.dest_known = [c for c in self.dest.list() if c.error is None]
-            self._trim_cache(self.dest_known)
-            touched = True
-            keep = []
-            for c in pending:
-                if self.superseded(c, pending, self.dest_known):
-                    log.info("not uploading %s: %s newer checkpoint(s) supersede it (keep=%s)",
-                             c.name, self.dest.keep, self.dest.keep)
-                    self.drop(c)
-                    self.dropped += 1
-                else:
-                    keep.append(c)
-            if not keep:
-                return touched, len(keep) != len(pending)
-            chosen = max(keep, key=_order)  # newest first: the one a resume needs
-            self.in_flight = chosen.name
+            chosen, dropped = self.backlog.choose(self.dest)
+            if chosen is None:
+                return True, dropped
         try:
             self._upload(chosen)
         finally:
-            self.in_flight = None
+            self.backlog.in_flight = None
         return True, True
 
-    def superseded(self, c: CheckpointInfo, spooled: Sequence[CheckpointInfo],
-                   at_dest: Sequence[CheckpointInfo]) -> bool:
-        """Whether retention would delete ``c`` at once: ``keep`` newer checkpoints exist (spooled or
-        at the destination) and ``keep_every`` does not spare it."""
-        keep = self.dest.keep
-        if keep is None:
-            return False
-        every = self.dest.keep_every
-        if every and c.seq and c.seq % every == 0:
-            return False
-        key = _order(c)
-        newer = {x.name for x in (*spooled, *at_dest) if _order(x) > key}
-        return len(newer) >= keep
-
     def enforce_bound(self, limit: int) -> Tuple[int, List[CheckpointInfo]]:
-        """Make the spool fit in ``limit`` bytes if that can be done safely: uploaded copies (the
-        local cache) go first, then un-uploaded checkpoints that ``keep`` newer ones supersede,
-        oldest first, never the newest. Returns ``(bytes still held, un-uploaded ones dropped)``."""
-        dropped: List[CheckpointInfo] = []
-        with self._spool_lock:
-            everything = self.spool.list()
-            total = sum(c.size_bytes or 0 for c in everything)
-            if total <= limit:
-                return total, dropped
-            for c in everything:  # uploaded copies (the local cache) go first: they are at the destination
-                if total > limit and c.cached:
-                    self.drop(c)
-                    total -= c.size_bytes or 0
-            pending = [c for c in everything if not c.cached]
-            for c in pending[:-1]:  # oldest first, never the newest
-                if total <= limit:
-                    break
-                if c.name == self.in_flight or not self.superseded(c, pending, self.dest_known):
-                    continue
-                self.drop(c)
-                self.dropped += 1
-                dropped.append(c)
-                total -= c.size_bytes or 0
-        return total, dropped
+        """Make the spool fit in ``limit`` bytes if that can be done safely
+        (:meth:`Backlog.enforce_bound`): ``(bytes still held, un-uploaded ones dropped)``."""
+        return self.backlog.enforce_bound(limit, self.dest)
 
     def _open_dest(self) -> None:
         lease = self.dest.lease.read()
@@ -390,79 +328,13 @@ class Uploader:
             self._want_open = False
             self._opened.set()
 
-    def _trim_cache(self, at_dest: Optional[Sequence[CheckpointInfo]] = None) -> None:
-        """Keep the newest uploaded checkpoint as the local cache, drop older uploaded ones (and one
-        the destination no longer has: deleted there on purpose)."""
-        cached = sorted(self.spool.cached(), key=_order)
-        names = None if at_dest is None else {c.name for c in at_dest}
-        for i, c in enumerate(cached):
-            if i < len(cached) - 1 or (names is not None and c.name not in names):
-                self.drop(c)
-
-    def drop(self, c: CheckpointInfo) -> None:
-        """Delete a spooled checkpoint (the caller holds ``_spool_lock``)."""
-        try:
-            self.spool.remove(c)
-        except OSError as exc:
-            log.info("could not remove spooled %s: %s", c.path, exc)
-
     # -------------------------------------------------------------------------------- upload
-    def _bar(self, c: CheckpointInfo, total: int) -> Any:
-        if not self.bars:
-            return _NullBar()
-        try:
-            min_bytes = settings.get("KEEPALIVE_PROGRESS_MIN_BYTES")
-            if settings.get("KEEPALIVE_PROGRESS") is False or total < min_bytes:
-                return _NullBar()
-            from tqdm.auto import tqdm
-
-            url = self.dest.url
-            target = url if len(url) <= 48 else "..." + url[-45:]
-            return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, leave=False,
-                        desc=f"keepalive: uploading step {c.step} ({format_bytes(total)}) to {target}",
-                        file=sys.stderr, mininterval=0.5)
-        except Exception:  # noqa: BLE001 - no tqdm / no display: no bar
-            return _NullBar()
-
     def _upload(self, c: CheckpointInfo) -> None:
         t0 = time.perf_counter()
-        b = self.dest.backend
-        folder = b.join(self.dest.path, c.name)
-        manifest = c.manifest or {}
-        algorithm = manifest.get("checksum_algorithm", "xxh3_64")
-        try:
-            raw = self.spool.backend.read_bytes(os.path.join(c.path, MANIFEST))
-        except FileNotFoundError:
-            raise _SourceGone(c.name) from None
-        bar = self._bar(c, c.size_bytes or 0)
-        try:
-            b.makedirs(folder)
-            for entry in manifest["files"]:
-                dst = b.join(folder, entry["name"])
-                if not self._landed(dst, entry, algorithm):
-                    self._copy(os.path.join(c.path, entry["name"]), dst, bar)
-                    if not self._landed(dst, entry, algorithm):
-                        raise StorageError(errno.EIO, f"{self.dest.backend.url(dst)} does not match what "
-                                                      "was written (size or checksum): retrying")
-                else:
-                    bar.update(entry["size"])
-            self.dest.lease.check()  # LeaseLostError: another session owns the run now
-            mpath = b.join(folder, MANIFEST)
-            if not self._same_bytes(mpath, raw):
-                b.write_bytes(mpath, raw)
-                if b.local:
-                    b.sync_dir(folder)
-                if not self._same_bytes(mpath, raw):
-                    raise StorageError(errno.EIO, f"the manifest read back from {b.url(mpath)} differs")
-        finally:
-            bar.close()
+        CheckpointCopy(c, self.spool.backend, self.dest, bars=self.bars, progress=self.progress,
+                       stopped=lambda: self._stop).run()
         seconds = time.perf_counter() - t0
-        with self._spool_lock:
-            try:
-                self.spool.mark_uploaded(c)
-            except FileNotFoundError:
-                pass  # dropped meanwhile by the size bound: it is at the destination anyway
-            self._trim_cache()
+        self.backlog.uploaded(c)
         self.uploaded += 1
         self.bytes_uploaded += c.size_bytes or 0
         self.last_ok = time.time()
@@ -479,121 +351,28 @@ class Uploader:
             except Exception as exc:  # noqa: BLE001 - a listener's fault is no upload fault
                 log.debug("upload listener failed: %s", exc)
 
-    def _copy(self, src: str, dst: str, bar: Any) -> None:
-        b = self.dest.backend
-        try:
-            f = open(src, "rb", buffering=0)
-        except FileNotFoundError:
-            raise _SourceGone(src) from None
-        with f, b.open_write(dst) as out:
-            while True:
-                block = f.read(COPY_CHUNK)
-                if not block:
-                    break
-                out.write(block)
-                bar.update(len(block))
-                if self.progress is not None:
-                    self.progress(len(block))
-                if self._stop:
-                    raise StorageError(errno.ECANCELED, "upload stopped")
-            if b.local:
-                b.sync(out)
-
-    def _size(self, path: str) -> int:
-        b = self.dest.backend
-        if b.local:
-            return os.path.getsize(path)
-        if not isinstance(b, FsspecBackend):  # pragma: no cover - local and fsspec are all there is
-            raise TypeError(f"no size lookup for {type(b).__name__}")
-        fs = b.fs
-        try:
-            fs.invalidate_cache(path)
-        except Exception:  # noqa: BLE001
-            pass
-        return int(fs.info(path)["size"])
-
-    def _landed(self, path: str, entry: Mapping[str, Any], algorithm: str) -> bool:
-        """Whether ``path`` holds exactly the file ``entry`` describes: the size (every backend) and,
-        on local and mounted destinations, the checksum of the bytes read back."""
-        try:
-            size = self._size(path)
-        except FileNotFoundError:
-            return False
-        if size != entry["size"]:
-            return False
-        if not self.dest.backend.local:
-            return True
-        h = new_hasher(algorithm)
-        with open(path, "rb", buffering=0) as f:
-            while True:
-                block = f.read(COPY_CHUNK)
-                if not block:
-                    break
-                h.update(block)
-        return h.hexdigest() == entry["checksum"]
-
-    def _same_bytes(self, path: str, raw: bytes) -> bool:
-        try:
-            if not self.dest.backend.local:
-                self._size(path)  # fresh listing first: s3fs / gcsfs cache
-            return self.dest.backend.read_bytes(path) == raw
-        except FileNotFoundError:
-            return False
-
     # ------------------------------------------------------------------------------ reporting
     def _fault(self, exc: BaseException) -> None:
         if self._stop:
             return
-        what = describe_error(exc)
-        with self._state:
-            self.last_error = what
-            ongoing = self.failing is not None
-            if not ongoing:
-                self.failing, self.failing_since = what, time.time()
-            tell = not ongoing and not self._outage_reported  # a store may have told the user already
-            if tell:
-                self._outage_reported = True
-        if ongoing:
-            log.info("upload to %s still failing: %s", self.dest.url, what)
-        elif tell:
-            self._report_outage(exc)
-
-    def _report_outage(self, exc: BaseException) -> None:
-        n = len(self.pending())
-        where = f"{n} checkpoint(s) wait" if n else "checkpoints wait"
-        if is_mount_error(exc, self.dest.backend.local):
-            reason = getattr(exc, "reason", None) or describe_error(exc)
-            report.warn(f"the checkpoint folder {self.dest.url} is not reachable ({reason}). Training goes "
-                        f"on; {where} on this machine's disk in {self.spool.folder} and are uploaded as "
-                        f"soon as it is back. On Colab remount Drive: {REMOUNT_HINT}", quiet=self.quiet)
-            return
-        hint = ""
-        code = getattr(exc, "errno", None)
-        if code in (errno.ENOSPC, getattr(errno, "EDQUOT", -1)):
-            hint = " The destination is full: free space (on Drive: empty the bin, check the quota)."
-        elif code == errno.EIO and self.mount is not None and self.mount.drive:
-            hint = " On Drive, Errno 5 often means the storage quota is used up."
-        report.warn(f"cannot upload checkpoints to {self.dest.url} ({describe_error(exc)}). Training goes "
-                    f"on; {where} on this machine's disk in {self.spool.folder} and are retried with "
-                    f"backoff (up to {BACKOFF_MAX:.0f} s apart).{hint}", quiet=self.quiet)
+        said = self.outage.fault(exc)
+        if said == "ongoing":
+            log.info("upload to %s still failing: %s", self.dest.url, self.outage.last_error)
+        elif said == "tell":
+            report.warn(outage_warning(exc, dest_url=self.dest.url, spool_folder=self.spool.folder,
+                                       waiting=len(self.pending()), local=self.dest.backend.local,
+                                       drive=self.mount is not None and self.mount.drive,
+                                       backoff_max=BACKOFF_MAX), quiet=self.quiet)
 
     def _recovered(self) -> None:
-        with self._state:
-            if self.failing is None:
-                return
-            took = time.time() - (self.failing_since or time.time())
-            self.failing = self.failing_since = None
-            told, self._outage_reported = self._outage_reported, False
-        if told:
-            n = len(self.pending())
-            # a warning too: it ends one, and the user who saw that one must see this
-            left = f"uploading {n} pending checkpoint(s)" if n else "nothing left to upload"
-            report.warn(f"{self.dest.url} works again (after {format_duration(took)}); {left}",
-                        quiet=self.quiet)
-            try:
-                self.dest.collect_garbage()  # folders of writes the outage cut short
-            except OSError as exc:
-                log.debug("garbage collection at %s failed: %s", self.dest.url, exc)
+        ended = self.outage.end()
+        if ended is None or not ended[1]:
+            return
+        report.warn(recovery_warning(self.dest.url, ended[0], len(self.pending())), quiet=self.quiet)
+        try:
+            self.dest.collect_garbage()  # folders of writes the outage cut short
+        except OSError as exc:
+            log.debug("garbage collection at %s failed: %s", self.dest.url, exc)
 
     def _set_fatal(self, exc: BaseException) -> None:
         self.fatal = exc
