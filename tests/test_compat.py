@@ -44,7 +44,9 @@ from keepalive.errors import IncompatibleFrameworkError  # noqa: E402
 FRAMEWORKS = {
     "keras": ("keepalive.callbacks._compat_keras", ("keras.py", "_keras_state.py", "_keras_data.py")),
     "fastai": ("keepalive.callbacks._compat_fastai", ("fastai.py", "_fastai_state.py", "_fastai_data.py")),
-    "transformers": ("keepalive.callbacks._compat_transformers", ("transformers.py", "_hf_data.py")),
+    "transformers": ("keepalive.callbacks._compat_transformers", ("transformers.py", "_hf_data.py", "_hf_state.py",
+                                                                  "_hf_position.py", "_hf_resume.py",
+                                                                  "_hf_messages.py")),
     "lightning": ("keepalive.callbacks._compat_lightning", ("lightning.py", "_lightning_state.py",
                                                             "_lightning_data.py")),
 }

@@ -71,7 +71,7 @@ _TRAINER = "transformers:Trainer"
 _LOOP = f"{_TRAINER}.{INNER_LOOP}"
 _LOADERS = "accelerate.data_loader"
 _HANDLER = "transformers.trainer_callback:CallbackHandler"
-_T = "transformers.py"
+_T, _HS = "transformers.py", "_hf_state.py"
 
 #: the internals, as a table: name, what the adapter does with it, where, the check
 INTERNALS = (
@@ -121,13 +121,13 @@ INTERNALS = (
              "of the two must be among them", "_hf_data.py: Replay",
              _skip_keeps_wrappers, token="worker_init_fn", package="accelerate"),
     Internal("Trainer._tr_loss", "the running loss sum since the last log (saved, restored)",
-             f"{_T}: DriveCheckpoint.capture, _restore", uses(_TRAINER, "_tr_loss")),
+             f"{_HS}: capture, restore_trainer", uses(_TRAINER, "_tr_loss")),
     Internal("Trainer._total_loss_scalar", "the loss sum of the whole training (saved, restored)",
-             f"{_T}: DriveCheckpoint.capture, _restore", uses(_TRAINER, "_total_loss_scalar")),
+             f"{_HS}: capture, restore_trainer", uses(_TRAINER, "_total_loss_scalar")),
     Internal("Trainer._globalstep_last_logged", "the step of the last log (saved, restored)",
-             f"{_T}: DriveCheckpoint.capture, _restore", uses(_TRAINER, "_globalstep_last_logged")),
+             f"{_HS}: capture, restore_trainer", uses(_TRAINER, "_globalstep_last_logged")),
     Internal("accelerate.Accelerator.scaler", "the GradScaler of a mixed-precision run (saved, restored)",
-             f"{_T}: DriveCheckpoint._objects", uses("accelerate:Accelerator", "scaler"),
+             f"{_HS}: trainer_objects", uses("accelerate:Accelerator", "scaler"),
              token='"scaler"', package="accelerate"),
     Internal("accelerate.data_loader.DataLoaderShard.base_dataloader", "the torch DataLoader inside "
              "accelerate's wrapper, whose batch sampler is replaced", "_hf_data.py: base_loader",
@@ -154,7 +154,7 @@ INTERNALS = (
                "own epoch (its step counter continues at the saved batch)", f"{_T}: _EpochRunner.__call__",
                param(f"{_TRAINER}.{RUN_EPOCH}", p), token=f"{p}=")
       for p in ("resume_from_checkpoint", "epochs_trained", "steps_trained_in_current_epoch")),
-    *(Internal(f"TrainerState.{f}", "a progress field saved and restored", f"{_T}: DriveCheckpoint.capture",
+    *(Internal(f"TrainerState.{f}", "a progress field saved and restored", f"{_HS}: capture, restore_trainer",
                field("transformers:TrainerState", f), token="STATE_FIELDS")
       for f in STATE_FIELDS),
 )
