@@ -21,11 +21,11 @@ probe is a :class:`Check` (or a tuple of them, all of which must hold) naming wh
 (``"module:Class.attr"``, imported only when the check runs) and how to look. :meth:`Framework.missing`
 walks the table. A check looks at classes and code objects only, nothing is instantiated or run: an
 attribute of a class or module (``has``); a name a class's own code reads or sets (``uses``:
-``co_names``, which holds the instance attributes ``__init__`` creates); a string constant of its code
-(``says``); a local variable of a function (``local``: ``co_varnames`` / ``co_cellvars``, what a frame
-walk finds in ``f_locals``); a parameter (``param``: ``inspect.signature``); a dataclass field
-(``field``). The few looks no check can say are small functions of the inventory module, in the
-table by name like the checks.
+``co_names``, which holds the instance attributes ``__init__`` creates; ``stores``: also through
+fastcore's ``store_attr('a,b')``); a string constant of its code (``says``); a local variable of a
+function (``local``: ``co_varnames`` / ``co_cellvars``, what a frame walk finds in ``f_locals``); a
+parameter (``param``: ``inspect.signature``); a dataclass field (``field``). The few looks no check
+can say are small functions of the inventory module, in the table by name like the checks.
 """
 from __future__ import annotations
 
