@@ -38,7 +38,7 @@ from . import progress as _progress
 from . import spool as _spool
 from .config import CheckpointConfig
 from .interrupts import DeferredSignals
-from .lifecycle import resuming
+from .lifecycle import Capture, resuming
 from .lifecycle.between_steps import BetweenSteps
 from .lifecycle.boundaries import BoundaryDriver, BoundaryMachine
 from .lifecycle.messages import Messages
@@ -47,14 +47,13 @@ from .lifecycle.snapshots import LazySnapshots
 from .lifecycle.stops import Stops, cloud_notice
 from .notebook import default_dir, resolve_run_url
 from .savepath import SavePath
-from .statetree import Captured, StateTree
+from .statetree import StateTree
 from .store import CheckpointInfo, CheckpointStore, WriteResult
 from .trigger import SaveTrigger
 from .writer import AsyncWriter
 
 log = logging.getLogger("keepalive")
 
-Capture = Callable[[], Captured]
 Decision = bd.Decision
 
 _ACTIVE = ALIVE

@@ -21,3 +21,13 @@ that answer lives here:
 Each part holds the checkpointer it serves and uses its public attributes only: the adapters set
 those (``total_epochs``, ``fingerprint``, ``lazy_sources``, ...), and the parts read them when they act.
 """
+from __future__ import annotations
+
+from typing import Callable
+
+from ..statetree import Captured
+
+#: an adapter's capture: its objects' and its data's state, taken when a save needs it
+Capture = Callable[[], Captured]
+
+__all__ = ["Capture"]

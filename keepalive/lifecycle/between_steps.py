@@ -24,8 +24,9 @@ from .. import rng
 from .. import session as _session
 from ..interrupts import raise_for, signal_name
 from ..runs import position
-from ..statetree import Captured, StateTree
+from ..statetree import StateTree
 from ..writer import SnapshotChanged
+from . import Capture
 from .messages import exit_words
 
 if TYPE_CHECKING:
@@ -33,7 +34,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("keepalive")
 
-Capture = Callable[[], Captured]
 #: a save between steps now, if the state is still the mark's (``capture``, ``in_thread``)
 PauseSave = Callable[[Optional[Capture], bool], None]
 

@@ -13,19 +13,18 @@ decisions under a process group, and carries the decision out: a save
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Optional
 
 from .. import boundary as bd
 from .. import distributed as _distributed
 from ..interrupts import raise_for, signal_name
 from ..runs import position
-from ..statetree import Captured
+from . import Capture
 from .messages import exit_words
 
 if TYPE_CHECKING:
     from ..core import Checkpointer
 
-Capture = Callable[[], Captured]
 Decision = bd.Decision
 
 __all__ = ["BoundaryDriver", "BoundaryMachine"]

@@ -25,8 +25,9 @@ from .. import rendezvous as _rendezvous
 from .. import session as _session
 from ..runs import record_run
 from ..savepath import SavePath, choose
-from ..statetree import Captured, Header, StateTree
+from ..statetree import Header, StateTree
 from ..store import WriteResult
+from . import Capture
 
 if TYPE_CHECKING:
     from ..core import Checkpointer
@@ -34,7 +35,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("keepalive")
 
 STATE_FORMAT = 1
-Capture = Callable[[], Captured]
 
 #: the checkpointers alive in this process (a new one on the same run takes the lease over)
 ALIVE: "weakref.WeakSet[Checkpointer]" = weakref.WeakSet()
