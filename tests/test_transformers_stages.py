@@ -165,7 +165,7 @@ def test_one_more_epoch_continues_a_finished_run(tmp_path, capsys, monkeypatch, 
     own = _trainer(tmp_path / "own", epochs=4, save_strategy="epoch")
     own.train(resume_from_checkpoint=get_last_checkpoint(str(tmp_path / "own" / "hf")))
     if control:  # the plan not compared: a finished run stays finished
-        monkeypatch.setattr(kt.plans, "changes", lambda *a, **k: [])
+        monkeypatch.setattr("keepalive.plan.changes", lambda *a, **k: [])
     _trainer(tmp_path / "a", kt.DriveCheckpoint(tmp_path / "run", quiet=True)).train()
     capsys.readouterr()
     longer = _trainer(tmp_path / "b", kt.DriveCheckpoint(tmp_path / "run"), epochs=4)
