@@ -16,10 +16,11 @@ What it records:
   ``rng``; a resumed epoch (:func:`resume_epoch`) puts them back, so that fastai draws the same order
   and the same base seed the normal way, and the random state of the saved step is put back once the
   iterator is made, right before the first batch is fetched (``on_positioned``);
-* in worker processes, the random state each batch starts from (augmentation in workers draws from
-  it); a mid-epoch checkpoint keeps those of the next ``num_workers``
-  batches (:func:`worker_states`), and a resumed epoch's worker ``w`` starts its first batch from the
-  state the uninterrupted run's worker had for it, so the rest of the epoch draws what it drew then.
+* in worker processes (seeded by fastai's ``_wif``), the random state each batch starts from
+  (augmentation in workers draws from it), through :class:`keepalive.callbacks.replay.WorkerStates`:
+  a mid-epoch checkpoint keeps those of the next ``num_workers`` batches (:func:`worker_states`), and
+  a resumed epoch's worker ``w`` starts its first batch from the state the uninterrupted run's worker
+  had for it, so the rest of the epoch draws what it drew then.
 
 Which loaders: fastai's ``DataLoader`` / ``TfmdDL`` / ``TabDataLoader`` and the default loaders of
 tabular, text and language-model learners, ``TabWeightedDL``, ``SortedDL`` and ``LMDataLoader``
@@ -31,13 +32,8 @@ says why; the adapter then checkpoints at epoch ends only).
 from __future__ import annotations
 
 import itertools
-import os
-import pickle
 import random
-import shutil
 import sys
-import tempfile
-import time
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import numpy as np
@@ -48,22 +44,21 @@ from fastai.data.load import DataLoader as FastaiDataLoader
 from .. import rng
 from ..errors import StateMismatchError
 from . import _compat_fastai as fc
+from .replay import STATE_WAIT_S, WorkerStates
 
 # fastai's private iterable that torch's DataLoader iterates; a fastai without it imports this module
 # still, and DriveCheckpoint(...) then says what is missing (``_compat_fastai``) instead of an ImportError
 _FakeLoader: Any = getattr(_load, "_FakeLoader", object)
 
 __all__ = ["positionable", "check_resumable", "install", "rewind", "uninstall", "dl_rngs", "set_dl_rngs",
-           "epoch_start", "resume_epoch", "worker_states"]
+           "epoch_start", "resume_epoch", "worker_states", "STATE_WAIT_S"]
 
 #: fastai classes whose order methods replay from the recorded states (module, class, methods)
 _KNOWN_ORDER = (("fastai.tabular.core", "TabWeightedDL", ("get_idxs",)),
                 ("fastai.text.data", "SortedDL", ("get_idxs", "shuffle_fn")),
                 ("fastai.text.data", "LMDataLoader", ("shuffle_fn",)))
-#: worker random states kept per worker (a worker with prefetched batches may be ahead)
-_KEPT_PER_WORKER = 6
-#: how long a mid-epoch save waits for a worker to start a batch whose random state it needs
-STATE_WAIT_S = 5.0
+#: the worker-state folders' names: keepalive-fastai-workers-{pid}-... (those of dead processes are swept)
+_FOLDER = "keepalive-fastai-workers-"
 
 
 def _known(name: str) -> List[Any]:
@@ -94,46 +89,15 @@ def positionable(dl: Any) -> Optional[str]:
     return None
 
 
-# ------------------------------------------------------------------------------ random states
-def _global_state() -> Dict[str, Any]:
-    """This process's global random states (python, numpy, torch CPU) as :func:`keepalive.rng.restore`
-    takes them: plain values, stored in a checkpoint without pickle."""
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch_cpu": torch.get_rng_state()}
-
-
-class _WorkerStates:
-    """In a worker process: notes the random state each of its batches starts from (about 0.15 ms a
-    batch: the states and a small file in ``/dev/shm``), and gives a resumed batch the state the
-    uninterrupted run had for it."""
-
-    def __init__(self, folder: str, serial: int, workers: int, resume: Optional[Dict[int, Any]]):
-        self.folder, self.serial, self.workers = folder, serial, workers
-        self.resume = dict(resume or {})
-
-    def batch(self, k: int) -> None:
-        saved = self.resume.pop(k, None)
-        if saved is not None:
-            rng.restore(saved)
-        path = os.path.join(self.folder, f"{self.serial}-{k}")
-        try:  # between this process and its workers only (a private folder): the checkpoint gets the values
-            with open(path + ".tmp", "wb") as f:
-                pickle.dump(_global_state(), f, protocol=pickle.HIGHEST_PROTOCOL)
-            os.replace(path + ".tmp", path)
-            old = k - self.workers * _KEPT_PER_WORKER
-            if old >= 0:
-                os.unlink(os.path.join(self.folder, f"{self.serial}-{old}"))
-        except OSError:
-            pass
-
-
 # -------------------------------------------------------------------------------- iteration
-def _indices(dl: FastaiDataLoader, start: int, states: Optional[_WorkerStates]) -> Iterator[Any]:
+def _indices(dl: FastaiDataLoader, start: int, states: Optional[WorkerStates], serial: int = 0) -> Iterator[Any]:
     """What fastai's ``dl.sample()`` yields, from batch ``start`` on (the same for start 0).
 
     The indices are those ``get_idxs()`` computed for this epoch in the main process (a list or an
     iterator: ``SortedDL``); the first ``start`` batches' indices are passed over without loading
     anything. Batches go to workers round-robin from ``start`` (fastai's split, shifted), which is
-    the order torch's iterator collects them in.
+    the order torch's iterator collects them in. In a worker, ``states`` notes the random state each
+    of its batches starts from (iteration ``serial``), and puts back a resumed batch's.
     """
     idxs = dl._DataLoader__idxs
     bs = dl.bs
@@ -148,7 +112,7 @@ def _indices(dl: FastaiDataLoader, start: int, states: Optional[_WorkerStates]) 
         if (k - start) % nw != offs:
             continue
         if states is not None and i % bs == 0:
-            states.batch(k)
+            states.start(serial, k, nw)
         yield s
 
 
@@ -191,8 +155,8 @@ class _PositionedLoader(_FakeLoader):
     def __iter__(self):
         states = None
         if self._ka_folder is not None and torch.utils.data.get_worker_info() is not None:
-            states = _WorkerStates(self._ka_folder, self._ka_serial, self.num_workers, self._ka_resume)
-        return iter(self.d.create_batches(_indices(self.d, self._ka_start, states)))
+            states = WorkerStates(self._ka_folder, self._ka_resume)
+        return iter(self.d.create_batches(_indices(self.d, self._ka_start, states, self._ka_serial)))
 
 
 def check_resumable(n_saved: int, n_now: int, why_not: Optional[str]) -> None:
@@ -215,35 +179,7 @@ def install(dl: FastaiDataLoader) -> None:
     fl._ka_resume = None
     fl._index_sampler = _Counter()
     if fl.num_workers > 0 and fl.__dict__.get("_ka_folder") is None:
-        shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-        _sweep(shm or tempfile.gettempdir())
-        fl._ka_folder = tempfile.mkdtemp(prefix=f"{_FOLDER}{os.getpid()}-", dir=shm)
-
-
-_FOLDER = "keepalive-fastai-workers-"
-
-
-def _sweep(parent: str) -> None:
-    """Remove the worker-state folders of processes that are gone (killed: they could not), untouched
-    for an hour (a live training's workers write in theirs every batch: another PID namespace sharing
-    /dev/shm cannot lose a folder in use)."""
-    try:
-        names = [n for n in os.listdir(parent) if n.startswith(_FOLDER)]
-    except OSError:
-        return
-    for name in names:
-        pid = name[len(_FOLDER):].split("-", 1)[0]
-        if not pid.isdigit():
-            continue
-        path = os.path.join(parent, name)
-        try:
-            if time.time() - os.path.getmtime(path) < 3600:
-                continue
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            shutil.rmtree(path, ignore_errors=True)
-        except OSError:  # gone meanwhile, or another user's process: alive
-            pass
+        fl._ka_folder = WorkerStates.create(_FOLDER, sweep=True).folder
 
 
 # ------------------------------------------------------------------------------ epoch RNGs
@@ -290,11 +226,7 @@ def _next_iteration(dl: FastaiDataLoader) -> None:
     fl._ka_serial = fl._ka_serial + 1
     folder = fl._ka_folder
     if folder is not None:  # the last iteration's states: no longer needed
-        for name in os.listdir(folder):
-            try:
-                os.unlink(os.path.join(folder, name))
-            except OSError:
-                pass
+        WorkerStates(folder).clear()
 
 
 def epoch_start(learn: Any, dl: FastaiDataLoader) -> Dict[str, Any]:
@@ -338,20 +270,7 @@ def worker_states(dl: FastaiDataLoader, batches: int, n_iter: int) -> Optional[D
     folder = getattr(fl, "_ka_folder", None)
     if folder is None:
         return {}
-    out: Dict[str, Any] = {}
-    deadline = time.monotonic() + STATE_WAIT_S
-    for n in range(batches, min(batches + fl.num_workers, n_iter)):
-        path = os.path.join(folder, f"{fl._ka_serial}-{n}")
-        while True:  # a worker writes it when it starts that batch: it has it queued
-            try:
-                with open(path, "rb") as f:
-                    out[str(n)] = pickle.load(f)  # written by this loader's workers (see _WorkerStates)
-                break
-            except (OSError, EOFError, pickle.UnpicklingError):
-                if time.monotonic() > deadline:
-                    return None
-                time.sleep(0.002)
-    return out
+    return WorkerStates(folder).look_ahead(fl._ka_serial, batches, fl.num_workers, n_iter)
 
 
 def rewind(dl: FastaiDataLoader) -> None:
@@ -369,7 +288,7 @@ def uninstall(dl: FastaiDataLoader) -> None:
     if isinstance(fl, _PositionedLoader):
         folder = fl.__dict__.get("_ka_folder")
         if folder is not None:
-            shutil.rmtree(folder, ignore_errors=True)
+            WorkerStates(folder).remove()
         for name in ("_ka_start", "_ka_folder", "_ka_serial", "_ka_resume", "_index_sampler"):
             fl.__dict__.pop(name, None)
         fl.__class__ = _FakeLoader

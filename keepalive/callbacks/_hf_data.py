@@ -36,6 +36,12 @@ ahead, so a batch is made while earlier steps still train. :class:`Replay` keeps
   workers, which return a marker without loading anything), and each new worker starts from its saved
   state (``worker_init_fn``, after the Trainer's ``seed_worker``).
 
+The states, and the notes and plan of the batches made in the main process, are those of
+:mod:`keepalive.callbacks.replay` (:func:`~keepalive.callbacks.replay.cpu_rng`,
+:class:`~keepalive.callbacks.replay.MadeStates`); only their way out of the workers is this
+adapter's: in the batch (a checkpoint keeps them per worker), where the torch and fastai adapters
+leave files per batch.
+
 With ``persistent_workers=True`` the workers of a resumed pass end with it (accelerate rebuilt its loader
 to skip batches), so the next pass's new workers take over their states, and the main generator's state
 is put back after their creation, which the uninterrupted run does not have.
@@ -55,15 +61,14 @@ from __future__ import annotations
 
 import collections
 import itertools
-import random
 from typing import Any, Callable, Deque, Dict, Iterator, List, Mapping, Optional, Tuple
 
-import numpy as np
 import torch
 from torch.utils.data import BatchSampler, IterableDataset, RandomSampler, SequentialSampler
 
 from .. import rng
 from ..dataorder import mix
+from .replay import MadeStates, cpu_rng, received, sendable
 
 __all__ = ["PositionedBatchSampler", "Replay", "install", "base_loader", "stream_kind"]
 
@@ -95,11 +100,6 @@ class _Stamp:
         self.worker, self.state = worker, state
 
 
-def cpu_rng() -> Dict[str, Any]:
-    """The generators a batch is made with, on the CPU: python's, numpy's legacy one, torch's."""
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch_cpu": torch.get_rng_state()}
-
-
 class PositionedBatchSampler(BatchSampler):
     """The batches of an epoch's order, from batch ``start`` on (after ``placeholders`` empty ones)."""
 
@@ -117,10 +117,9 @@ class PositionedBatchSampler(BatchSampler):
         self.start = 0          # batches of the running epoch already trained (resume)
         self.placeholders = 0   # empty batches first: what the Trainer's SkipBatchSampler drops
         self.empties = 0        # then empty batches that reach the workers (see the module)
-        self.plan: Dict[int, Dict[str, Any]] = {}   # batch -> random state to put back before its fetch
-        self.watch = False      # note the random state before a step's first fetch (no workers: made here)
-        self.every = 1          # ... of batches b % every == 0: a step's first (gradient accumulation)
-        self.noted: Deque[Tuple[int, Dict[str, Any]]] = collections.deque(maxlen=4)
+        #: the random states of a step's first batches (no workers: made here; every: gradient accumulation),
+        #: and a resumed pass's plan (batch -> random state to put back before its fetch)
+        self.states = MadeStates()
         self.last = -1          # the last batch yielded in this pass
         self.sampler = self  # type: ignore[assignment]  # accelerate: batch_sampler.sampler.set_epoch
 
@@ -131,7 +130,7 @@ class PositionedBatchSampler(BatchSampler):
         """Forget a resume position no pass consumed (a resume after an epoch's last step fetches no
         batch of that epoch: the next epoch starts at its beginning)."""
         self.start = self.placeholders = self.empties = 0
-        self.plan = {}
+        self.states.plan = {}
 
     def order(self, epoch: int) -> torch.Tensor:
         """The epoch's sample order, as the replaced sampler would have drawn it."""
@@ -143,20 +142,16 @@ class PositionedBatchSampler(BatchSampler):
         return torch.randperm(self.n, generator=g)
 
     def __iter__(self) -> Iterator[List[int]]:
-        start, placeholders, empties, plan = self.start, self.placeholders, self.empties, self.plan
+        start, placeholders, empties, plan = self.start, self.placeholders, self.empties, self.states.plan
         self.start = self.placeholders = self.empties = 0  # once: the next epoch starts at its beginning
-        self.noted.clear()
+        self.states.noted.clear()
         self.last = -1
         for _ in range(placeholders):
             yield _Placeholder()
         for _ in range(empties):
             yield _Empty()
         for b, batch in self._batches(self.order(self.epoch), start):
-            state = plan.pop(b, None)
-            if state is not None:
-                rng.restore(state)
-            if self.watch and not b % self.every:
-                self.noted.append((b, cpu_rng()))
+            self.states.making(b, plan)
             self.last = b
             yield batch
 
@@ -210,11 +205,8 @@ class _Collate:
         self.inner = inner
         self.stamp = False
         self.made = 0                               # batches made in this pass (main process)
-        self.plan: Dict[int, Dict[str, Any]] = {}   # batch -> random state to put back before collating it
-        self.watch = False                          # note the random state before a step's first batch
-        self.every = 1                              # (see PositionedBatchSampler)
+        self.states = MadeStates()                  # made in the main process (see PositionedBatchSampler)
         self.stream: Any = None                     # a stream with state_dict(): noted after each batch
-        self.noted: Deque[Tuple[int, Dict[str, Any]]] = collections.deque(maxlen=4)
         self.stream_noted: Deque[Tuple[int, Any]] = collections.deque(maxlen=4)
 
     def __call__(self, items: Any) -> Any:
@@ -224,25 +216,19 @@ class _Collate:
                 return Skipped()
             batch = self.inner(items)
             if self.stamp and isinstance(batch, Mapping):
-                made = cpu_rng()
-                made["torch_cpu"] = made["torch_cpu"].numpy().tobytes()  # bytes: no shared-memory tensor
-                batch[STAMP] = _Stamp(info.id, made)  # type: ignore[index]
+                batch[STAMP] = _Stamp(info.id, sendable(cpu_rng()))  # type: ignore[index]
             return batch
         b = self.made
         self.made += 1
-        state = self.plan.pop(b, None)
-        if state is not None:
-            rng.restore(state)
-        if self.watch and not b % self.every:
-            self.noted.append((b, cpu_rng()))
+        self.states.making(b)
         batch = self.inner(items)
-        if self.stream is not None and not (b + 1) % self.every:
+        if self.stream is not None and not (b + 1) % self.states.every:
             self.stream_noted.append((b + 1, self.stream.state_dict()))  # the stream before batch b + 1
         return batch
 
     def new_pass(self) -> None:
         self.made = 0
-        self.noted.clear()
+        self.states.noted.clear()
         self.stream_noted.clear()
 
 
@@ -273,17 +259,17 @@ class Replay:
         self.init = _WorkerInit(base.worker_init_fn)
         # a save lands between steps, when the next step's first batch may be fetched already: only a
         # step's first batch needs its random state noted (once per optimizer step, tens of microseconds)
-        self.collate.every = max(1, int(accumulation))
+        self.collate.states.every = max(1, int(accumulation))
         if sampler is not None:
-            sampler.every = self.collate.every
+            sampler.states.every = self.collate.states.every
         base.collate_fn = self.collate
         if self.workers:
             base.worker_init_fn = self.init
             self.collate.stamp = True
         elif sampler is not None:
-            sampler.watch = True
+            sampler.states.watch = True
         else:
-            self.collate.watch = True
+            self.collate.states.watch = True
             self.collate.stream = base.dataset if stateful_stream else None
         self.iter_rng: Optional[torch.Tensor] = None        # torch's state before the epoch's iterator
         self.worker_states: Dict[int, Dict[str, Any]] = {}  # worker -> state after its last trained batch
@@ -308,7 +294,7 @@ class Replay:
                 self.worker_states = {}
             elif self.carry:
                 self.carry = False
-                self.init.states = {w: _tensor_state(s) for w, s in self.worker_states.items()}
+                self.init.states = {w: received(s) for w, s in self.worker_states.items()}
                 self.keep_rng = torch.get_rng_state()  # the uninterrupted run creates no iterator here
             self.collate.new_pass()
             self.feed = self._filter(it)
@@ -329,16 +315,16 @@ class Replay:
     def capture(self, trained: int) -> Dict[str, Any]:
         """What a resume at batch ``trained`` of this pass needs, beyond the step's own random state."""
         out: Dict[str, Any] = {}
-        if self.sampler is not None and self.sampler.watch:
-            out["ahead"] = [[b, s] for b, s in self.sampler.noted if b >= trained]
+        if self.sampler is not None and self.sampler.states.watch:
+            out["ahead"] = self.sampler.states.ahead_of(trained)
             self.deep_ahead = self.deep_ahead or self.sampler.last > trained
-        elif self.collate.watch:
-            out["ahead"] = [[b, s] for b, s in self.collate.noted if b >= trained]
+        elif self.collate.states.watch:
+            out["ahead"] = self.collate.states.ahead_of(trained)
             self.deep_ahead = self.deep_ahead or self.collate.made - 1 > trained
         if self.workers:
             out["iter_rng"] = self.iter_rng
         if self.workers and self.collate.stamp:
-            out["workers"] = {str(w): _tensor_state(s) for w, s in sorted(self.worker_states.items())}
+            out["workers"] = {str(w): received(s) for w, s in sorted(self.worker_states.items())}
         if self.collate.stream is not None:
             before = [s for b, s in self.collate.stream_noted if b == trained]
             out["stream"] = before[-1] if before else None
@@ -353,10 +339,10 @@ class Replay:
         if step_rng is not None and not self.workers:
             plan[trained + len(plan)] = dict(step_rng)  # the first batch not fetched before the save
             in_plan = True
-        if self.sampler is not None and self.sampler.watch:
-            self.sampler.plan = plan
-        elif self.collate.watch:
-            self.collate.plan = plan
+        if self.sampler is not None and self.sampler.states.watch:
+            self.sampler.states.plan = plan
+        elif self.collate.states.watch:
+            self.collate.states.plan = plan
         else:
             in_plan = False
         if self.workers and saved.get("iter_rng") is not None:
@@ -386,23 +372,16 @@ class Replay:
 
     def plan_pending(self) -> bool:
         """Part of a resume plan has not run (the pass ended before that batch)."""
-        holder = self.sampler if self.sampler is not None and self.sampler.watch else self.collate
-        return bool(holder.plan)
+        holder = self.sampler if self.sampler is not None and self.sampler.states.watch else self.collate
+        return bool(holder.states.plan)
 
     def settled(self) -> None:
         """The resumed pass's first fetch is done: forget what is left of its plan; new workers start as
         seeded."""
         if self.sampler is not None:
-            self.sampler.plan = {}
-        self.collate.plan = {}
+            self.sampler.states.plan = {}
+        self.collate.states.plan = {}
         self.init.states = {}
-
-
-def _tensor_state(state: Dict[str, Any]) -> Dict[str, Any]:
-    out = dict(state)
-    if isinstance(out.get("torch_cpu"), bytes):
-        out["torch_cpu"] = torch.frombuffer(bytearray(out["torch_cpu"]), dtype=torch.uint8)
-    return out
 
 
 def base_loader(loader: Any) -> Any:

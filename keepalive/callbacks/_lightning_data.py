@@ -62,7 +62,7 @@ class _Replay(LoaderReplay):
         loader is positioned. ``resumed``: the first iteration of a resumed fit (its workers are new)."""
         loader = self.loader
         if self.mode == "stateful":
-            holder = self._stateful()
+            holder = self.stateful_source()
             self.start_state = None
             if not (start and start.get("state") is not None and holder is not None):
                 return ((b, samples_in(b, loader.batch_size)) for b in iter(loader))
@@ -71,39 +71,31 @@ class _Replay(LoaderReplay):
             batches = iter(loader)
             rng.restore(now)
             return ((b, samples_in(b, loader.batch_size)) for b in batches)
-        pos = self._positioned
+        pos = self.positioner
         if self.mode == "epoch" or pos is None:
             return ((b, samples_in(b, loader.batch_size)) for b in iter(loader))
-        resume = None
         at = (start or {}).get("at_iter") or {}
-        if start:
-            now = rng.capture()
-            self._load_start(start)
-            pos.skip = int(start["samples"] if pos.by_samples else start["batches"])
-            pos.first = int(start["batches"])
-            pos.on_positioned = lambda: rng.restore(now)
-            resume = {int(k): v for k, v in (start.get("workers") or {}).items()}
-        self.start_state = self._record()
+        # the random state of now is put back once the loader is positioned
+        resume = self.position_at(start) if start else None
+        start_state = self.record_start()
         # persistent workers: an epoch after the first resets the running iterator, which draws no
         # workers' base seed; the iterator a resume creates does: its draw is undone before the order's
         reset_before = bool(at.get("reset") if start else resumed) and self._persistent
         it, made = self._iter_now(pos, resume, rng.capture() if reset_before else None)
         if self._persistent:  # what the uninterrupted run's iter() did: reset the running iterator or not
-            self.start_state["reset"] = bool(reset_before) or made is self._running
+            start_state["reset"] = bool(reset_before) or made is self._running
             self._running = made
-        if not pos.used:  # e.g. a subclass whose __iter__ is a generator (it iterates after the stand-in left)
-            self.why_not = (f"{type(loader).__name__} does not iterate through its batch_sampler when iter() "
-                            "is called: checkpoints at epoch ends only")
-            self.mode = "epoch"
+        # e.g. a subclass whose __iter__ is a generator (it iterates after the stand-in left)
+        if not self.check_opened(" when iter() is called"):
             return ((b, samples_in(b, loader.batch_size)) for b in it)
         if loader.num_workers == 0:
             if at.get("rng_next") is not None:
                 # what drew from the global RNGs between the epoch's iter() and its first batch
                 # (the sampler's seed is drawn at the first batch)
                 rng.restore(at["rng_next"])
-                self.start_state["rng_next"] = at["rng_next"]
+                start_state["rng_next"] = at["rng_next"]
             elif not start:
-                self.start_state["rng_next"] = None  # taken at the first batch (_Feed)
+                start_state["rng_next"] = None  # taken at the first batch (_Feed)
         return self._batches(it)
 
     @property
@@ -116,40 +108,23 @@ class _Replay(LoaderReplay):
         the positioning stand-in, put back right after (the iterator keeps it). ``state``: the random
         state the index sampler starts from (put back when the iterator asks for its indices:
         persistent workers)."""
-        loader = self.loader
-        if loader.num_workers > 0:
+        if self.loader.num_workers > 0:
             # the replay's own iter(), which also puts in the dataset stand-in noting the workers' random
             # states; it fetches the first batch too, which with workers draws nothing in this process
             # (the order and the workers' seeds are drawn inside iter() with workers)
-            index: Any = _StartsFrom(pos, state) if state is not None else pos
-            made = self._iter_with(index, resume)
-            if isinstance(index, _StartsFrom):
+            index = _StartsFrom(pos, state) if state is not None else None
+            made, first = self.open(resume, index)
+            if index is not None:
                 index.state = None
-            if isinstance(made, tuple):  # (the iterator, its first batch)
-                return itertools.chain(made[1], made[0]), made[0]
-            return made, made
+            return itertools.chain(first, made), made
         # no workers: the first batch is fetched when Lightning asks for it (hooks run in between may
         # draw random numbers, and the sampler draws its seed at the first batch)
-        attr = "batch_sampler" if loader.batch_sampler is not None else "sampler"
-        original = getattr(loader, attr)
-        pos.used = False
-        pos.serial += 1
-        pos.tagging = False
-        object.__setattr__(loader, attr, pos)
-        try:
-            it = iter(loader)
-            return it, it
-        finally:
-            object.__setattr__(loader, attr, original)
+        it, _ = self.open(first=False)
+        return it, it
 
     def _batches(self, it: Iterator[Any]) -> Iterator[Tuple[Any, int]]:
-        pos = self._positioned
-        assert pos is not None
         for batch in it:
-            if not pos.generated:  # a subclass yields more batches than its batch sampler gives
-                yield self._unpositioned(batch)
-                continue
-            yield batch, pos.generated.popleft()
+            yield self.counted(batch)
 
 
 class _StartsFrom:

@@ -33,20 +33,20 @@ Worker processes: the order and the workers' base seed replay exactly. Random dr
 (augmentation) do not after a mid-epoch resume: PyTorch seeds each worker once per epoch, and which
 worker fetched how many batches before the saved one is not replayed. keepalive notices draws in
 workers (:meth:`LoaderReplay.workers_draw`) so that the adapter can say so at the first mid-epoch
-save.
+save; from then on each batch a worker fetches carries the random state it starts from
+(:class:`keepalive.callbacks.replay.WorkerStates`, shared with the fastai adapter), and a mid-epoch
+checkpoint keeps those of the next ``num_workers`` batches.
+
+The steps of an iteration are public (:meth:`LoaderReplay.position_at`, :meth:`~LoaderReplay.open`,
+:meth:`~LoaderReplay.counted`, ...) for an adapter that creates the iterator itself (Lightning's).
 """
 from __future__ import annotations
 
 import collections
 import copy
 import itertools
-import os
-import pickle
 import random
-import shutil
 import sys
-import tempfile
-import time
 import weakref
 from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Tuple
 
@@ -55,6 +55,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, get_worker_info
 
 from .. import rng
+from .replay import WorkerStates
 from .torchstate import FABRIC_MODULES, RandomState
 
 __all__ = ["LoaderReplay", "ForeignIterators", "DatasetKeys", "batch_len", "samples_in"]
@@ -66,11 +67,8 @@ _KNOWN_SAMPLERS = frozenset({
     "torch.utils.data.sampler.BatchSampler", "torch.utils.data.distributed.DistributedSampler",
 })
 _PROBE_BATCHES = 3
-#: worker random states kept per worker (the main process reads those of the next batches to fetch,
-#: which a worker with prefetched batches may have passed by prefetch_factor batches)
-_KEPT_PER_WORKER = 6
-#: how long a mid-epoch save waits for a worker to start a batch whose random state it needs
-_STATE_WAIT_S = 5.0
+#: the flag a loader's workers leave once a fetch drew random numbers (augmentation in workers)
+_DRAWS = "draws"
 
 
 def _qualname(obj: Any) -> str:
@@ -211,19 +209,16 @@ class _WorkerDraws:
 
     It fetches exactly what the user's dataset fetches. Around each fetch it compares the worker's
     global random states: once a fetch draws random numbers (augmentation in workers), it notes so
-    (a flag file) and from then on writes, before each fetch, the worker's random state for that
-    batch into a folder; a mid-epoch checkpoint saves the states of the next ``num_workers``
-    batches. A resumed iteration gives them back: worker ``w`` fetches batch ``b + w`` first (the
-    assignment is round-robin) and starts it from the state the uninterrupted run's worker had, so
-    the rest of the epoch draws what it drew then."""
+    (a flag) and from then on notes, before each fetch, the worker's random state for that batch
+    (:class:`keepalive.callbacks.replay.WorkerStates`, which also gives a resumed iteration's first
+    batches the states the uninterrupted run's workers had)."""
 
-    def __init__(self, dataset: Any, folder: str, resume: Optional[Dict[int, Any]] = None):
+    def __init__(self, dataset: Any, states: WorkerStates):
         object.__setattr__(self, "dataset", dataset)
-        object.__setattr__(self, "_folder", folder)
-        object.__setattr__(self, "_resume", dict(resume or {}))
+        object.__setattr__(self, "_states", states)
 
     def __getattr__(self, name: str) -> Any:  # worker_init_fn / collate code reading the dataset
-        if name in ("dataset", "_folder", "_resume"):
+        if name in ("dataset", "_states"):
             raise AttributeError(name)
         return getattr(self.dataset, name)
 
@@ -249,33 +244,14 @@ class _WorkerDraws:
         if tag is None or info is None:
             return fetch()
         serial, number = tag
-        saved = self._resume.pop(number, None)
-        if saved is not None:
-            _set_plain_state(saved)
-        drawing = os.path.exists(os.path.join(self._folder, "draws"))
-        before = _full_state()
-        path = os.path.join(self._folder, f"{serial}-{number}")
-        if drawing:
-            self._write(path, before, serial, number, info.num_workers)
+        states = self._states
+        drawing = states.marked(_DRAWS)
+        before = states.start(serial, number, info.num_workers, _full_state, note=drawing)
         out = fetch()
         if not drawing and not _same_state(before, _full_state()):
-            self._write(path, before, serial, number, info.num_workers)
-            try:
-                open(os.path.join(self._folder, "draws"), "a").close()
-            except OSError:
-                pass
+            states.note(serial, number, info.num_workers, before)
+            states.mark(_DRAWS)
         return out
-
-    def _write(self, path: str, state: Any, serial: int, number: int, workers: int) -> None:
-        try:
-            with open(path + ".tmp", "wb") as f:
-                pickle.dump(state, f, protocol=pickle.HIGHEST_PROTOCOL)
-            os.replace(path + ".tmp", path)
-            old = number - workers * _KEPT_PER_WORKER
-            if old >= 0:
-                os.unlink(os.path.join(self._folder, f"{serial}-{old}"))
-        except OSError:
-            pass
 
 
 def _same_state(a: Tuple[bytes, Any, Any], b: Tuple[bytes, Any, Any]) -> bool:
@@ -307,14 +283,14 @@ class LoaderReplay:
                 "drop_last=True, for an exact resume")
         self.start_state: Optional[Dict[str, Any]] = None  # recorded at the running iteration's iter()
         self._positioned: Optional[_Positioned] = None
-        self._folder: Optional[str] = None  # the workers' random states (workers > 0)
+        self._states: Optional[WorkerStates] = None  # the workers' random states (workers > 0)
         if self.mode == "replay":
             index_sampler = _index_sampler(loader, self.base)
             self._positioned = _Positioned(index_sampler)
             self._positioned.by_samples = type(index_sampler) is BatchSampler
             # a wrapper around the DataLoader (Accelerate's) fetches ahead: note from the first batch
             self._positioned.noting = self.base is not loader
-            self.why_not = self._probe()
+            self.why_not = _probe(self.loader, index_sampler, self._samplers())
             if self.why_not:
                 self.mode, self._positioned = "epoch", None
 
@@ -333,7 +309,9 @@ class LoaderReplay:
         return self._positioned is not None and self._positioned.by_samples
 
     # ------------------------------------------------------------------------------ what it is
-    def _stateful(self) -> Optional[Any]:
+    def stateful_source(self) -> Optional[Any]:
+        """What saves and restores this loader's position through ``state_dict()`` /
+        ``load_state_dict()`` (``"stateful"`` mode): the loader, or its dataset; else None."""
         # Accelerate's wrappers have state_dict() whatever they wrap; only a StatefulDataLoader's works
         if callable(getattr(self.loader, "state_dict", None)) and \
                 callable(getattr(self.loader, "load_state_dict", None)) and \
@@ -346,7 +324,7 @@ class LoaderReplay:
         return None
 
     def _mode(self) -> str:
-        holder = self._stateful()
+        holder = self.stateful_source()
         if holder is not None:
             if _buffered_shuffle(holder):
                 self.inexact = (f"{type(holder).__name__} shuffles with a buffer that its state_dict() does "
@@ -425,40 +403,6 @@ class LoaderReplay:
                     gens[f"{path}.{attr}"] = value
         return gens
 
-    def _probe(self) -> str:
-        """'' when the order replays from the recorded states, else why not. Known samplers pass;
-        another one generates its first batches twice, on deep copies (the dataset shared, not
-        copied), from the same states."""
-        samplers = self._samplers()
-        if all(_qualname(s) in _KNOWN_SAMPLERS for _, s in samplers):
-            return ""
-        index_sampler = _index_sampler(self.loader, self.base)
-        name = type(next(s for _, s in samplers if _qualname(s) not in _KNOWN_SAMPLERS)).__name__
-        saved = rng.capture()
-        memo_base = {id(self.loader.dataset): self.loader.dataset}
-        firsts, mutated = [], False
-        try:
-            for _ in range(2):
-                rng.restore(saved)
-                twin = copy.deepcopy(index_sampler, dict(memo_base))
-                before = _chain_attrs(twin, ints=False)
-                firsts.append([_as_list(b) for b in itertools.islice(iter(twin), _PROBE_BATCHES)])
-                mutated = mutated or _chain_attrs(twin, ints=False) != before
-        except Exception as e:  # a sampler that cannot be copied: cannot be checked either
-            return (f"sampler {name} cannot be copied to check that its order replays ({type(e).__name__}: "
-                    f"{e}); checkpoints at epoch ends only")
-        finally:
-            rng.restore(saved)
-        if firsts[0] != firsts[1]:
-            return (f"sampler {name} gives another order from the same random state (it draws from a "
-                    "source keepalive cannot save: a time, os.urandom, an unregistered generator); a "
-                    "resumed epoch would see other batches: checkpoints at epoch ends only")
-        if mutated and not callable(getattr(index_sampler, "state_dict", None)):
-            return (f"sampler {name} changes its own attributes when iterated, which keepalive cannot "
-                    "restore: give it state_dict()/load_state_dict(); until then checkpoints at epoch "
-                    "ends only")
-        return ""
-
     # ---------------------------------------------------------------------------- iteration
     def iterate(self, start: Optional[Dict[str, Any]] = None,
                 on_positioned: Optional[Callable[[], None]] = None) -> Iterator[Tuple[Any, int]]:
@@ -473,38 +417,22 @@ class LoaderReplay:
                 yield batch, samples_in(batch, self.loader.batch_size)
             return
         pos = self._positioned
-        resume = None
-        if start:
-            # The positioning draws (the workers' base seed, the sampler's seed) come from the states
-            # of the epoch's iter(); then the random state of now is put back (and, for the first
-            # pass of a resumed epoch, the saved step's: on_positioned)
-            now = rng.capture()
-            self._load_start(start)
-            scale = self.dispatch.base_batches if self.dispatch is not None else 1
-            samples_scale = self.dispatch.base_samples if self.dispatch is not None else 1
-            pos.skip = int(start["samples"]) * samples_scale if pos.by_samples else int(start["batches"]) * scale
-            pos.first = int(start["batches"]) * scale
-            pos.on_positioned = lambda: _then(rng.restore, now, on_positioned)
-            resume = {int(k): v for k, v in (start.get("workers") or {}).items()}
-            pos.ahead = list(start.get("ahead") or [])
-        self.start_state = self._record()
-        it, first = self._iter_with(pos, resume)
+        resume = self.position_at(start, on_positioned) if start else None
+        self.record_start()
+        it, first = self.open(resume)
         if self.dispatch is not None and not self.dispatch.reads and pos.on_positioned is not None:
             # a rank that reads nothing (rank 0 sends it its part) never runs its index sampler, where
             # the positioning hook runs: it is positioned once its first batch has come
             hook, pos.on_positioned = pos.on_positioned, None
             pos.skip, pos.first, pos.ahead = 0, 0, []
             hook()
-        if not pos.used:
-            self.why_not = (f"{type(self.loader).__name__} does not iterate through its batch_sampler: "
-                            "checkpoints at epoch ends only")
-            self.mode = "epoch"
+        self.check_opened()
         for batch in itertools.chain(first, _ours(it)):
             if self.dispatch is not None:
                 yield self._dispatched(pos, batch)
                 continue
             if not pos.generated:
-                yield self._unpositioned(batch)
+                yield self.unpositioned(batch)
                 continue
             pos.last_noted = pos.noted.popleft()
             if len(pos.generated) > 1:  # a batch made ahead of this one: note states from now on
@@ -524,7 +452,7 @@ class LoaderReplay:
                 pos.noting = True
         return batch, samples_in(batch, self.loader.batch_size)
 
-    def _unpositioned(self, batch: Any) -> Tuple[Any, int]:
+    def unpositioned(self, batch: Any) -> Tuple[Any, int]:
         """A batch that no batch of indices stands for: a subclass yields more batches than its batch
         sampler gives, so this loader cannot be positioned (from now on: epoch ends)."""
         self.mode, self.why_not = "epoch", (
@@ -532,9 +460,50 @@ class LoaderReplay:
             "than its batch sampler's, which keepalive cannot position: checkpoints at epoch ends only")
         return batch, samples_in(batch, self.loader.batch_size)
 
-    def _iter_with(self, pos: _Positioned, resume: Optional[Dict[int, Any]]) -> Tuple[Iterator[Any], List[Any]]:
-        """``iter(loader)`` and its first batch (a subclass whose ``__iter__`` is a generator creates
-        the real iterator at the first ``next()``), with the stand-ins in place."""
+    # ------------------------------------------------- the steps of an iteration (public for adapters)
+    @property
+    def positioner(self) -> Optional[Any]:
+        """The stand-in for the loader's index sampler that positions an iteration (None: this loader
+        is not replayed)."""
+        return self._positioned
+
+    def position_at(self, start: Dict[str, Any], on_positioned: Optional[Callable[[], None]] = None
+                    ) -> Dict[int, Any]:
+        """Make the next :meth:`open` continue from ``start`` (a saved :meth:`position`); returns the
+        workers' saved random states by batch number, for :meth:`open`.
+
+        The states the epoch's ``iter()`` drew from are put back now, so that the positioning draws
+        (the workers' base seed, the sampler's seed) are the same; once the loader is positioned the
+        random state of now is put back, then ``on_positioned`` runs (for the first pass of a resumed
+        epoch: the saved step's state)."""
+        pos = self._positioned
+        assert pos is not None
+        now = rng.capture()
+        self._load_start(start)
+        scale = self.dispatch.base_batches if self.dispatch is not None else 1
+        samples_scale = self.dispatch.base_samples if self.dispatch is not None else 1
+        pos.skip = int(start["samples"]) * samples_scale if pos.by_samples else int(start["batches"]) * scale
+        pos.first = int(start["batches"]) * scale
+        pos.on_positioned = lambda: _then(rng.restore, now, on_positioned)
+        pos.ahead = list(start.get("ahead") or [])
+        return {int(k): v for k, v in (start.get("workers") or {}).items()}
+
+    def record_start(self) -> Dict[str, Any]:
+        """Note the states the iteration about to be opened starts from (:attr:`start_state`, saved
+        with a mid-epoch checkpoint)."""
+        self.start_state = self._record()
+        return self.start_state
+
+    def open(self, resume: Optional[Dict[int, Any]] = None, index: Optional[Any] = None,
+             first: bool = True) -> Tuple[Iterator[Any], List[Any]]:
+        """``iter(loader)`` with keepalive's stand-ins in place, put back right after (the iterator
+        keeps them): ``index`` (default :attr:`positioner`, or a wrapper around it) for the index
+        sampler and, with workers, the dataset noting their random states (``resume``: those of a
+        resumed iteration's first batches, from :meth:`position_at`). Returns the iterator and, with
+        ``first``, its first batch (a subclass whose ``__iter__`` is a generator creates the real
+        iterator at the first ``next()``)."""
+        pos = self._positioned
+        assert pos is not None
         loader = self.base  # iter(self.loader) below: a wrapper iterates this one
         attr = "batch_sampler" if loader.batch_sampler is not None else "sampler"
         original = getattr(loader, attr)
@@ -543,23 +512,42 @@ class LoaderReplay:
         pos.used = False
         pos.serial += 1
         pos.tagging = workers
-        object.__setattr__(loader, attr, pos)
+        object.__setattr__(loader, attr, pos if index is None else index)
         try:
             if workers:
-                if self._folder is None:
-                    shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-                    self._folder = tempfile.mkdtemp(prefix="keepalive-workers-", dir=shm)
-                object.__setattr__(loader, "dataset", _WorkerDraws(dataset, self._folder, resume))
+                if self._states is None:
+                    self._states = WorkerStates.create("keepalive-workers-")
+                object.__setattr__(loader, "dataset",
+                                   _WorkerDraws(dataset, self._states.resuming(resume, _set_plain_state)))
             it = iter(self.loader)
-            return it, list(itertools.islice(_ours(it), 1))
+            return it, list(itertools.islice(_ours(it), 1)) if first else []
         finally:
             object.__setattr__(loader, attr, original)
             if workers:
                 object.__setattr__(loader, "dataset", dataset)
 
+    def check_opened(self, when: str = "") -> bool:
+        """Whether the iterator :meth:`open` made went through the positioning stand-in; if it did not
+        (a subclass whose ``__iter__`` iterates after the stand-in left), this loader cannot be
+        positioned: checkpoints at epoch ends only (``when``: said after "batch_sampler")."""
+        if self._positioned is not None and self._positioned.used:
+            return True
+        self.why_not = (f"{type(self.loader).__name__} does not iterate through its batch_sampler{when}: "
+                        "checkpoints at epoch ends only")
+        self.mode = "epoch"
+        return False
+
+    def counted(self, batch: Any) -> Tuple[Any, int]:
+        """``(batch, samples in it)`` for a batch the opened iterator yields, counted by the batch of
+        indices made for it (none: see :meth:`unpositioned`)."""
+        pos = self._positioned
+        if pos is None or not pos.generated:  # a subclass yields more batches than its batch sampler gives
+            return self.unpositioned(batch)
+        return batch, pos.generated.popleft()
+
     def _iterate_stateful(self, start: Optional[Dict[str, Any]],
                           on_positioned: Optional[Callable[[], None]]) -> Iterator[Tuple[Any, int]]:
-        holder = self._stateful()
+        holder = self.stateful_source()
         if start and start.get("state") is not None and holder is not None:
             holder.load_state_dict(start["state"])
         self.start_state = None
@@ -613,7 +601,7 @@ class LoaderReplay:
     def position(self, samples: int, batches: int) -> Dict[str, Any]:
         """What a mid-epoch checkpoint saves of this loader after ``batches`` batches (``samples``)."""
         if self.mode == "stateful":
-            holder = self._stateful()
+            holder = self.stateful_source()
             return {"samples": samples, "batches": batches,
                     "state": holder.state_dict() if holder is not None else None}
         out: Dict[str, Any] = {"samples": samples, "batches": batches, "at_iter": self.start_state}
@@ -634,37 +622,56 @@ class LoaderReplay:
 
     def workers_draw(self) -> bool:
         """A worker of this loader drew random numbers while fetching (augmentation in workers)."""
-        return self._folder is not None and os.path.exists(os.path.join(self._folder, "draws"))
+        return self._states is not None and self._states.marked(_DRAWS)
 
     def _worker_states(self, batches: int) -> Optional[Dict[str, Any]]:
         """The random states the workers start the next ``num_workers`` batches from (None: one is
         missing, the resume will not replay the workers' draws)."""
-        assert self._folder is not None and self._positioned is not None
+        assert self._states is not None and self._positioned is not None
         try:
             total = len(self._positioned)
         except TypeError:
             total = batches + self.loader.num_workers
-        wanted = range(batches, min(batches + self.loader.num_workers, total))
-        serial = self._positioned.serial
-        out: Dict[str, Any] = {}
-        deadline = time.monotonic() + _STATE_WAIT_S
-        for n in wanted:
-            path = os.path.join(self._folder, f"{serial}-{n}")
-            while True:  # a worker writes it when it starts that batch: it has it queued
-                try:
-                    with open(path, "rb") as f:  # written by this loader's own worker, never a checkpoint
-                        out[str(n)] = _plain_state(pickle.load(f))
-                    break
-                except OSError:
-                    if time.monotonic() > deadline:
-                        return None
-                    time.sleep(0.002)
-        return out
+        return self._states.look_ahead(self._positioned.serial, batches, self.loader.num_workers, total,
+                                       _plain_state)
 
     def close(self) -> None:
-        if self._folder is not None:
-            shutil.rmtree(self._folder, ignore_errors=True)
-            self._folder = None
+        if self._states is not None:
+            self._states.remove()
+            self._states = None
+
+
+def _probe(loader: Any, index_sampler: Any, samplers: List[Tuple[str, Any]]) -> str:
+    """'' when the order of ``loader`` (its ``samplers``, by path) replays from the recorded states,
+    else why not. Known samplers pass; another one generates its first batches twice, on deep copies
+    of ``index_sampler`` (the dataset shared, not copied), from the same states."""
+    if all(_qualname(s) in _KNOWN_SAMPLERS for _, s in samplers):
+        return ""
+    name = type(next(s for _, s in samplers if _qualname(s) not in _KNOWN_SAMPLERS)).__name__
+    saved = rng.capture()
+    memo_base = {id(loader.dataset): loader.dataset}
+    firsts, mutated = [], False
+    try:
+        for _ in range(2):
+            rng.restore(saved)
+            twin = copy.deepcopy(index_sampler, dict(memo_base))
+            before = _chain_attrs(twin, ints=False)
+            firsts.append([_as_list(b) for b in itertools.islice(iter(twin), _PROBE_BATCHES)])
+            mutated = mutated or _chain_attrs(twin, ints=False) != before
+    except Exception as e:  # a sampler that cannot be copied: cannot be checked either
+        return (f"sampler {name} cannot be copied to check that its order replays ({type(e).__name__}: "
+                f"{e}); checkpoints at epoch ends only")
+    finally:
+        rng.restore(saved)
+    if firsts[0] != firsts[1]:
+        return (f"sampler {name} gives another order from the same random state (it draws from a "
+                "source keepalive cannot save: a time, os.urandom, an unregistered generator); a "
+                "resumed epoch would see other batches: checkpoints at epoch ends only")
+    if mutated and not callable(getattr(index_sampler, "state_dict", None)):
+        return (f"sampler {name} changes its own attributes when iterated, which keepalive cannot "
+                "restore: give it state_dict()/load_state_dict(); until then checkpoints at epoch "
+                "ends only")
+    return ""
 
 
 class _Dispatch:
