@@ -37,6 +37,11 @@ true batch index in a resumed epoch.
 
 Interrupts: Ctrl-C / "Interrupt kernel" and SIGTERM inside the loop finish the current step, save, and
 then raise ``KeyboardInterrupt`` / exit; a second one acts at once.
+
+``DriveCheckpoint`` is a facade over its parts, each in its own module: the registered objects and
+their restore (``_torch_objects``), the training data's position and random state (``_torch_data``),
+the batch loops (``_torch_passes``), the epoch loop (``_torch_epochs``, which tells a ``break`` from an
+interruption with ``_torch_break``).
 """
 from __future__ import annotations
 
@@ -65,11 +70,6 @@ class DriveCheckpoint(CheckpointAdapter):
         model, optimizer, scheduler, scaler: objects (or lists / dicts of them) to save and restore.
         **objects: more objects with ``state_dict()`` / ``load_state_dict()`` or private random
             generators, saved under their names (keyword arguments that are not options).
-
-    Its parts, each in its own module: the registered objects and their restore
-    (:mod:`~keepalive.callbacks._torch_objects`), the training data's position and random state
-    (:mod:`~keepalive.callbacks._torch_data`), the batch loops (:mod:`~keepalive.callbacks._torch_passes`)
-    and the epoch loop (:mod:`~keepalive.callbacks._torch_epochs`).
     """
 
     def __init__(self, path: Union[str, "os.PathLike[str]", None] = None, *, model: Any = None,
