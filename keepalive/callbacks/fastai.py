@@ -39,13 +39,18 @@ before anything changes. How: while attached, a wrapper stands in front of ``Lea
 that learner, so skipped fits and epochs reach no callback and saves run after every other callback.
 Every fastai internal this relies on is listed in :mod:`keepalive.callbacks._compat_fastai` and checked
 when the callback is created: a fastai version without one is refused then, in one line.
+
+Parts: the event routing and boundaries are here; which fit of the run a fit call is,
+:mod:`keepalive.callbacks._fastai_fits` (its plan rules: :mod:`keepalive.plan`); a checkpoint put into
+the running fit, :mod:`keepalive.callbacks._fastai_resume`; what a checkpoint holds,
+:mod:`keepalive.callbacks._fastai_capture`.
 """
 from __future__ import annotations
 
 import contextlib
 import os
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, List, Optional, Tuple, Union
 
 from fastai.callback.core import Callback, CancelFitException
 from fastai.callback.schedule import LRFinder
@@ -61,12 +66,12 @@ from ..statetree import Captured, StateTree
 from . import _compat_fastai as fc
 from . import _fastai_data as data
 from . import _fastai_state as state
+from ._fastai_capture import fit_tree
 from ._fastai_fits import At, FitState, RunFits, ValidSplit
 from ._fastai_resume import restore_in_fit, resume_epoch
 
 __all__ = ["DriveCheckpoint"]
 
-FORMAT = 2  # 2: the run's fits are recorded ("fits"); 1 numbered them by process
 #: said when a save during the validation is refused because a callback changed the state before it
 PAUSE_HINT = ("To have it saved at once during the validation, change the state (a learning rate, a weight, an "
               "EMA, the freeze state) in a callback's after_epoch or before_train, not in after_train or "
@@ -388,37 +393,8 @@ class DriveCheckpoint(RunViews, Callback):  # RunViews: no epoch / step (a callb
 
     # ---------------------------------------------------------------------------------- capture
     def _state_tree(self, learn: Learner, st: FitState, kind: str, at: Optional[At] = None) -> Captured:
-        """``at``: where the boundary the capture was made for left the fit (else read from the learner)."""
-        objects = state.capture_objects(learn)
-        train_iter, pct_train = int(getattr(learn, "train_iter", 0)), float(getattr(learn, "pct_train", 0.0))
-        if at is not None:
-            epoch, batch, train_iter, pct_train = at.epoch, at.batch, at.train_iter, at.pct_train
-        elif kind == "step":
-            epoch, batch = learn.epoch, learn.iter + 1
-        elif kind == "epoch":
-            epoch, batch = learn.epoch + 1, 0
-        else:
-            epoch, batch = st.epochs_done, 0
-        fa: Dict[str, Any] = {
-            "format": FORMAT,
-            "fits": self._runfits.log.upto(st.index),
-            "position": {"fit": st.index, "phase": st.phase, "done": kind == "fit", "epoch": epoch,
-                         "batch": batch, "n_epoch": int(learn.n_epoch), "n_iter": st.n_iter,
-                         "train_iter": train_iter, "pct_train": pct_train},
-            **state.capture_callbacks(learn),
-        }
-        if at is not None and at.dl_rngs is not None:
-            fa["dl_rngs"] = at.dl_rngs
-        if kind == "step":
-            fa["epoch_start"] = st.epoch_start
-            workers = data.worker_states(st.dl, batch, st.n_iter)
-            if workers is None:
-                self.core.warn("a DataLoader worker did not start the batches after this checkpoint's in "
-                               f"{data.STATE_WAIT_S:.0f} s: a resume from it replays the order, but not the "
-                               "random draws (augmentation) in workers", key="fastai-worker-states")
-            elif workers:
-                fa["workers"] = workers
-        return {"objects": objects, "fastai": fa}
+        """The running fit's checkpoint (:func:`._fastai_capture.fit_tree`)."""
+        return fit_tree(self.core, self._runfits.log, learn, st, kind, at)
 
     def save(self, *, sync: bool = False) -> None:
         """Save now (only at an epoch boundary or inside a running fit's step boundary is it exact)."""

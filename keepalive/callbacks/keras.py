@@ -54,6 +54,10 @@ Put it anywhere in ``callbacks=[...]`` (it saves after all other callbacks' epoc
 ``model.stop_training`` (check ``ckpt.stopped``). Not restorable: ``keepalive.callbacks._keras_state``.
 The Keras internals this relies on are listed in ``keepalive.callbacks._compat_keras`` and checked when
 the callback is created: a Keras version without one is refused then, in one line.
+
+Parts: the hooks here say when; which stage a fit is and where it begins is
+``keepalive.callbacks._keras_stages`` (its plan rules: :mod:`keepalive.plan`), the fit's input
+``keepalive.callbacks._keras_input``, what is captured and restored ``keepalive.callbacks._keras_state``.
 """
 from __future__ import annotations
 
