@@ -270,3 +270,22 @@ def watch_new_csv(trainer: Any) -> None:
             with writer._fs.open(writer.metrics_file_path, "r", newline="") as f:
                 rows = sum(1 for _ in csv.DictReader(f))
         watch_csv(writer, rows)
+
+
+# ------------------------------------------------------------------------ put back at the resume
+def pending_state(own: Dict[str, Any]) -> Dict[str, Any]:
+    """What of a rank's saved accumulators (``own``) waits for the moment training continues."""
+    return {"results": own.get("results") or [], "metrics": own.get("metrics") or {},
+            "trainer_metrics": own.get("trainer_metrics")}
+
+
+def restore_pending(trainer: Any, pending: Dict[str, Any], mid_epoch: bool) -> None:
+    """Right before training continues: the trainer's last metrics, torchmetrics states and, inside an
+    epoch, the epoch's ``self.log`` accumulators."""
+    restore_trainer_metrics(trainer, pending["trainer_metrics"])
+    restore_metrics(trainer.lightning_module, pending["metrics"])
+    if mid_epoch:
+        restore_results(trainer.fit_loop.epoch_loop._results, pending["results"], trainer.strategy.reduce)
+        # as in the run that saved: past the epoch's first batch, so the module's next self.log
+        # adds to the accumulators instead of starting them over
+        trainer._logger_connector._first_loop_iter = False

@@ -62,10 +62,8 @@ callback is created: a Lightning without one is refused then, in one line, never
 from __future__ import annotations
 
 import os
-import sys
-import warnings
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Tuple, Type, Union
+from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 try:  # the unified package first; the classic namespace is the same code
     import lightning.pytorch as pl
@@ -75,23 +73,20 @@ except ImportError:  # pragma: no cover - depends on what is installed
 from ..adapter import CheckpointAdapter
 from ..config import CheckpointConfig
 from ..core import Checkpointer
-from ..errors import StateMismatchError
 from ..statetree import Captured, StateTree
 from . import _compat_lightning as lc
 from . import _lightning_data as data
+from . import _lightning_fit as fit
+from . import _lightning_messages as lmsg
 from . import _lightning_state as lstate
-from .torchstate import check_module, gate_steps, state_summary
+from ._lightning_attach import LoopEvents, StandIns, attach
+from ._lightning_messages import PAUSE_HINT
+from ._lightning_validation import OWN, ValidationPhase
+from .torchstate import gate_steps, state_summary
 
 __all__ = ["DriveCheckpoint"]
 
 FORMAT = 1
-#: the end of the one line that says a save during a validation had to wait (the state had changed)
-PAUSE_HINT = ("To have it saved at once during a validation, change the training state (an EMA, a scheduler, "
-              "a callback's counters) in on_train_batch_end or on_validation_end, not in on_validation_start / "
-              "on_validation_epoch_start or during the validation")
-#: the key of the data part (which the core keeps per rank: :data:`keepalive.distributed.PER_RANK`) under
-#: which a rank's own accumulators travel
-OWN = "rank_state"
 
 
 class DriveCheckpoint(CheckpointAdapter, pl.Callback):
@@ -115,19 +110,13 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
         # without Lightning's closure, at that step's start (_settle_at_plain_step)
         self.core.step_gate.settle_at_step_start = False
         self._trainer_ref: Optional["weakref.ReferenceType[Any]"] = None
-        self._restore: List[Tuple[Any, str, Any]] = []  # (object, attribute, what was there)
+        self._stand_ins = StandIns()  # in front of the trainer's loop methods, for one fit
         self.data = data.TrainData(lambda msg, key: self.core.warn(msg, key=key))  # this fit's training loaders
         self.why_not: Optional[str] = None      # why the training data cannot be positioned
         self._pending: Optional[Dict[str, Any]] = None  # restored right before training continues
-        #: while a validation of the fit runs: the state it started from (what a save during it holds)
-        self._validation: Optional[Dict[str, Any]] = None
-        self._validation_over = False           # its end hooks ran: the loop moves on from here
-        self._counted_before_validation = False  # the batch's boundary was made before its validation
-        self._resumed_in_validation = False     # this fit resumed from a save made during a validation
+        self._validation = ValidationPhase()  # the fit's validations: the state a save during one holds
         self._gated: "weakref.WeakSet[Any]" = weakref.WeakSet()  # optimizers whose steps the guard waits for
         self._dropped_descriptive = False
-        #: during a validation whose hooks swap averaged weights into the model (see on_validation_start)
-        self._weights_swapped = False
 
     def __repr__(self) -> str:
         return f"DriveCheckpoint({self.core.url!r})"
@@ -150,11 +139,7 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         if self.core.resumed_from is not None and getattr(trainer, "ckpt_path", None):
-            self.core.warn(
-                f"fit(ckpt_path={trainer.ckpt_path!r}) replaced the run's newest checkpoint "
-                f"({self.core.resumed_from.name}) with that file: training continues from it, as Lightning "
-                "restores it (no RNG, data position or epoch accumulators). Leave ckpt_path out to let "
-                "DriveCheckpoint resume.", key="ckpt_path")
+            lmsg.tell_ckpt_path(self.core, trainer.ckpt_path, self.core.resumed_from.name)
             self._pending = None
             self.data.forget_resume()
             c = self.core.counters
@@ -179,47 +164,34 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
         self.core.settle_snapshot()
 
     # ------------------------------------------------------------------- validation of the fit
-    # Lightning validates inside the epoch loop's on_advance_end, after the training batch is done but
-    # before that batch's boundary (and before its plateau schedulers and logger counters move): the
-    # batch's boundary is made at the validation's start instead, and a save during the validation
-    # holds that state, with the validation loop's progress as Lightning writes it for a validation that
-    # was interrupted: a resume runs the validation again, from its first batch, then goes on.
-    def _before_validation(self, trainer: Any) -> None:
-        """The validation loop of the fit is about to run (before it builds its loader's iterator, which
-        draws a random seed): the training batch's boundary, and the state a save during it holds."""
-        self._validation = {
-            "val_progress": trainer.fit_loop.epoch_loop.val_loop.batch_progress.state_dict(),
-            # what the validation's logging changes (copied now: a save during it holds the start's)
-            OWN: {"metrics": lstate.copy_tensors(lstate.capture_metrics(trainer.lightning_module)),
-                  "trainer_metrics": lstate.capture_trainer_metrics(trainer)},
-            "loggers": lstate.capture_csv(trainer)}
-        self._validation_over = False
-        self._step_boundary(trainer, before_validation=True)
+    # (see keepalive.callbacks._lightning_validation: a batch's boundary is made at its validation's start)
+    def _validation_begins(self, trainer: Any) -> bool:
+        """The epoch loop's validation is about to run; True: skip it (the deadline's stop, saved)."""
+        if not trainer.sanity_checking and self._fitting(trainer):
+            # before it builds its loader's iterator, which draws a random seed: the training batch's
+            # boundary, and the state a save during it holds
+            self._validation.begin(trainer)
+            self._step_boundary(trainer, before_validation=True)
+            if self.core.stopped:
+                return True  # no validation first
+        # a validation may swap the weights in place through .data, which moves no version counter
+        # (WeightAveraging / EMAWeightAveraging evaluate the average that way): a lazy snapshot's
+        # copy is done and checked before its first hook
+        self.core.settle_snapshot()
+        return False
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
-        if self._validation is not None and not trainer.sanity_checking:
-            # from the next hook on, a weight-averaging callback evaluates the average swapped into the
-            # model's parameters through .data (no version counter moves): no save until it swapped back
-            self._weights_swapped = any(isinstance(cb, _WEIGHT_SWAPPERS) for cb in trainer.callbacks)
-        if self._resumed_in_validation and not trainer.sanity_checking and self._fitting(trainer):
-            # the interrupted validation's batch Lightning counted as started: not started after all
-            self._resumed_in_validation = False
-            total = trainer.fit_loop.epoch_loop.val_loop.batch_progress.total
-            total.ready = total.started = total.processed
+        self._validation.started(trainer, self._fitting(trainer))
 
     def on_validation_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int,
                                 dataloader_idx: int = 0) -> None:
-        if self._validation is not None and not trainer.sanity_checking:
+        if self._validation.running and not trainer.sanity_checking:
             # a signal, a notice or the deadline that came during the validation is saved now (the
             # core makes no such save with several processes: a save is a collective)
             self.core.active(self.capture)
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
-        if self._validation is not None and not trainer.sanity_checking:
-            # its end hooks (EarlyStopping, ModelCheckpoint, the module's) move the state on: no save
-            # between steps until the next boundary
-            self._validation_over = True
-            self._weights_swapped = False
+        self._validation.ended(trainer)
 
     def _fitting(self, trainer: Any) -> bool:
         """A validation of this callback's fit (not ``trainer.validate()``)."""
@@ -233,7 +205,7 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
             self._end(trainer)
 
     def _end(self, trainer: Any) -> None:
-        self._detach()
+        self._stand_ins.put_back()
         self.data.close()
         self.core.uninstall_signal_handlers()
         self.core.close()  # waits for the write in flight, releases the writer lease
@@ -243,7 +215,7 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
         core = self.core
         core.new_fit()
         self._pending = None
-        tree = core.load(describe=self._describe, check=lambda t: self._check_fits(t, pl_module))
+        tree = core.load(describe=fit.describe, check=lambda t: fit.check_fits(t, pl_module, self._where()))
         if tree is None:
             lstate.watch_new_csv(trainer)
             return
@@ -258,18 +230,7 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
             raise RuntimeError("DriveCheckpoint: no fit is running")
         lt = tree["lightning"]
         saved = tree.get("data") or {}
-        if core.counters["batch"] and "loaders" not in saved:
-            # a mid-epoch checkpoint of an older keepalive, which rebuilt the loader on its own order
-            # (and had Lightning save that loader's state, which your loader cannot take)
-            lt["checkpoint"].get("loops", {}).get("fit_loop", {}).get("state_dict", {}).pop("combined_loader", None)
-            core.warn(f"this checkpoint was written by an older keepalive, whose data order differs: epoch "
-                      f"{core.counters['epoch']} restarts from its first batch (its first {core.counters['batch']} "
-                      "batches are trained again).", key="old-position")
-            self.data.resume_at(None, None)
-        elif core.counters["batch"]:
-            self.data.resume_at(saved["loaders"], None)
-        else:
-            self.data.resume_at(None, saved.get("generators"))
+        fit.position_data(core, self.data, lt, saved)
         # Lightning's own restore takes it from here: _restore_modules_and_callbacks (model,
         # datamodule, callbacks) and restore_training_state (precision, loops, optimizers, schedulers)
         # read the checkpoint the connector holds when no ckpt_path is given.
@@ -277,29 +238,15 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
         # the CSV logs go on in the run's version, as they stood at the checkpoint
         lstate.restore_csv(trainer, lt.get("loggers") or [], lambda msg, key: core.warn(msg, key=key))
         lstate.watch_new_csv(trainer)  # those the checkpoint has no entry for (an older keepalive's)
-        self._resumed_in_validation = bool(lt.get("in_validation"))
+        self._validation.resumed_in = bool(lt.get("in_validation"))
         own = saved.get(OWN) or lt  # this rank's (an older checkpoint kept them with the replicated state)
-        self._pending = {"rng": tree.get("rng"), "results": own.get("results") or [],
-                         "metrics": own.get("metrics") or {}, "trainer_metrics": own.get("trainer_metrics")}
+        self._pending = {"rng": tree.get("rng"), **lstate.pending_state(own)}
         if lt.get("finished"):
-            if lt.get("should_stop"):
-                trainer.should_stop = True  # it ended early (EarlyStopping): no more epochs now
-            max_epochs = trainer.max_epochs if trainer.max_epochs not in (None, -1) else None
-            if lt.get("should_stop") or (max_epochs is not None and core.counters["epoch"] >= max_epochs):
-                core.already_complete(max_epochs)
+            fit.finished_fit(core, trainer, lt)
 
-    def _check_fits(self, tree: StateTree, pl_module: Any) -> None:
-        lt = tree.get("lightning")
-        where = self.core.resumed_from.url if self.core.resumed_from is not None else self.core.url
-        if not isinstance(lt, dict) or "checkpoint" not in lt:
-            raise StateMismatchError(f"checkpoint {where} was not written by the Lightning DriveCheckpoint "
-                                     f"(framework {tree.get('keepalive', {}).get('framework')!r}); use "
-                                     "another run (path or run=)")
-        check_module("model", pl_module, lt["checkpoint"].get("state_dict", {}), where)
-
-    def _describe(self, tree: StateTree) -> str:
-        c = tree.get("counters")
-        return f"inside epoch {c['epoch']} after batch {c['batch']}" if c and c["batch"] else ""
+    def _where(self) -> str:
+        """The checkpoint being loaded (for a line that refuses it)."""
+        return self.core.resumed_from.url if self.core.resumed_from is not None else self.core.url
 
     def _restore_pending(self, trainer: Any) -> None:
         """Right before training continues (the first epoch start of a resumed fit, where the run
@@ -307,98 +254,27 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
         p, self._pending = self._pending, None
         if p is None:
             return
-        lstate.restore_trainer_metrics(trainer, p["trainer_metrics"])
-        lstate.restore_metrics(trainer.lightning_module, p["metrics"])
-        if self.core.counters["batch"]:
-            lstate.restore_results(trainer.fit_loop.epoch_loop._results, p["results"], trainer.strategy.reduce)
-            # as in the run that saved: past the epoch's first batch, so the module's next self.log
-            # adds to the accumulators instead of starting them over
-            trainer._logger_connector._first_loop_iter = False
+        lstate.restore_pending(trainer, p, mid_epoch=bool(self.core.counters["batch"]))
         if p["rng"]:
             self.core.restore_rng({"rng": p["rng"]})
 
-    # ---------------------------------------------------------------------------- loop wrappers
+    # ---------------------------------------------------------------------------- loop stand-ins
     def _attach(self, trainer: Any) -> None:
-        """Stand in front of three loop methods and the training data source's loader method of this
-        trainer (its instances only, until the fit ends): the boundaries where a save is exact. The
-        names are those of the inventory (``_compat_lightning``), checked when the callback was made."""
-        self._detach()
-        fit_loop = trainer.fit_loop
-        epoch_loop = fit_loop.epoch_loop
-        sigterm = _sigterm_exception()
+        """Stand in front of the trainer's loop methods for this fit (see :mod:`._lightning_attach`): the
+        boundaries where a save is exact."""
+        self._stand_ins.put_back()
 
-        def epoch_start(*a: Any, **k: Any) -> Any:
+        def epoch_start() -> None:
             self._restore_pending(trainer)
             self.core.start_epoch()
-            return orig_start(*a, **k)
 
-        def epoch_end(*a: Any, **k: Any) -> Any:
-            try:
-                result = orig_end(*a, **k)
-            except sigterm:
-                self._epoch_boundary(trainer)
-                raise
-            self._epoch_boundary(trainer)
-            return result
-
-        def batch_end(*a: Any, **k: Any) -> Any:
-            try:
-                result = orig_batch_end(*a, **k)
-            except sigterm:
-                self._step_boundary(trainer)
-                raise
-            self._step_boundary(trainer)
-            return result
-
-        def epoch_reset(*a: Any, **k: Any) -> Any:
-            if self.why_not is not None:
-                return orig_reset(*a, **k)
-            with warnings.catch_warnings():  # keepalive positions the loaders: they are resumable
-                warnings.filterwarnings("ignore", message=lc.NOT_RESUMABLE_WARNING)
-                return orig_reset(*a, **k)
-
-        orig_start = self._wrap(fit_loop, lc.EPOCH_START, epoch_start)
-        orig_reset = self._wrap(epoch_loop, lc.EPOCH_RESET, epoch_reset)
-        orig_end = self._wrap(fit_loop, lc.EPOCH_END, epoch_end)
-        orig_batch_end = self._wrap(epoch_loop, lc.BATCH_END, batch_end)
-
-        def validation_run(*a: Any, **k: Any) -> Any:
-            if not trainer.sanity_checking and self._fitting(trainer):
-                self._before_validation(trainer)
-                if self.core.stopped:
-                    return []  # the deadline's stop, saved at this boundary: no validation first
-            # a validation may swap the weights in place through .data, which moves no version counter
-            # (WeightAveraging / EMAWeightAveraging evaluate the average that way): a lazy snapshot's
-            # copy is done and checked before its first hook
-            self.core.settle_snapshot()
-            return orig_validation_run(*a, **k)
-
-        # the epoch loop's validation (inside the epoch or at its end): its start is the batch's boundary
-        orig_validation_run = self._wrap(epoch_loop.val_loop, "run", validation_run)
-        if callable(getattr(fit_loop, lc.LOAD_LOADER_STATES, None)):
-            orig_load = getattr(fit_loop, lc.LOAD_LOADER_STATES)
-
-            def load_loader_states(*a: Any, **k: Any) -> Any:
-                self._install(trainer)  # the training loaders are final; Lightning calls iter() next
-                return orig_load(*a, **k)
-
-            self._wrap(fit_loop, lc.LOAD_LOADER_STATES, load_loader_states)
-        else:
+        events = LoopEvents(epoch_start=epoch_start, epoch_end=lambda: self._epoch_boundary(trainer),
+                            batch_end=lambda: self._step_boundary(trainer),
+                            validation_begins=lambda: self._validation_begins(trainer),
+                            loaders_ready=lambda: self._install(trainer),  # Lightning calls iter() next
+                            positioned=lambda: self.why_not is None)
+        if not attach(trainer, self._stand_ins, events):
             self.why_not = f"Lightning {pl.__version__} builds its training data in an unknown way"
-
-    def _wrap(self, obj: Any, name: str, fn: Callable[..., Any]) -> Any:
-        original = getattr(obj, name)
-        self._restore.append((obj, name, obj.__dict__.get(name, _ABSENT)))
-        setattr(obj, name, fn)
-        return original
-
-    def _detach(self) -> None:
-        for obj, name, before in reversed(self._restore):
-            if before is _ABSENT:
-                obj.__dict__.pop(name, None)
-            else:
-                setattr(obj, name, before)
-        self._restore = []
 
     def _install(self, trainer: Any) -> None:
         """The fit loop's training loaders are built: iterate them through :class:`data.TrainData`,
@@ -428,13 +304,13 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
     # -------------------------------------------------------------------------------- boundaries
     def _step_boundary(self, trainer: Any, before_validation: bool = False) -> None:
         """After a training batch and its logging; before its validation, if it has one (called then
-        by :meth:`_before_validation`; the call after the validation makes no second boundary)."""
-        core = self.core
-        if not before_validation and self._counted_before_validation:
-            self._counted_before_validation = False
-            self._validation, self._validation_over = None, False
+        by :meth:`_validation_begins`; the call after the validation makes no second boundary)."""
+        core, validation = self.core, self._validation
+        if not before_validation and validation.counted_before:
+            validation.counted_before = False
+            validation.clear()
             return
-        self._counted_before_validation = before_validation
+        validation.counted_before = before_validation
         epoch_loop = trainer.fit_loop.epoch_loop
         steps = int(trainer.global_step) - core.counters["step"]
         if trainer.lightning_module.automatic_optimization:
@@ -451,41 +327,22 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
         decision = core.advance(self.capture, steps=max(steps, 0), batch=int(bp.current.completed),
                                 samples=self._batch_samples(trainer), can_save=can_save, pending=pending)
         if decision.stop:
-            self._stop(trainer)
+            fit.stop(trainer, self._stand_ins)
 
     def _epoch_boundary(self, trainer: Any) -> None:
         """After an epoch: its validation, epoch-end hooks, epoch schedulers and epoch metrics done."""
-        self._counted_before_validation = self._validation_over = False
-        self._validation = None
+        self._validation.counted_before = False
+        self._validation.clear()
         # a resume at the epoch's last batch (saved during its validation) fetches no batch in that
         # epoch: its position must not apply to the next epoch's pass
         self.data.forget_resume()
         if self.core.stopped:
             return  # the checkpoint of the deadline stop is the run's; this partial epoch's end is not
         core = self.core
-        decision = core.end_epoch(self.capture, last=self._is_last_epoch(trainer),
+        decision = core.end_epoch(self.capture, last=fit.is_last_epoch(trainer),
                                   epoch=int(trainer.current_epoch))
         if decision.stop:
-            self._stop(trainer)
-
-    def _is_last_epoch(self, trainer: Any) -> bool:
-        fit_loop = trainer.fit_loop
-        max_epochs, max_steps = fit_loop.max_epochs, fit_loop.max_steps
-        if max_epochs not in (None, -1) and fit_loop.epoch_progress.current.processed >= max_epochs:
-            return True
-        if max_steps not in (None, -1) and trainer.global_step >= max_steps:
-            return True
-        return bool(trainer.should_stop and fit_loop._can_stop_early)
-
-    def _stop(self, trainer: Any) -> None:
-        """The deadline: the state is saved; end the fit cleanly now (no validation first). The
-        settings changed for that are put back when the fit ends."""
-        trainer.should_stop = True
-        # a stop Lightning would refuse before min_epochs / min_steps, and a validation before it stops
-        for obj, name, value in ((trainer.fit_loop, "min_epochs", 0), (trainer.fit_loop.epoch_loop, "min_steps", None),
-                                 (trainer, "limit_val_batches", 0)):
-            self._restore.append((obj, name, obj.__dict__.get(name, _ABSENT)))
-            setattr(obj, name, value)
+            fit.stop(trainer, self._stand_ins)
 
     def _batch_samples(self, trainer: Any) -> int:
         return self.data.take_samples()
@@ -503,9 +360,9 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
         callbacks = tuple(state_summary(cb) for cb in trainer.callbacks if cb is not self)
         objects = (int(trainer.global_step), epoch_loop._batches_that_stepped, schedulers, callbacks,
                    _progress(epoch_loop.batch_progress), _progress(trainer.fit_loop.epoch_progress),
-                   self._weights_swapped)
+                   self._validation.weights_swapped)
         streams = tuple((i, s.batches, s.samples) for i, s in sorted(self.data.streams.items()))
-        return objects, (streams, self.data.samples_out, self._validation is not None, self._validation_over,
+        return objects, (streams, self.data.samples_out, self._validation.running, self._validation.over,
                          bool(trainer.should_stop))
 
     # ----------------------------------------------------------------------------------- capture
@@ -515,40 +372,26 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
             raise RuntimeError("DriveCheckpoint: no fit is running")
         ckpt = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         ckpt = lstate.storable_checkpoint(ckpt, self._say_once)
-        validation = self._validation
-        if validation is not None:  # at or during a validation of the fit: the state it started from
-            ckpt = lstate.validation_again(ckpt, validation["val_progress"])
+        validation = self._validation  # at or during a validation of the fit: the state it started from
         lt: Dict[str, Any] = {
-            "format": FORMAT, "version": pl.__version__, "checkpoint": ckpt,
+            "format": FORMAT, "version": pl.__version__, "checkpoint": validation.checkpoint(ckpt),
             "finished": bool(self.core.finished), "should_stop": bool(trainer.should_stop),
-            "loggers": validation["loggers"] if validation is not None else lstate.capture_csv(trainer),
-            "in_validation": validation is not None}
+            "loggers": validation.loggers(trainer), "in_validation": validation.running}
         # what each rank accumulates itself (the epoch's self.log values before their sync, torchmetrics
         # states, the last logged values): with the data position, in the part the core keeps per rank
-        own: Dict[str, Any] = dict(validation[OWN]) if validation is not None else {
-            "metrics": lstate.capture_metrics(trainer.lightning_module),
-            "trainer_metrics": lstate.capture_trainer_metrics(trainer)}
+        own = validation.own(trainer)
         saved: Dict[str, Any] = {"positioned": self.why_not is None, OWN: own}
         if self.core.counters["batch"]:
             own["results"] = lstate.capture_results(trainer.fit_loop.epoch_loop._results)
             saved["loaders"] = positions = self.data.positions()  # where each training loader's pass is
             workers = self.data.workers_untold(positions)
             if workers is not None:
-                self.core.warn(
-                    f"the training loader's {workers} worker(s) draw random numbers (augmentation in the "
-                    "dataset), and keepalive could not take their random state for this checkpoint (a "
-                    "worker that did not start the next batch in time): a resume from it replays the data "
-                    "order exactly, but not the workers' draws for the rest of that epoch.", key="worker-draws")
+                lmsg.tell_worker_draws(self.core, workers)
         else:
             saved["generators"] = self.data.generators_now()  # where the next epoch's order starts
         persistent = self.data.persistent_draws()
         if persistent is not None:
-            self.core.warn(
-                f"the training loader's {persistent} persistent worker(s) (persistent_workers=True) draw random "
-                "numbers (augmentation in the dataset): a resume starts new workers, which do not continue the "
-                "random streams of the ones they replace, so the augmentation after a resume differs from an "
-                "uninterrupted run (the data order and the main process's draws are exact). "
-                "persistent_workers=False resumes bit-exactly.", key="persistent-worker-draws")
+            lmsg.tell_persistent_draws(self.core, persistent)
         return {"lightning": lt, "data": saved}
 
     def _say_once(self, message: str, key: str) -> None:
@@ -564,12 +407,6 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
         if self.trainer is None:
             raise RuntimeError("DriveCheckpoint.save() works while a fit runs (e.g. from a callback)")
         super().save(sync=sync)
-
-
-_ABSENT = object()
-#: callbacks that swap other weights into the model for a validation (through .data): the state during
-#: the validation is not the last step's, whatever its version counters say
-_WEIGHT_SWAPPERS = tuple(c for c in (getattr(pl.callbacks, "WeightAveraging", None),) if c is not None)
 
 
 def _progress(progress: Any) -> Any:
@@ -614,16 +451,3 @@ def _settle_at_plain_step(core: Checkpointer) -> Callable[..., None]:
             target.settle_snapshot()
 
     return hook
-
-
-def _sigterm_exception() -> Tuple[Type[BaseException], ...]:
-    """Lightning's SIGTERMException classes (both namespaces, when installed)."""
-    found: List[Type[BaseException]] = []
-    for module in ("lightning.pytorch.utilities.exceptions", "pytorch_lightning.utilities.exceptions"):
-        if module.split(".")[0] not in sys.modules:  # never import a namespace the user does not use
-            continue
-        try:
-            found.append(__import__(module, fromlist=["SIGTERMException"]).SIGTERMException)
-        except (ImportError, AttributeError):
-            pass
-    return tuple(found)
