@@ -56,6 +56,8 @@ log = logging.getLogger("keepalive")
 
 Decision = bd.Decision
 
+#: the checkpointers alive in this process (the registry is the save's: a new one on a run takes the
+#: writer lease over from one whose loop is over)
 _ACTIVE = ALIVE
 #: per run URL, the plans of the fits (stages) this process trained to their end, in order: a new
 #: callback on the path of a fit this process just finished starts the next stage, not a resume
