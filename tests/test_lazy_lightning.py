@@ -306,7 +306,7 @@ def test_weights_swapped_for_the_validation_are_not_in_the_lazy_copy(tmp_path, m
         return settle()
 
     def settle_except_before_validation() -> None:
-        if sys._getframe(1).f_code.co_name != "validation_run":
+        if sys._getframe(1).f_code.co_name != "_validation_begins":
             settle_snapshot()
 
     core.advance, writer.settle = cloning_advance, releasing_settle  # type: ignore[method-assign]
