@@ -50,7 +50,9 @@ FRAMEWORKS = {
                                                                   "_hf_position.py", "_hf_resume.py",
                                                                   "_hf_messages.py")),
     "lightning": ("keepalive.callbacks._compat_lightning", ("lightning.py", "_lightning_state.py",
-                                                            "_lightning_data.py")),
+                                                            "_lightning_data.py", "_lightning_attach.py",
+                                                            "_lightning_fit.py", "_lightning_validation.py",
+                                                            "_lightning_messages.py")),
 }
 #: the framework module to import first (skip the framework's tests where it is not installed)
 _NEEDS = {"keras": "keras", "fastai": "fastai", "transformers": "transformers", "lightning": "lightning.pytorch"}

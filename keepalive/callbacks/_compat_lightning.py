@@ -53,6 +53,7 @@ _METRIC, _META, _SYNC = f"{_RESULT}:_ResultMetric", f"{_RESULT}:_Metadata", f"{_
 _COMBINED = f"{_PL}.utilities.combined_loader"
 _CSV = f"{_FABRIC}.loggers.csv_logs"
 _L, _S, _D = "lightning.py", "_lightning_state.py", "_lightning_data.py"
+_LA, _LF = "_lightning_attach.py", "_lightning_fit.py"
 
 
 def _closure_then_hook() -> bool:
@@ -69,24 +70,25 @@ def _closure_then_hook() -> bool:
 #: the internals, as a table: name, what the adapter does with it, where, the check
 INTERNALS = (
     Internal(f"_FitLoop.{EPOCH_START}", "replaced on the trainer's fit loop for one fit: the RNGs and "
-             "accumulators of a resume go back right before the epoch continues", f"{_L}: DriveCheckpoint._attach",
+             "accumulators of a resume go back right before the epoch continues", f"{_LA}: attach",
              has(_FIT_LOOP, EPOCH_START), token="EPOCH_START"),
     Internal(f"_FitLoop.{EPOCH_END}", "replaced on the trainer's fit loop for one fit: the epoch-end "
-             "checkpoint", f"{_L}: DriveCheckpoint._attach", has(_FIT_LOOP, EPOCH_END), token="EPOCH_END"),
+             "checkpoint", f"{_LA}: attach", has(_FIT_LOOP, EPOCH_END), token="EPOCH_END"),
     Internal(f"_TrainingEpochLoop.{BATCH_END}", "replaced on the trainer's epoch loop for one fit: the "
-             "checkpoint between two batches", f"{_L}: DriveCheckpoint._attach", has(_EPOCH_LOOP, BATCH_END),
+             "checkpoint between two batches", f"{_LA}: attach", has(_EPOCH_LOOP, BATCH_END),
              token="BATCH_END"),
     Internal(f"_TrainingEpochLoop.{EPOCH_RESET}", "replaced on the trainer's epoch loop for one fit: its "
              "warning that a mid-epoch resume's loader is not resumable is silenced (keepalive positions it)",
-             f"{_L}: DriveCheckpoint._attach", has(_EPOCH_LOOP, EPOCH_RESET), token="EPOCH_RESET"),
+             f"{_LA}: attach", has(_EPOCH_LOOP, EPOCH_RESET), token="EPOCH_RESET"),
     Internal(f"_FitLoop.{LOAD_LOADER_STATES}", "replaced on the trainer's fit loop for one fit: called once "
              "the training loaders are built, right before the loop calls iter() on them: keepalive's replay "
-             "is installed there", f"{_L}: DriveCheckpoint._attach", has(_FIT_LOOP, LOAD_LOADER_STATES),
+             "is installed there", f"{_LA}: attach", has(_FIT_LOOP, LOAD_LOADER_STATES),
              token="LOAD_LOADER_STATES"),
     Internal("_EvaluationLoop.run / batch_progress", "the fit's validation loop's run is wrapped for one fit: "
              "a training batch's boundary is made before it draws its loader's seed; a save during it writes "
              "its batch progress as an interrupted validation, which a resume runs again "
-             "(restarted_mid_evaluation)", f"{_L}: DriveCheckpoint._attach, {_S}: validation_again",
+             "(restarted_mid_evaluation)",
+             f"{_LA}: attach, _lightning_validation.py: ValidationPhase, {_S}: validation_again",
              has(f"{_PL}.loops.evaluation_loop:_EvaluationLoop", "run", "restarted_mid_evaluation"),
              token="val_loop"),
     Internal("_TrainingEpochLoop._batches_that_stepped", "part of the fingerprint a save during a "
@@ -125,25 +127,25 @@ INTERNALS = (
     Internal("_BatchProgress.is_last_batch", "no save after an epoch's last batch (its end comes next)",
              f"{_L}: DriveCheckpoint._step_boundary", has(f"{_PL}.loops.progress:_BatchProgress", "is_last_batch")),
     Internal("_TrainingEpochLoop.min_steps", "cleared at a deadline stop (a stop Lightning would refuse)",
-             f"{_L}: DriveCheckpoint._stop", uses(_EPOCH_LOOP, "min_steps"), token='"min_steps"'),
+             f"{_LF}: stop", uses(_EPOCH_LOOP, "min_steps"), token='"min_steps"'),
     Internal("_FitLoop.min_epochs", "cleared at a deadline stop (a stop Lightning would refuse)",
-             f"{_L}: DriveCheckpoint._stop", uses(_FIT_LOOP, "min_epochs"), token='"min_epochs"'),
+             f"{_LF}: stop", uses(_FIT_LOOP, "min_epochs"), token='"min_epochs"'),
     Internal("_FitLoop.epoch_progress", "the epochs done (is this the last epoch)",
              f"{_L}: DriveCheckpoint._is_last_epoch", uses(_FIT_LOOP, "epoch_progress")),
     Internal("_FitLoop.max_epochs / max_steps", "the fit's length (is this the last epoch)",
-             f"{_L}: DriveCheckpoint._is_last_epoch", uses(_FIT_LOOP, "max_epochs", "max_steps"),
+             f"{_LF}: is_last_epoch", uses(_FIT_LOOP, "max_epochs", "max_steps"),
              token="fit_loop.max_steps"),
     Internal("_FitLoop._can_stop_early", "whether a stop request ends the fit now",
-             f"{_L}: DriveCheckpoint._is_last_epoch", has(_FIT_LOOP, "_can_stop_early")),
+             f"{_LF}: is_last_epoch", has(_FIT_LOOP, "_can_stop_early")),
     Internal("_FitLoop._combined_loader", "the training loaders (checked, iterated through keepalive)",
              f"{_L}: DriveCheckpoint._install", uses(_FIT_LOOP, "_combined_loader")),
     Internal("lightning.pytorch.utilities.exceptions.SIGTERMException", "raised by the loop on SIGTERM: "
-             "the boundary is saved before it propagates", f"{_L}: _sigterm_exception",
+             "the boundary is saved before it propagates", f"{_LA}: _sigterm_exception",
              has(f"{_PL}.utilities.exceptions", "SIGTERMException"), token="SIGTERMException"),
     Internal("Trainer._logger_connector", "the trainer's metrics and the first-batch flag of self.log",
              f"{_S}: capture_trainer_metrics", uses(f"{_PL}:Trainer", "_logger_connector")),
     Internal("_LoggerConnector._first_loop_iter", "set after a mid-epoch resume: self.log adds to the "
-             "restored accumulators", f"{_L}: DriveCheckpoint._restore_pending", uses(_LOGGER, "_first_loop_iter")),
+             "restored accumulators", f"{_S}: restore_pending", uses(_LOGGER, "_first_loop_iter")),
     Internal("_ResultCollection.log(...)", "recreates the accumulators with the metadata self.log gives "
              f"them ({', '.join(_LOG_PARAMS)})", f"{_S}: restore_results",
              param(f"{_RESULT}:_ResultCollection.log", *_LOG_PARAMS), token="results.log("),
