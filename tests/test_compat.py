@@ -45,7 +45,7 @@ FRAMEWORKS = {
     "keras": ("keepalive.callbacks._compat_keras", ("keras.py", "_keras_state.py", "_keras_data.py",
                                                     "_keras_stages.py", "_keras_input.py")),
     "fastai": ("keepalive.callbacks._compat_fastai", ("fastai.py", "_fastai_state.py", "_fastai_data.py",
-                                                      "_fastai_fits.py", "_fastai_resume.py")),
+                                                      "_fastai_fits.py", "_fastai_resume.py", "_fastai_capture.py")),
     "transformers": ("keepalive.callbacks._compat_transformers", ("transformers.py", "_hf_data.py", "_hf_state.py",
                                                                   "_hf_position.py", "_hf_resume.py",
                                                                   "_hf_messages.py")),
