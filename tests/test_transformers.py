@@ -62,6 +62,20 @@ def _reference(tmp_path, model, mode="keepalive"):
     return _result(out)
 
 
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    """Uninterrupted plain-Trainer runs, one per model, computed once: the gpt2 one is shared by its
+    crash test and the side-by-side comparison with the Trainer's own resume."""
+    cache = {}
+
+    def get(model, mode="hf"):
+        if (model, mode) not in cache:
+            cache[model, mode] = _reference(tmp_path_factory.mktemp("ref"), model, mode)
+        return cache[model, mode]
+
+    return get
+
+
 def _assert_same(ref, got):
     (rw, rj), (gw, gj) = ref, got
     assert sorted(rw) == sorted(gw)
@@ -78,8 +92,8 @@ def _assert_same(ref, got):
     ("bert", 2, 16),
     pytest.param("lora", 2, 17, marks=pytest.mark.skipif(not HAVE_PEFT, reason="peft is not installed")),
 ])
-def test_sigkill_resume_is_bit_exact(tmp_path, model, kills, seed):
-    ref = _reference(tmp_path, model, mode="hf")  # a plain Trainer run: the callback changes nothing
+def test_sigkill_resume_is_bit_exact(tmp_path, references, model, kills, seed):
+    ref = references(model, mode="hf")  # a plain Trainer run: the callback changes nothing
     run, out = tmp_path / "run", tmp_path / "w.st"
     report = run_to_completion(_cmd(run, out, "--model", model, "--every", "3", "--sleep", "0.02"),
                                total_steps=TOTAL, kills=kills, rng=random.Random(seed), run_dir=str(run),
@@ -102,11 +116,11 @@ def _redone(report):
 
 
 @pytest.mark.slow
-def test_trainers_own_resume_side_by_side(tmp_path):
+def test_trainers_own_resume_side_by_side(tmp_path, references):
     """The same kills against ``save_steps=3`` + ``resume_from_checkpoint=True``: the figures of the
     README's comparison (printed with ``-s``). Its weights come out right here; its log history does not
     whenever a resume lands between two logging steps: the running loss sum is not in its checkpoint."""
-    ref = _reference(tmp_path, "gpt2", mode="hf")
+    ref = references("gpt2", mode="hf")
     run, out = tmp_path / "hfrun", tmp_path / "w.st"
     report = run_to_completion(_cmd(run, out, "--mode", "hf", "--every", "3", "--sleep", "0.02"),
                                total_steps=TOTAL, kills=3, rng=random.Random(15), env=ENV,
