@@ -38,11 +38,26 @@ def weights(path):
     return torch.load(path)
 
 
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    """keepalive's uninterrupted run of a shape (its weights file and output), made once: the
+    controls compare against the same runs as the shape's own test."""
+    made = {}
+
+    def get(shape: str):
+        if shape not in made:
+            d = tmp_path_factory.mktemp(f"ref-{shape}")
+            made[shape] = (d / "ref.pt", child(shape, d / "ref.pt", "--run", str(d / "ref")))
+        return made[shape]
+
+    return get
+
+
 @pytest.mark.parametrize("shape", SHAPES)
-def test_same_as_without_keepalive_and_exact_after_a_kill_mid_epoch(tmp_path, shape):
+def test_same_as_without_keepalive_and_exact_after_a_kill_mid_epoch(tmp_path, references, shape):
     child(shape, tmp_path / "plain.pt", "--plain")
-    ref_out = child(shape, tmp_path / "ref.pt", "--run", str(tmp_path / "ref"))
-    assert_same(weights(tmp_path / "plain.pt"), weights(tmp_path / "ref.pt"))  # transparent
+    ref, ref_out = references(shape)
+    assert_same(weights(tmp_path / "plain.pt"), weights(ref))  # transparent
     first = child(shape, tmp_path / "crash.pt", "--run", str(tmp_path / "crash"),
                   "--kill-after-steps", str(KILL_AFTER), killed=True)
     assert "COMMITTED 12" in first and "KILL" in first, first[-2000:]
@@ -50,21 +65,18 @@ def test_same_as_without_keepalive_and_exact_after_a_kill_mid_epoch(tmp_path, sh
     assert "resuming" in second and "step 12" in second, second[-2000:]
     for text in (ref_out, first, second):
         assert "epoch ends only" not in text and "not bit-exact" not in text, text[-2000:]
-    assert_same(weights(tmp_path / "ref.pt"), weights(tmp_path / "crash.pt"))
+    assert_same(weights(ref), weights(tmp_path / "crash.pt"))
 
 
-def test_controls_another_seed_and_no_replay_differ(tmp_path):
+def test_controls_another_seed_and_no_replay_differ(tmp_path, references):
     """The comparisons above can fail: a plain run with another seed differs from keepalive's, and
     resumed epochs whose loader starts from the saved step's state (not its iter()'s) differ, for
     the global generator (weighted) and a loader's generator= with 2 workers."""
-    child("weighted", tmp_path / "ref.pt", "--run", str(tmp_path / "ref"))
     child("weighted", tmp_path / "other.pt", "--plain", "--seed", "99")
-    assert_differs(weights(tmp_path / "ref.pt"), weights(tmp_path / "other.pt"))
+    assert_differs(weights(references("weighted")[0]), weights(tmp_path / "other.pt"))
     for shape in ("weighted", "generator"):
         run = str(tmp_path / f"ctl-{shape}")
-        if shape != "weighted":
-            child(shape, tmp_path / f"ref-{shape}.pt", "--run", str(tmp_path / f"ref-{shape}"))
-        ref = tmp_path / ("ref.pt" if shape == "weighted" else f"ref-{shape}.pt")
+        ref = references(shape)[0]
         child(shape, tmp_path / "ctl.pt", "--run", run, "--kill-after-steps", str(KILL_AFTER), killed=True)
         child(shape, tmp_path / "ctl.pt", "--run", run, "--control", "no-replay")
         assert_differs(weights(ref), weights(tmp_path / "ctl.pt"))
