@@ -204,6 +204,12 @@ class Checkpointer:
         return self.saver.path
 
     @property
+    def loaded_url(self) -> str:
+        """The checkpoint this run resumed from, else the run's folder: what a line refusing a
+        checkpoint names."""
+        return self.resumed_from.url if self.resumed_from is not None else self.url
+
+    @property
     def training_progress(self) -> Optional[_progress.TrainingProgress]:
         """The epoch progress bar (by the process that writes checkpoints; None with ``quiet``)."""
         if self._progress is False:

@@ -144,7 +144,7 @@ class RunFits:
             self.tree, self.loaded = None, True
             return None
         tree = core.load(describe=state.describe, check=lambda t: state.check_fits(
-            learn, t, core.resumed_from.url if core.resumed_from else core.url))
+            learn, t, core.loaded_url))
         self.tree = tree
         self.log.load(tree["fastai"] if tree is not None else None)
         self.loaded = True

@@ -232,7 +232,7 @@ class TorchObjects:
             self.core.warn(text, key=f"hparams:{name}")
 
     def _where(self) -> str:
-        return self.core.resumed_from.url if self.core.resumed_from is not None else self.core.url
+        return self.core.loaded_url
 
     def _current(self, tree: StateTree) -> Dict[str, Any]:
         """The registered objects the checkpoint's states belong to: a name registered again by a later

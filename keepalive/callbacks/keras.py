@@ -267,7 +267,7 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
         epochs = self._epochs() if epochs is None else epochs
         core, model = self.core, self.model
         objects = tree.get("objects", {})
-        kstate.load_variables(model, tree, core.resumed_from.url if core.resumed_from else "?")
+        kstate.load_variables(model, tree, core.loaded_url)
         saved = tree.get("keras", {}) or {}
         epoch = self._stages.done_in_fit()  # the epoch of this fit
         self._stages.plan_changed(model, epoch)

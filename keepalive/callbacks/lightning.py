@@ -246,7 +246,7 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
 
     def _where(self) -> str:
         """The checkpoint being loaded (for a line that refuses it)."""
-        return self.core.resumed_from.url if self.core.resumed_from is not None else self.core.url
+        return self.core.loaded_url
 
     def _restore_pending(self, trainer: Any) -> None:
         """Right before training continues (the first epoch start of a resumed fit, where the run

@@ -425,7 +425,7 @@ class DriveCheckpoint(CheckpointAdapter, TrainerCallback):
     def _check_fits(self, tree: StateTree) -> None:
         trainer = self._trainer
         assert trainer is not None
-        where = self.core.resumed_from.url if self.core.resumed_from else self.core.url
+        where = self.core.loaded_url
         hfstate.check_trainer_fits(trainer, tree, where)
         hfresume.check_position_fits(tree.get("data") or {}, where=where, world=int(trainer.args.world_size),
                                      now=self._position.shape(trainer.args), positionable=self._positionable,
