@@ -1,4 +1,4 @@
-"""The layers of ``keepalive/`` (README, "Architecture"), enforced by reading every module's imports.
+"""The layers of ``keepalive/`` (docs/architecture.md), enforced by reading every module's imports.
 
 A module may import only from its own layer or a lower one, not even lazily inside a function: that
 is what lets a newcomer read the tree bottom-up as the data flow, and what keeps the core free of
@@ -15,7 +15,7 @@ out of that check (they never run). A cycle is broken by moving the piece both s
 lower module, or by passing a value or a callable in, not by moving the import into a function.
 
 A module of a package takes the package's layer (``keepalive/session/clock.py`` is ``session``). A new
-module must be added to :data:`LAYERS` (and to the README's table).
+module must be added to :data:`LAYERS` (and to the layer table of docs/architecture.md).
 """
 from __future__ import annotations
 
