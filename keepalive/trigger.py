@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import numbers
+import threading
 import time
 from typing import Callable, Optional, Protocol, Union
 
@@ -109,6 +110,10 @@ class SaveTrigger:
         self.auto: Optional[AutoInterval] = AutoInterval(uptime_fn) if self.schedule.auto else None
         #: when the last save became durable (clock): tells a write that ended before its stall was timed
         self._durable_at: Optional[float] = None
+        # the writer's thread reports a durable write while the training's reports the save's stall:
+        # without one lock over both, a write that became durable between the stall's check and its
+        # record was lost, and every="auto" waited for it for ever (its line never said)
+        self._save_lock = threading.Lock()
         self.on_deadline = on_deadline
         self.min_margin = parse_duration(margin) if margin is not None else 30.0
         self._remaining_fn = remaining_fn
@@ -154,10 +159,11 @@ class SaveTrigger:
     def record_save(self, seconds: float) -> None:
         """The measured wall time of one save until it is durable (used for the margin). Called
         from the writer's thread."""
-        self.save_seconds = max(seconds, _ewma(self.save_seconds, seconds))
-        self._durable_at = self.clock()
-        if self.auto is not None:
-            self.auto.durable()
+        with self._save_lock:
+            self.save_seconds = max(seconds, _ewma(self.save_seconds, seconds))
+            self._durable_at = self.clock()
+            if self.auto is not None:
+                self.auto.durable()
 
     def take_news(self) -> Optional[str]:
         """A line the user should read once (the interval ``every="auto"`` chose), or None."""
@@ -170,10 +176,12 @@ class SaveTrigger:
     def record_stall(self, seconds: float) -> None:
         """The measured time one save kept the training waiting (the copy to host memory); its
         write goes on in the background."""
-        self.stall_seconds = _ewma(self.stall_seconds, seconds)
-        if self.auto is not None:
-            began = self.clock() - seconds
-            self.auto.stall(seconds, already_durable=self._durable_at is not None and self._durable_at >= began)
+        with self._save_lock:
+            self.stall_seconds = _ewma(self.stall_seconds, seconds)
+            if self.auto is not None:
+                began = self.clock() - seconds
+                durable = self._durable_at is not None and self._durable_at >= began
+                self.auto.stall(seconds, already_durable=durable)
 
     def saved(self) -> None:
         self._last_save_time = self.clock()

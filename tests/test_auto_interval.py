@@ -155,6 +155,48 @@ def test_a_write_that_is_durable_before_its_stall_is_timed_is_measured_too():
     assert t.auto_state()["write_seconds"] == pytest.approx(0.0)
 
 
+def _stall_with_the_write_reported_inside(t: SaveTrigger) -> None:
+    """The save's stall recorded while the writer's thread reports the write durable in the middle of
+    it (what a loaded machine's scheduler can do): the report is started inside ``auto.stall`` and
+    given half a second to get through before the stall goes on."""
+    import threading
+
+    inner = t.auto.stall
+    writer: List[threading.Thread] = []
+
+    def stall(seconds: float, already_durable: bool = False) -> None:
+        writer.append(threading.Thread(target=t.record_save, args=(1.0,)))
+        writer[0].start()
+        writer[0].join(0.5)
+        inner(seconds, already_durable=already_durable)
+
+    t.auto.stall = stall
+    t.record_stall(1.0)
+    writer[0].join(5)
+    t.saved()
+
+
+@pytest.mark.parametrize("lock", ["held", "control_no_lock"])
+def test_a_write_reported_durable_during_the_stalls_record_is_not_lost(lock):
+    import contextlib
+
+    clock = Clock()
+    t = SaveTrigger("auto", clock=clock, remaining_fn=lambda: None, uptime_fn=lambda: Uptime(HOURS, "test"))
+    if lock == "control_no_lock":
+        t._save_lock = contextlib.nullcontext()
+    for _ in range(5):
+        clock.now += 1.0
+        t.after_step()
+    _stall_with_the_write_reported_inside(t)
+    clock.now += 1.0
+    t.after_step()
+    news = t.take_news()
+    if lock == "held":
+        assert t.auto_state()["write_seconds"] is not None and news and "auto: every" in news
+    else:  # the report came while no window was open: lost, the interval's line never said
+        assert t.auto_state()["write_seconds"] is None and news is None
+
+
 def test_a_spot_vm_gives_a_shorter_interval_than_a_machine_of_ones_own(monkeypatch):
     from keepalive.session import cloud, platforms
 
