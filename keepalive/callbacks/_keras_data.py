@@ -69,7 +69,7 @@ import hashlib
 import inspect
 import random
 import sys
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import keras
 import numpy as np
@@ -361,10 +361,21 @@ def sample_batch(iterator: Any, data: Optional[ResumableData]) -> Any:
         if name == "GeneratorDataAdapter" and getattr(adapter, "_first_batches", None):
             return adapter._first_batches[0]  # Keras peeked at it already (and puts it back)
         if name == "PyDatasetAdapter":
-            return adapter.py_dataset[0]
+            return _peek(lambda: adapter.py_dataset[0])
     except Exception:  # noqa: BLE001 - an unknown layout: the caller says what that means
         return None
     return None
+
+
+def _peek(fetch: Callable[[], Any]) -> Any:
+    """What ``fetch`` returns, with every global random generator left as it was: a user's
+    ``__getitem__`` may augment with them (NumPy's, Python's, a backend's), and a batch keepalive looks
+    at must not change the training's draws."""
+    state = rng.capture()
+    try:
+        return fetch()
+    finally:
+        rng.restore(state)
 
 
 def inexact_input(iterator: Any, data: Optional[ResumableData]) -> Optional[str]:
