@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from crashkit import assert_differs, assert_same, run_to_completion
+from forkserver import ForkServer
 from keepalive.runs import position  # the words a resume line uses for a position
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "loop_train.py")
@@ -33,6 +34,19 @@ EPOCHS, SAMPLES, BATCH, ACC = 3, 80, 8, 3
 ITERS = SAMPLES // BATCH  # 10 batches per epoch: not a multiple of ACC
 
 pytestmark = pytest.mark.slow  # ~50 short training processes; for information, they all run
+
+#: the training processes are forked from a server that has imported torch (tests/forkserver.py):
+#: importing it was most of each short child's CPU time, some 50 times in this file
+FORKS: List[ForkServer] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fork_server():
+    FORKS.append(ForkServer(["torch", "torch._dynamo", "torch.utils.data"], dict(os.environ, PYTHONUNBUFFERED="1")))
+    try:
+        yield FORKS[0]
+    finally:
+        FORKS.pop().close()
 
 
 # ------------------------------------------------------------------------------------- helpers
@@ -61,9 +75,17 @@ class Training:
     def start(self, *extra: str, killed: bool = False, returncode: Optional[int] = None) -> str:
         """Run the script once; ``killed``: it must end by the SIGKILL it was told to send itself;
         ``returncode``: it must end with this one."""
-        proc = subprocess.run([*self.base, *extra], capture_output=True, text=True, env=self.env,
-                              timeout=240)
-        output = proc.stdout + proc.stderr
+        if returncode is not None or not FORKS:
+            # an exit status that is the point (an uncaught KeyboardInterrupt ends a real interpreter
+            # by SIGINT, after its exit handlers; a fork cannot end that way): a fresh interpreter
+            proc = subprocess.run([*self.base, *extra], capture_output=True, text=True, env=self.env,
+                                  timeout=240)
+        else:
+            child = FORKS[0].spawn([*self.base[1:], *extra], self.env)
+            stdout = child.stdout.read()  # its stdout and stderr, to the end: it has exited
+            child.stdout.close()
+            proc = subprocess.CompletedProcess(self.base, child.wait(timeout=240), stdout, "")
+        output = proc.stdout + (proc.stderr or "")
         self.outputs.append(output)
         if returncode is not None:
             assert proc.returncode == returncode, f"{self.name}: ended {proc.returncode}:\n{output[-3000:]}"
