@@ -12,7 +12,7 @@ folder, and committed by keepalive's manifest, so a sharded checkpoint is valid 
                                              position, unsharded objects), rank 0
         MANIFEST.json                <- LAST, by rank 0, naming every file above with size and xxh3
 
-How one save goes (:meth:`keepalive.core.Checkpointer._save_sharded` drives it). The training waits
+How one save goes (:meth:`keepalive.savepath.ShardedSave.submit` drives it). The training waits
 for :meth:`ShardedObjects.stage` only: ``get_state_dict`` and a copy of this rank's shards into host
 buffers kept from the previous save. The rest runs in a thread over a gloo group of its own: rank 0
 names the folder; ``dcp.save`` with :class:`KeepaliveWriter` (torch's ``FileSystemWriter`` whose

@@ -110,7 +110,7 @@ INTERNALS = (
              "next(), once the iterator is made, puts back a resumed step's random state)",
              f"{_D}: _Counter, install", has(_FAKE, "_index_sampler"), token="fl._index_sampler"),
     Internal("fastai.data.load._wif", "seeds each worker (set_seed) and sets its share of the batches: "
-             "a resumed epoch's workers get the saved states over it", f"{_D}: _WorkerStates",
+             "a resumed epoch's workers get the saved states over it", f"{_D}: _PositionedLoader",
              has(_LOAD, "_wif"), token="_wif"),
     Internal("CSVLogger.file", "the open log file (its text saved; rewritten at a resume: before_fit "
              "truncated it)", f"{_S}: capture_loggers, restore_loggers", uses(CSVLogger, "file"), token='"file"'),
