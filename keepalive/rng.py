@@ -6,9 +6,10 @@ add their own (Keras seed generators, TensorFlow's global generator) with :func:
 """
 from __future__ import annotations
 
+import contextlib
 import random
 import sys
-from typing import Any, Callable, Dict, Tuple
+from typing import Any, Callable, Dict, Iterator, Tuple
 
 import numpy as np
 
@@ -47,6 +48,17 @@ def restore(state: Dict[str, Any]) -> None:
     for name, (_, res) in _PROVIDERS.items():
         if name in state:
             res(state[name])
+
+
+@contextlib.contextmanager
+def unchanged() -> Iterator[None]:
+    """Every generator :func:`capture` covers is left as it was by the block, whatever it draws (user
+    code keepalive calls to look at something: a batch, a schedule) and however it ends."""
+    state = capture()
+    try:
+        yield
+    finally:
+        restore(state)
 
 
 def _as_tuple(x: Any) -> Any:

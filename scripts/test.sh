@@ -32,7 +32,9 @@ echo "mypy keepalive"
 # The documentation site (mkdocs.yml): a broken link, a page missing from the nav or an API page that
 # cannot be rendered fails the command. Built into a temporary folder, never into the checkout.
 echo "mkdocs build --strict"
-NO_MKDOCS_2_WARNING=1 .venv/bin/python -m mkdocs build --strict --quiet --site-dir "$(mktemp -d)"
+site="$(mktemp -d)"
+NO_MKDOCS_2_WARNING=1 .venv/bin/python -m mkdocs build --strict --quiet --site-dir "$site"
+rm -rf "$site"
 # The files run on one process per core (2 on CI), each file whole on one process (--dist loadfile:
 # a file's module fixtures, such as its uninterrupted reference trainings, are computed once).
 # KEEPALIVE_TEST_PROCESSES=1 (or passing -p no:xdist) runs them in this process, one after another.

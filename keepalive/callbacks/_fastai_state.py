@@ -352,14 +352,12 @@ def _schedule_values(scheds: Mapping[str, Callable[[float], Any]]) -> List[Any]:
     """A ``ParamScheduler``'s functions at fixed points of the fit: equal settings, equal values (the
     settings themselves live in closures). The global RNGs are left as they were (a sampled function
     could draw)."""
-    saved = rng.capture()
-    try:
-        return [[name, [np.asarray(f(pos), dtype=np.float64).ravel().tolist() for pos in _SCHEDULE_POINTS]]
-                for name, f in sorted(scheds.items())]
-    except Exception:  # noqa: BLE001 - a schedule that cannot be sampled is no plan value
-        return [[name, repr(f)] for name, f in sorted(scheds.items())]
-    finally:
-        rng.restore(saved)
+    with rng.unchanged():
+        try:
+            return [[name, [np.asarray(f(pos), dtype=np.float64).ravel().tolist() for pos in _SCHEDULE_POINTS]]
+                    for name, f in sorted(scheds.items())]
+        except Exception:  # noqa: BLE001 - a schedule that cannot be sampled is no plan value
+            return [[name, repr(f)] for name, f in sorted(scheds.items())]
 
 
 def fit_plan(learn: Learner, phase: Optional[int]) -> Dict[str, Any]:

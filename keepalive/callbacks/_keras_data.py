@@ -371,11 +371,8 @@ def _peek(fetch: Callable[[], Any]) -> Any:
     """What ``fetch`` returns, with every global random generator left as it was: a user's
     ``__getitem__`` may augment with them (NumPy's, Python's, a backend's), and a batch keepalive looks
     at must not change the training's draws."""
-    state = rng.capture()
-    try:
+    with rng.unchanged():
         return fetch()
-    finally:
-        rng.restore(state)
 
 
 def inexact_input(iterator: Any, data: Optional[ResumableData]) -> Optional[str]:
