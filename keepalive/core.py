@@ -56,9 +56,6 @@ log = logging.getLogger("keepalive")
 
 Decision = bd.Decision
 
-#: the checkpointers alive in this process (the registry is the save's: a new one on a run takes the
-#: writer lease over from one whose loop is over)
-_ACTIVE = ALIVE
 #: per run URL, the plans of the fits (stages) this process trained to their end, in order: a new
 #: callback on the path of a fit this process just finished starts the next stage, not a resume
 _TRAINED_HERE: Dict[str, List[Dict[str, Any]]] = {}
@@ -69,7 +66,7 @@ _TRAINED_OBJECTS: Dict[str, "weakref.WeakSet[Any]"] = {}
 
 def active_checkpointers() -> List["Checkpointer"]:
     """The checkpointers alive in this process (the magics use it to find the run a cell trained)."""
-    return list(_ACTIVE)
+    return list(ALIVE)
 
 
 class Checkpointer:
@@ -129,7 +126,7 @@ class Checkpointer:
             raise ValueError(f"snapshot={cfg.snapshot!r}: use 'lazy' (the default) or 'blocking'")
         self.step_gate.before_step = weakref.WeakMethod(self.snapshots.settle)
         notebook.record_context(self.metadata)  # the notebook cell, or the script, that made the run
-        _ACTIVE.add(self)
+        ALIVE.add(self)  # the save's registry: a new one on a run takes the lease over from one whose loop is over
 
     def _set_adapter_defaults(self, framework: str) -> None:
         """The attributes an adapter reads or sets (what it knows of its loop), before it does."""
@@ -424,7 +421,7 @@ class Checkpointer:
 
 @atexit.register
 def _flush_all_at_exit() -> None:
-    for ckpt in list(_ACTIVE):
+    for ckpt in list(ALIVE):
         try:
             ckpt.close(raise_stop=False)  # exiting: nothing left to stop
         except Exception as exc:  # noqa: BLE001 - exiting anyway
