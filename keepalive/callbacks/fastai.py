@@ -214,10 +214,9 @@ class DriveCheckpoint(RunViews, Callback):  # RunViews: no epoch / step (a callb
             # fastai finds the batch layout lazily, fetching (and augmenting: RNG draws) one item the
             # first time it is asked, in the first batch of the run; a resumed process asks it now,
             # without a draw (the draws of that fetch are in the checkpoint's random state).
-            saved = rng.capture()
-            with contextlib.suppress(Exception):  # fastai asks again (and reports) at the first batch
+            # (an error is suppressed: fastai asks again, and reports it, at the first batch)
+            with rng.unchanged(), contextlib.suppress(Exception):
                 getattr(learn.dls, "n_inp", None)
-            rng.restore(saved)
         self._n_fits += 1
         placed = self._runfits.place(core, learn, here, self._runfits.log.next_id(here, plan_now), phase, tree)
         if placed is None:  # completed before the restart (or the checkpoint is its end): skipped
