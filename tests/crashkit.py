@@ -15,7 +15,7 @@ import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 RESUME_RE = re.compile(r"resuming run .*?epoch (\d+)\b.*?, step (\d+)")
 STEP_RE = re.compile(r"^STEP (\d+)\b")
@@ -46,6 +46,16 @@ def _reader(stream, q):
     q.put(None)
 
 
+def _held(kill_at: int, total_steps: int, kills_after: int) -> Tuple[int, str]:
+    """A planned kill the child cannot outrun: the kill step leaves room for the kills still to come
+    (each needs a step to run), and the child (tests/scripts/childio.py ``hold_if_planned``) stops
+    its main thread at the step after it. Without that, under load the parent could read the
+    ``STEP`` line late enough that the child had saved its last step and the run was finished,
+    so later children had nothing left to kill. Returns the kill step and the child's hold point."""
+    kill_at = max(1, min(kill_at, total_steps - 2 - kills_after))
+    return kill_at, str(kill_at + 1)
+
+
 def run_to_completion(cmd: List[str], *, total_steps: int, kills: int, rng: random.Random,
                       run_dir: Optional[str] = None, env: Optional[dict] = None,
                       max_substep_delay: float = 0.03, timeout: float = 120.0,
@@ -61,12 +71,17 @@ def run_to_completion(cmd: List[str], *, total_steps: int, kills: int, rng: rand
     resumed_prev: Optional[int] = None
     for attempt in range(kills + 1):
         kill_at = None
+        child_env = dict(env)
         if attempt < kills:
             low = (resumed_prev or 0) + 1
             kill_at = rng.randint(min(low, total_steps), total_steps)
             if attempt == 0 and mid_epoch_of:  # an epoch with saves inside it must be left to run
                 kill_at = min(kill_at, max(1, total_steps - mid_epoch_of))
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+            waits = (kill_after_commit if attempt == 0 else None) or (mid_epoch_of if attempt == 0 else None)
+            if not waits:
+                kill_at, child_env["CRASHKIT_HOLD_FROM"] = _held(kill_at, total_steps, kills - attempt - 1)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env=child_env)
         q: "queue.Queue[Optional[str]]" = queue.Queue()
         threading.Thread(target=_reader, args=(proc.stdout, q), daemon=True).start()
         lines: List[str] = []

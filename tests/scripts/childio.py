@@ -7,13 +7,32 @@ into ``52STEP``. One ``write`` of the whole line cannot be split that way.
 Also what the distributed children share: waiting for a commit before a planned kill, and slowed
 checkpoint writes (so random kills land inside saves).
 """
+import os
 import sys
 import time
+
+#: set by tests/crashkit.py for a child it plans to kill: the main thread stops at the first
+#: ``STEP n`` with n >= this (after printing it), so the child can never run past the planned kill
+#: to the end of the training however slow the parent is to read its output under load
+HOLD_FROM = int(os.environ.get("CRASHKIT_HOLD_FROM", "0") or 0)
+
+
+def hold_if_planned(line: str) -> None:
+    """Block the calling (main) thread for good if ``line`` is a ``STEP n`` at or past the hold point."""
+    if HOLD_FROM and line.startswith("STEP "):
+        try:
+            step = int(line.split()[1])
+        except (IndexError, ValueError):
+            return
+        if step >= HOLD_FROM:
+            while True:  # the parent's SIGKILL ends this
+                time.sleep(3600)
 
 
 def emit(line: str) -> None:
     sys.stdout.write(line + "\n")
     sys.stdout.flush()
+    hold_if_planned(line)
 
 
 def wait_committed(run_dir: str, step: int, timeout: float = 120.0) -> None:

@@ -34,6 +34,8 @@ p.add_argument("--no-position", action="store_true")
 p.add_argument("--die-at", type=int, default=0, help="SIGKILL itself after this step, its checkpoints committed")
 args = p.parse_args()
 
+from childio import hold_if_planned  # noqa: E402
+
 _out = threading.Lock()
 
 
@@ -41,6 +43,7 @@ def emit(line):
     with _out:
         sys.stdout.write(line + "\n")
         sys.stdout.flush()
+    hold_if_planned(line)  # outside the lock: the writer thread's lines still come
 
 
 import keras  # noqa: E402

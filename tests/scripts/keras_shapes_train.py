@@ -28,6 +28,8 @@ p.add_argument("--csv", default="")
 p.add_argument("--die-at", type=int, default=0, help="exit at once (as if killed) after this step")
 args = p.parse_args()
 
+from childio import hold_if_planned  # noqa: E402
+
 _out = threading.Lock()
 
 
@@ -35,6 +37,7 @@ def emit(line):
     with _out:
         sys.stdout.write(line + "\n")
         sys.stdout.flush()
+    hold_if_planned(line)  # outside the lock: the writer thread's lines still come
 
 
 import keras  # noqa: E402

@@ -30,6 +30,8 @@ args = p.parse_args()
 import threading  # noqa: E402
 import time  # noqa: E402
 
+from childio import hold_if_planned  # noqa: E402
+
 _out = threading.Lock()
 
 
@@ -38,6 +40,7 @@ def emit(line):
     with _out:
         sys.stdout.write(line + "\n")
         sys.stdout.flush()
+    hold_if_planned(line)  # outside the lock: the writer thread's lines still come
 
 
 import keras  # noqa: E402
