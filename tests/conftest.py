@@ -114,6 +114,7 @@ def location(request, tmp_path):
 # than marked in each file, so that the tier can be read and changed in one place.
 QUICK_FILES = frozenset(f"tests/{name}.py" for name in (
     "test_architecture", "test_auto_interval", "test_boundary", "test_break_detection", "test_compat",
+    "test_crashkit",
     "test_doctests", "test_lifecycle", "test_optimizer_steps", "test_options", "test_pauses",
     "test_resume_memory", "test_run_index", "test_runs", "test_settings", "test_state_roundtrip",
     "test_store_backends", "test_store_local", "test_store_write_path", "test_trigger",
