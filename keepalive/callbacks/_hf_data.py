@@ -27,27 +27,27 @@ ahead, so a batch is made while earlier steps still train. :class:`Replay` keeps
   of the batch fetched ahead of the trained ones (accelerate's one; more is told), and the resumed pass
   puts it back just before the same batch is fetched again, then the saved step's own state before the
   first batch that was not fetched yet;
-* worker processes: each worker's generators continue from one batch to the next, so every batch a
-  worker makes carries the worker's state after it (a small stamp the main process takes off before
-  the Trainer sees the batch). A checkpoint keeps, per worker, the state after the last batch it made
-  that was trained, and the torch generator's state before the epoch's iterator was created (it draws
-  the workers' base seed). The resumed epoch recreates the iterator from that state, sends as many
-  empty batches first as put the saved batch on the worker that made it before (they reach the
-  workers, which return a marker without loading anything), and each new worker starts from its saved
-  state (``worker_init_fn``, after the Trainer's ``seed_worker``).
+* worker processes: each worker's generators continue from one batch to the next. Every batch the
+  positioned sampler yields is tagged with its number, and the dataset the workers see
+  (:class:`WorkerData`) starts each tagged batch through :class:`keepalive.callbacks.replay.WorkerStates`
+  (shared with the torch, fastai and Lightning adapters): the worker notes the state the batch starts
+  from. A checkpoint keeps those of the next ``num_workers`` batches, and the torch generator's state
+  before the epoch's iterator was created (it draws the workers' base seed). The resumed epoch
+  recreates the iterator from that state, and the worker that makes batch ``k + w`` first starts it
+  from the state the uninterrupted run had; batches go to the workers round-robin, so each worker's
+  generators then go on as the uninterrupted run's did. (A checkpoint of keepalive before this
+  kept one state per worker, the state after its last trained batch: :func:`per_batch` reads it.)
 
-The states, and the notes and plan of the batches made in the main process, are those of
-:mod:`keepalive.callbacks.replay` (:func:`~keepalive.callbacks.replay.cpu_rng`,
-:class:`~keepalive.callbacks.replay.MadeStates`); only their way out of the workers is this
-adapter's: in the batch (a checkpoint keeps them per worker), where the torch and fastai adapters
-leave files per batch.
+The states, how they leave the workers, and the notes and plan of the batches made in the main process
+are those of :mod:`keepalive.callbacks.replay` (:func:`~keepalive.callbacks.replay.cpu_rng`,
+:class:`~keepalive.callbacks.replay.WorkerStates`, :class:`~keepalive.callbacks.replay.MadeStates`).
 
 With ``persistent_workers=True`` the workers of a resumed pass end with it (accelerate rebuilt its loader
-to skip batches), so the next pass's new workers take over their states, and the main generator's state
-is put back after their creation, which the uninterrupted run does not have.
+to skip batches), so the next pass's new workers take over their states (each worker also notes the
+state after each batch it makes: the state its next batch, in the next pass, starts from), and the main
+generator's state is put back after their creation, which the uninterrupted run does not have.
 
-Both need batches that are mappings (the Trainer's collators make dicts); the wrappers draw nothing,
-so a run with the callback is bit-identical to one without it.
+The wrappers draw nothing, so a run with the callback is bit-identical to one without it.
 
 Iterable datasets (a stream with no length, typically with ``max_steps``): :func:`stream_kind` says how a
 resumed pass is positioned. One with ``state_dict()`` / ``load_state_dict()`` (a Hugging Face
@@ -66,38 +66,30 @@ from typing import Any, Callable, Deque, Dict, Iterator, List, Mapping, Optional
 import torch
 from torch.utils.data import BatchSampler, IterableDataset, RandomSampler, SequentialSampler
 
-from .. import rng
 from ..dataorder import mix
-from .replay import MadeStates, cpu_rng, received, sendable
+from .replay import MadeStates, WorkerStates, cpu_rng
 
-__all__ = ["PositionedBatchSampler", "Replay", "install", "base_loader", "stream_kind"]
+__all__ = ["PositionedBatchSampler", "Replay", "WorkerData", "install", "base_loader", "stream_kind", "per_batch"]
 
 #: accelerate's ``BatchSamplerShard`` settings a positioned sampler takes over on several processes
 SHARD_SETTINGS = ("num_processes", "process_index", "split_batches", "even_batches")
-#: the key of a batch made in a worker that carries the worker's random state (taken off before use)
-STAMP = "_keepalive_worker_rng"
+#: the worker-state folders' names: keepalive-hf-workers-{pid}-... (those of dead processes are swept)
+_FOLDER = "keepalive-hf-workers-"
 
 
 class _Placeholder(list):
     """A batch the Trainer's ``SkipBatchSampler`` drops unseen (never fetched)."""
 
 
-class _Empty(list):
-    """An empty batch sent to a worker only to put the next real batch on the worker that made it
-    before a resume; the worker returns :class:`Skipped` for it without loading anything."""
+class _Tagged(list):
+    """A batch's indices with the batch's place, ``tag = (pass, batch number)``: a worker reads it to
+    start the batch from its noted or saved random state (:class:`WorkerData`)."""
+
+    tag: Tuple[int, int]
 
 
-class Skipped:
-    """What a worker returns for an :class:`_Empty` batch (dropped before the Trainer sees it)."""
-
-
-class _Stamp:
-    """A worker's random state after it made one batch (no ``to``: device moves and pinning pass it by)."""
-
-    __slots__ = ("worker", "state")
-
-    def __init__(self, worker: int, state: Dict[str, Any]):
-        self.worker, self.state = worker, state
+#: in a worker process: the batch being made, between the dataset's fetch and the collator (one at a time)
+_making: Optional[Tuple[int, int]] = None
 
 
 class PositionedBatchSampler(BatchSampler):
@@ -116,7 +108,8 @@ class PositionedBatchSampler(BatchSampler):
         self.epoch = 0
         self.start = 0          # batches of the running epoch already trained (resume)
         self.placeholders = 0   # empty batches first: what the Trainer's SkipBatchSampler drops
-        self.empties = 0        # then empty batches that reach the workers (see the module)
+        self.tagging = False    # batches carry their place (worker processes make them: see WorkerData)
+        self.serial = 0         # passes begun (with tagging: the first part of each batch's tag)
         #: the random states of a step's first batches (no workers: made here; every: gradient accumulation),
         #: and a resumed pass's plan (batch -> random state to put back before its fetch)
         self.states = MadeStates()
@@ -129,7 +122,7 @@ class PositionedBatchSampler(BatchSampler):
     def unposition(self) -> None:
         """Forget a resume position no pass consumed (a resume after an epoch's last step fetches no
         batch of that epoch: the next epoch starts at its beginning)."""
-        self.start = self.placeholders = self.empties = 0
+        self.start = self.placeholders = 0
         self.states.plan = {}
 
     def order(self, epoch: int) -> torch.Tensor:
@@ -142,17 +135,20 @@ class PositionedBatchSampler(BatchSampler):
         return torch.randperm(self.n, generator=g)
 
     def __iter__(self) -> Iterator[List[int]]:
-        start, placeholders, empties, plan = self.start, self.placeholders, self.empties, self.states.plan
-        self.start = self.placeholders = self.empties = 0  # once: the next epoch starts at its beginning
+        start, placeholders, plan = self.start, self.placeholders, self.states.plan
+        self.start = self.placeholders = 0  # once: the next epoch starts at its beginning
         self.states.noted.clear()
         self.last = -1
+        self.serial += 1
+        serial, tagging = self.serial, self.tagging
         for _ in range(placeholders):
             yield _Placeholder()
-        for _ in range(empties):
-            yield _Empty()
         for b, batch in self._batches(self.order(self.epoch), start):
             self.states.making(b, plan)
             self.last = b
+            if tagging:
+                batch = _Tagged(batch)
+                batch.tag = (serial, b)
             yield batch
 
     def _batches(self, idx: torch.Tensor, start: int) -> Iterator[Tuple[int, List[int]]]:
@@ -197,26 +193,25 @@ class _EpochBatches:
 
 
 class _Collate:
-    """Stands in for the loader's ``collate_fn`` (the wrapped one does the work): stamps batches made in
-    workers, answers empty batches with :class:`Skipped`, and for a stream made in the main process
-    counts batches, puts planned random states back and notes the stream's state (see :class:`Replay`)."""
+    """Stands in for the loader's ``collate_fn`` (the wrapped one does the work). In a worker with
+    persistent workers it notes the state after each batch (see :class:`WorkerData`); in the main process
+    it counts batches, puts planned random states back and notes a stream's state (see :class:`Replay`)."""
 
     def __init__(self, inner: Callable[[Any], Any]):
         self.inner = inner
-        self.stamp = False
         self.made = 0                               # batches made in this pass (main process)
         self.states = MadeStates()                  # made in the main process (see PositionedBatchSampler)
         self.stream: Any = None                     # a stream with state_dict(): noted after each batch
         self.stream_noted: Deque[Tuple[int, Any]] = collections.deque(maxlen=4)
+        self.workers: Optional[WorkerStates] = None  # persistent workers: the states after their batches
 
     def __call__(self, items: Any) -> Any:
         info = torch.utils.data.get_worker_info()
         if info is not None:
-            if isinstance(items, list) and not items:
-                return Skipped()
             batch = self.inner(items)
-            if self.stamp and isinstance(batch, Mapping):
-                batch[STAMP] = _Stamp(info.id, sendable(cpu_rng()))  # type: ignore[index]
+            if self.workers is not None and _making is not None:
+                # the state the worker's next batch starts from, in this pass or (persistent) the next
+                self.workers.note(_making[0], _making[1] + info.num_workers, info.num_workers, cpu_rng())
             return batch
         b = self.made
         self.made += 1
@@ -232,19 +227,54 @@ class _Collate:
         self.stream_noted.clear()
 
 
-class _WorkerInit:
-    """Stands in for the loader's ``worker_init_fn``: runs it, then puts a worker's saved state back."""
+class WorkerData:
+    """The map-style dataset as the loader's workers see it: it fetches what the dataset fetches, and
+    starts each tagged batch (:class:`PositionedBatchSampler`) through ``states``
+    (:meth:`keepalive.callbacks.replay.WorkerStates.start`: a resumed batch's saved state is put back, the
+    state the batch starts from is noted). Reads and writes of other attributes go to the dataset."""
 
-    def __init__(self, inner: Optional[Callable[[int], Any]]):
-        self.inner = inner
-        self.states: Dict[int, Dict[str, Any]] = {}
+    def __init__(self, dataset: Any, states: WorkerStates):
+        object.__setattr__(self, "dataset", dataset)
+        object.__setattr__(self, "states", states)
 
-    def __call__(self, worker_id: int) -> None:
-        if self.inner is not None:
-            self.inner(worker_id)
-        state = self.states.get(worker_id)
-        if state is not None:
-            rng.restore(state)
+    def __getattr__(self, name: str) -> Any:
+        if name in ("dataset", "states"):
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "states":
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.dataset, name, value)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.dataset[index]
+
+    def __getitems__(self, indices: List[Any]) -> Any:
+        global _making
+        tag = getattr(indices, "tag", None)
+        info = torch.utils.data.get_worker_info()
+        _making = tag if info is not None else None
+        if tag is not None and info is not None:
+            self.states.start(tag[0], tag[1], info.num_workers)
+        plain = list(indices)
+        inner = getattr(self.dataset, "__getitems__", None)
+        return inner(plain) if inner is not None else [self.dataset[i] for i in plain]
+
+
+def per_batch(saved: Mapping[str, Any], trained: int, workers: int) -> Dict[int, Any]:
+    """The worker states of a checkpoint (``replay`` part), by the batch each starts: ``worker_starts``
+    (batch number -> state), or those of keepalive's earlier format, ``workers`` (worker -> the state
+    after its last trained batch, with batch ``b`` made by worker ``b % workers``: that state is what its
+    next batch, the first at or after ``trained`` with its number, starts from)."""
+    if saved.get("worker_starts") is not None:
+        return {int(b): dict(s) for b, s in saved["worker_starts"].items()}
+    old = saved.get("workers") or {}
+    return {trained + (int(w) - trained) % workers: dict(s) for w, s in old.items()} if workers else {}
 
 
 class Replay:
@@ -256,61 +286,62 @@ class Replay:
         self.workers = int(getattr(base, "num_workers", 0) or 0)
         self.persistent = bool(getattr(base, "persistent_workers", False))
         self.collate = _Collate(base.collate_fn)
-        self.init = _WorkerInit(base.worker_init_fn)
         # a save lands between steps, when the next step's first batch may be fetched already: only a
         # step's first batch needs its random state noted (once per optimizer step, tens of microseconds)
         self.collate.states.every = max(1, int(accumulation))
         if sampler is not None:
             sampler.states.every = self.collate.states.every
         base.collate_fn = self.collate
-        if self.workers:
-            base.worker_init_fn = self.init
-            self.collate.stamp = True
+        self.data: Optional[WorkerData] = None  # the dataset the workers see (workers, positioned sampler)
+        if self.workers and sampler is not None:
+            self.data = WorkerData(base.dataset, WorkerStates.create(_FOLDER, sweep=True))
+            object.__setattr__(base, "dataset", self.data)  # the DataLoader refuses a new one once built
+            sampler.tagging = True
+            if self.persistent:
+                self.collate.workers = self.data.states
         elif sampler is not None:
             sampler.states.watch = True
-        else:
+        elif not self.workers:
             self.collate.states.watch = True
             self.collate.stream = base.dataset if stateful_stream else None
-        self.iter_rng: Optional[torch.Tensor] = None        # torch's state before the epoch's iterator
-        self.worker_states: Dict[int, Dict[str, Any]] = {}  # worker -> state after its last trained batch
+        self.iter_rng: Optional[torch.Tensor] = None  # torch's state before the epoch's iterator
         self.feed: Optional[Iterator[Any]] = None
         self.source: Any = None
-        self.unstamped = False  # a batch made in a worker could not carry its state (not a mapping)
+        self.workers_lost = False  # a worker's state did not come in time for a save (not replayed)
         self.deep_ahead = False  # more than one batch was fetched ahead of a save (only one is replayed)
         # persistent workers: a resumed pass runs on the loader accelerate rebuilt to skip batches, and its
         # workers end with it; the next pass starts new ones, which take over the workers' states
         self.carry = False
         self.keep_rng: Optional[torch.Tensor] = None  # ... and the main state their creation must not draw from
+        self.carried: Dict[int, Any] = {}  # saved states past the resumed pass's end (made before the resume)
+        self.carry_from = 0  # the first noted state past the pass's end its own workers leave
 
     # ----------------------------------------------------------------------- while training
     def epoch_iterator(self, it: Any) -> Iterator[Any]:
-        """The Trainer's epoch iterator, seen through a filter that takes worker stamps and empty batches
-        off (one filter per iterator; a new iterator is a new pass)."""
+        """The Trainer's epoch iterator, seen through a filter that drops the placeholders of a resumed
+        pass (one filter per iterator; a new iterator is a new pass)."""
         if it is not self.source:
             self.source = it
             if self.workers and not (self.persistent and self.iter_rng is not None):
                 self.iter_rng = torch.get_rng_state()  # the next fetch creates the iterator from it
-            if not self.persistent:
-                self.worker_states = {}
-            elif self.carry:
+            if self.carry and self.data is not None and self.sampler is not None:
                 self.carry = False
-                self.init.states = {w: received(s) for w, s in self.worker_states.items()}
+                self._take_over(self.data, self.sampler)
                 self.keep_rng = torch.get_rng_state()  # the uninterrupted run creates no iterator here
             self.collate.new_pass()
-            self.feed = self._filter(it)
+            self.feed = it
         assert self.feed is not None
         return self.feed
 
-    def _filter(self, it: Iterator[Any]) -> Iterator[Any]:
-        for batch in it:
-            if isinstance(batch, Skipped):
-                continue
-            if isinstance(batch, Mapping) and STAMP in batch:
-                stamp = batch.pop(STAMP)  # type: ignore[attr-defined]
-                self.worker_states[stamp.worker] = stamp.state  # its torch state as bytes (see capture)
-            elif self.collate.stamp:
-                self.unstamped = True
-            yield batch
+    def _take_over(self, data: WorkerData, sampler: PositionedBatchSampler) -> None:
+        """The new workers of the next pass start where the resumed pass's left their generators: batch
+        ``j`` of a pass is made by worker ``j % workers``, which made the last batch of the pass before
+        with that remainder; the state after it was noted under the number ``workers`` further on (or
+        was saved, for a batch made before the resume)."""
+        end, first = len(sampler) + self.workers, self.carry_from
+        noted = data.states.look_ahead(sampler.serial, first, end - first, end) if first < end else {}
+        after = {**self.carried, **{int(k): s for k, s in (noted or {}).items()}}
+        data.states = data.states.resuming({k % self.workers: s for k, s in after.items()})
 
     def capture(self, trained: int) -> Dict[str, Any]:
         """What a resume at batch ``trained`` of this pass needs, beyond the step's own random state."""
@@ -323,8 +354,12 @@ class Replay:
             self.deep_ahead = self.deep_ahead or self.collate.made - 1 > trained
         if self.workers:
             out["iter_rng"] = self.iter_rng
-        if self.workers and self.collate.stamp:
-            out["workers"] = {str(w): received(s) for w, s in sorted(self.worker_states.items())}
+        if self.data is not None and self.sampler is not None:
+            # persistent workers: the states of the pass's last batches' successors, up to `workers` past its end
+            total = len(self.sampler) + (self.workers if self.persistent else 0)
+            starts = self.data.states.look_ahead(self.sampler.serial, trained, self.workers, total)
+            self.workers_lost = self.workers_lost or starts is None
+            out["worker_starts"] = starts or {}
         if self.collate.stream is not None:
             before = [s for b, s in self.collate.stream_noted if b == trained]
             out["stream"] = before[-1] if before else None
@@ -348,10 +383,12 @@ class Replay:
         if self.workers and saved.get("iter_rng") is not None:
             self.iter_rng = saved["iter_rng"]
             torch.set_rng_state(saved["iter_rng"].clone())  # the workers' base seed is drawn again from it
-        if self.workers and self.sampler is not None and self.collate.stamp:
-            self.init.states = {int(w): dict(s) for w, s in (saved.get("workers") or {}).items()}
-            self.worker_states = dict(self.init.states)  # until each worker makes a batch again
-            self.sampler.empties = trained % self.workers  # batch `trained` goes to the worker that made it
+        if self.data is not None and self.sampler is not None:
+            starts = per_batch(saved, trained, self.workers)
+            self.data.states = self.data.states.resuming(starts)
+            end = len(self.sampler)  # persistent workers: what the next pass's take over (see _take_over)
+            self.carried = {b: s for b, s in starts.items() if b >= end}
+            self.carry_from = max(end, trained + self.workers)
         if self.workers and self.persistent:
             self.carry = True
         if self.collate.stream is not None and saved.get("stream") is not None:
@@ -368,7 +405,7 @@ class Replay:
         if self.keep_rng is not None:
             torch.set_rng_state(self.keep_rng)
             self.keep_rng = None
-            self.init.states = {}
+            self._forget_resume()
 
     def plan_pending(self) -> bool:
         """Part of a resume plan has not run (the pass ended before that batch)."""
@@ -381,7 +418,18 @@ class Replay:
         if self.sampler is not None:
             self.sampler.states.plan = {}
         self.collate.states.plan = {}
-        self.init.states = {}
+        self._forget_resume()
+
+    def _forget_resume(self) -> None:
+        if self.data is not None:
+            self.data.states = self.data.states.resuming(None)
+
+    def close(self) -> None:
+        """``train()`` ended: the dataset goes back into the loader, the workers' folder goes."""
+        if self.data is not None:
+            object.__setattr__(self.base, "dataset", self.data.dataset)
+            self.data.states.remove()
+            self.data = None
 
 
 def base_loader(loader: Any) -> Any:

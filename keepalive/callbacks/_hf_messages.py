@@ -9,6 +9,7 @@ from transformers import Trainer
 
 from ..core import Checkpointer
 from . import _hf_data
+from .replay import STATE_WAIT_S
 
 
 def tell_inexact(core: Checkpointer, trainer: Trainer, stream: str, replay: Optional[_hf_data.Replay]) -> None:
@@ -30,10 +31,11 @@ def tell_inexact(core: Checkpointer, trainer: Trainer, stream: str, replay: Opti
         core.warn("the training loader fetched more than one batch ahead of a save: a resume replays the "
                   "random state of one, so random draws of the others (augmentation, masking) differ from "
                   "the uninterrupted run's", key="hf-ahead")
-    if replay is not None and replay.unstamped:
-        core.warn("the training batches are not mappings, so the random state of the loader's worker "
-                  "processes cannot travel with them: after a mid-epoch resume, random draws in workers "
-                  "(augmentation, masking) differ from the uninterrupted run's", key="hf-workers")
+    if replay is not None and replay.workers_lost:
+        core.warn("a loader worker had not started the next batch within "
+                  f"{STATE_WAIT_S:g} s of a save, so its random state is not in the checkpoint: after a "
+                  "resume from it, random draws in workers (augmentation, masking) differ from the "
+                  "uninterrupted run's", key="hf-workers")
 
 
 def tell_eval_for_step(core: Checkpointer, came: str, step: int) -> None:

@@ -75,3 +75,9 @@ class DataPosition:
     def end_pass(self) -> None:
         if self.replay is not None:
             self.replay.end_pass()
+
+    def close(self) -> None:
+        """``train()`` ended: the loader gets its dataset back, the workers' states folder goes."""
+        if self.replay is not None:
+            self.replay.end_pass()
+            self.replay.close()

@@ -39,8 +39,7 @@ Data position (:mod:`keepalive.callbacks._hf_data`):
   are not run at all. Exact.
 * random draws while batches are made (``DataCollatorForLanguageModeling``'s masking, augmentation),
   in the main process or in ``dataloader_num_workers`` workers: replayed, so the first resumed step masks
-  what the uninterrupted run masked. Exact. Told: a collator with its own ``seed=`` generator, batches
-  that are not mappings (with workers).
+  what the uninterrupted run masked. Exact. Told: a collator with its own ``seed=`` generator.
 * ``IterableDataset`` (a stream, typically with ``max_steps``; it may never end an epoch): checkpoints at
   steps too. One with ``state_dict()`` / ``load_state_dict()`` (a ``datasets.IterableDataset``, no workers)
   is saved and restored through them: exact. Any other is positioned by the Trainer's own skip, which
@@ -306,7 +305,7 @@ class DriveCheckpoint(CheckpointAdapter, TrainerCallback):
         finally:
             self._active = False
             self._put_back_args()
-            self._position.end_pass()
+            self._position.close()
             core.uninstall_signal_handlers()
             core.close()
 

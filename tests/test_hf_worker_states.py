@@ -1,0 +1,132 @@
+"""Hugging Face ``Trainer``: the random states of the loader's workers go through the shared
+``keepalive.callbacks.replay.WorkerStates`` (the state each batch starts from, by batch number), and a
+checkpoint in the earlier per-worker format (one state per worker: the state after its last trained batch)
+still resumes exactly.
+
+``tests/scripts/hf_setup.py``: a tiny BERT from a config, an in-memory tokenizer, masking in the workers
+(``DataCollatorForLanguageModeling``), accumulation 2, 11 batches (6 steps) per epoch, 2 epochs; the
+deadline stops the run inside an epoch and the same cell runs again.
+
+* a checkpoint written with the old ``workers`` section (built by saving the new one's states under the
+  worker that made each batch, as keepalive wrote it before) resumes bit-exactly; control: the same
+  checkpoint read without its worker states differs;
+* persistent workers stopped at the epoch's last step (fewer batches left than workers): the next epoch's
+  new workers take over states saved with the checkpoint and noted by the resumed pass's workers: exact.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+
+import pytest
+
+torch = pytest.importorskip("torch")
+for _name in ("torchvision::nms", "torchvision::qnms"):  # the CUDA torchvision here (DESIGN.md)
+    try:
+        torch.library.define(_name, "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+    except Exception:  # noqa: BLE001 - already defined
+        pass
+pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+
+from crashkit import assert_differs, assert_same  # noqa: E402
+
+SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts")
+sys.path.insert(0, SCRIPTS)
+import hf_setup  # noqa: E402
+
+TOTAL = 12
+
+
+def _state(trainer):
+    weights = {k: v.detach().clone() for k, v in trainer.model.named_parameters()}
+    logs = [{k: v for k, v in e.items() if not k.endswith(("_runtime", "_per_second"))}
+            for e in trainer.state.log_history if "train_runtime" not in e]
+    return {"weights": weights, "optimizer": trainer.optimizer.state_dict()["state"], "logs": logs}
+
+
+def _train(out, cb=None, **kw):
+    t = hf_setup.trainer(str(out), cb, **kw)
+    t.train()
+    return t
+
+
+def _stop_after(steps):
+    calls = {"n": 0}
+
+    def remaining():
+        if threading.current_thread() is threading.main_thread():
+            calls["n"] += 1
+        return 1000.0 if calls["n"] < steps else 1.0
+
+    return remaining
+
+
+def _stop(tmp_path, stop_at, **kw):
+    from keepalive.callbacks.transformers import DriveCheckpoint
+
+    cb = DriveCheckpoint(tmp_path / "run", every=100, quiet=True, remaining_fn=_stop_after(stop_at),
+                         deadline_margin="5s")
+    _train(tmp_path / "a", cb, **kw)
+    assert cb.stopped and cb.step == stop_at
+
+
+def _resume(tmp_path, **kw):
+    from keepalive.callbacks.transformers import DriveCheckpoint
+
+    cb = DriveCheckpoint(tmp_path / "run", every=100, quiet=True)
+    t = _train(tmp_path / "b", cb, **kw)
+    assert cb.finished and t.state.global_step == TOTAL
+    return _state(t)
+
+
+def _old_format(monkeypatch, workers):
+    """Save the worker states as keepalive did before: per worker, the state its next batch starts from."""
+    from keepalive.callbacks import _hf_data
+
+    capture = _hf_data.Replay.capture
+
+    def old(self, trained):
+        out = capture(self, trained)
+        starts = out.pop("worker_starts")
+        assert len(starts) == workers
+        out["workers"] = {str(int(b) % workers): s for b, s in starts.items()}
+        return out
+
+    monkeypatch.setattr(_hf_data.Replay, "capture", old)
+
+
+def test_a_checkpoint_in_the_per_worker_format_resumes_exactly(tmp_path, monkeypatch):
+    from keepalive.callbacks import _hf_data
+
+    plain = _state(_train(tmp_path / "plain", workers=2))
+    with monkeypatch.context() as m:
+        _old_format(m, 2)
+        _stop(tmp_path / "old", 3, workers=2)  # batch 6 of 11: worker 0's batch next
+    seen = []
+    per_batch = _hf_data.per_batch
+
+    def reading(saved, trained, workers):
+        seen.append(sorted(saved.get("workers") or {}))
+        return per_batch(saved, trained, workers)
+
+    monkeypatch.setattr(_hf_data, "per_batch", reading)
+    assert_same(plain, _resume(tmp_path / "old", workers=2))
+    assert seen == [["0", "1"]] and "worker_starts" not in str(seen)
+
+    # control: the same old checkpoint without its worker states (workers seeded afresh)
+    with monkeypatch.context() as m:
+        _old_format(m, 2)
+        _stop(tmp_path / "control", 3, workers=2)
+    monkeypatch.setattr(_hf_data, "per_batch", lambda saved, trained, workers: {})
+    assert_differs(plain, _resume(tmp_path / "control", workers=2))
+
+
+def test_persistent_workers_stopped_at_an_epochs_last_batches_resume_exactly(tmp_path):
+    """3 persistent workers, stopped at step 5 (batch 10 of 11): the resumed pass makes one batch; two of
+    epoch 1's workers take over states saved in the checkpoint, one the state the resumed pass left."""
+    kw = dict(workers=3, dataloader_persistent_workers=True)
+    plain = _state(_train(tmp_path / "plain", **kw))
+    _stop(tmp_path, 5, **kw)
+    assert_same(plain, _resume(tmp_path, **kw))
