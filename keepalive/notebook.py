@@ -42,6 +42,7 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
 from . import report, settings
 from . import session as _session
+from .runidentity import optuna_run
 from .runs import open_run
 from .session import ipython_shell as _session_shell
 
@@ -349,6 +350,11 @@ def resolve_run_url(path: Union[str, "os.PathLike[str]", None], run: Optional[st
     base = default_dir().rstrip("/")
     if run is not None:
         return f"{base}/{run}"
+    trial = optuna_run(base)  # each trial of an Optuna study its own run (a retried one its original's)
+    if trial is not None:
+        if say is not None:
+            say(trial.line)
+        return f"{base}/{trial.name}"
     source = current_cell_source()
     key = (current_cell_key() or "script", base)
     n = _UNNAMED[key] = _UNNAMED.get(key, 0) + 1

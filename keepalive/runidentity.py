@@ -1,0 +1,196 @@
+"""Which run a training is: one run per training, also when one process runs several of them.
+
+An Optuna study calls its objective once per trial in one process; each call that makes an unnamed
+``DriveCheckpoint()`` is another training (other hyper-parameters, often another model), so it must
+get a run of its own, never the finished run of an earlier trial (which would hand back that trial's
+value without training) nor one whose model has other shapes. The run of a trial is named after the
+study and the trial's number: ``optuna-<study>-trial-<n>``.
+
+A trial killed mid-training (the process SIGKILLed, the VM preempted) is retried by Optuna when the
+study's storage has a heartbeat and a retry callback
+(``RDBStorage(heartbeat_interval=..., heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback())``):
+the retried trial gets a new number and the same parameters, and Optuna records the number of the
+original one (``RetryHeartbeatStaleTrialCallback.retried_trial_number``). Its run is the original's:
+the retry resumes the killed training where its newest checkpoint left it.
+
+A running trial is found without importing Optuna: only when ``optuna.trial`` is imported already,
+by looking for a ``Trial`` among the local variables of the frames that called the checkpointer
+(Optuna's own ``_run_trial`` holds one, whatever the objective calls its argument).
+
+Also here: the one line said at the first save of a run (:func:`announce_first_save`), so that a
+training that is never interrupted still shows that it is protected, and where.
+
+>>> slug("my study/v2"), slug("s")
+('my-study-v2-e004', 's')
+>>> interval_words("epoch"), interval_words(500), interval_words("10min"), interval_words("auto")
+('every epoch', 'every 500 optimizer steps', 'every 10min', 'at an interval chosen from measured save costs')
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+import sys
+import weakref
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any, Callable, List, Mapping, Optional
+
+from .runs import open_run
+from .trigger import Schedule
+from .units import format_duration
+
+__all__ = ["TrialRun", "announce_first_save", "interval_words", "optuna_run", "running_trial", "slug"]
+
+#: frames looked through for a running trial (Optuna's ``_run_trial`` is a few frames above the
+#: objective; a training helper called by the objective adds some)
+MAX_FRAMES = 80
+#: checkpointers made so far per running trial (the ``Trial`` object: a study made again under the same
+#: name numbers its trials from 0 again): a trial with two trainings (a K-fold inside the objective,
+#: two stages) gets ``-2``, ``-3`` for the second, third, as an unnamed cell does
+_PER_TRIAL: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
+
+
+def slug(name: str, limit: int = 40) -> str:
+    """``name`` as a folder name: letters, digits, ``.``, ``_`` and ``-`` kept, the rest made ``-``;
+    a name that had to be changed (or shortened) gets a short hash of the original, so that two
+    studies named ``a/b`` and ``a b`` keep apart."""
+    clean = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-.") or "study"
+    if clean == name and len(clean) <= limit:
+        return clean
+    return f"{clean[:limit]}-{hashlib.sha256(name.encode()).hexdigest()[:4]}"
+
+
+def running_trial(start: Optional[FrameType] = None) -> Any:
+    """The ``optuna.trial.Trial`` whose objective runs now (in this thread), or None. Costs nothing
+    when Optuna is not imported."""
+    module = sys.modules.get("optuna.trial")
+    trial_type = getattr(module, "Trial", None)
+    if not isinstance(trial_type, type):
+        return None
+    frame: Optional[FrameType] = start if start is not None else sys._getframe(1)
+    for _ in range(MAX_FRAMES):
+        if frame is None:
+            return None
+        # the usual name first (Optuna's own frame has it), then any local of the frame
+        named = frame.f_locals.get("trial")
+        if isinstance(named, trial_type):
+            return named
+        found = next((v for v in frame.f_locals.values() if isinstance(v, trial_type)), None)
+        if found is not None:
+            return found
+        frame = frame.f_back
+    return None
+
+
+def _system_attrs(trial: Any) -> Mapping[str, Any]:
+    """The trial's system attributes, where a retry callback records the trial it retries (read from
+    the storage: ``Trial`` has no public ``system_attrs`` in Optuna 4+; an older one has)."""
+    try:
+        return dict(trial.storage.get_trial_system_attrs(trial._trial_id))
+    except Exception:  # noqa: BLE001 - an Optuna without these: the attribute of older versions
+        try:
+            return dict(getattr(trial, "system_attrs", None) or {})
+        except Exception:  # noqa: BLE001 - no retry known: the trial is its own original
+            return {}
+
+
+def retried_number(trial: Any) -> Optional[int]:
+    """The number of the trial that ``trial`` retries (the first of a series of retries), or None:
+    what ``RetryHeartbeatStaleTrialCallback.retried_trial_number(trial)`` answers."""
+    attrs = _system_attrs(trial)
+    history = attrs.get("retry_history")
+    first = history[0] if isinstance(history, list) and history else attrs.get("failed_trial")
+    return int(first) if isinstance(first, int) else None
+
+
+@dataclass(frozen=True)
+class TrialRun:
+    """The run of an Optuna trial: its name and the line that says why."""
+
+    name: str
+    line: str
+
+
+def _params_words(params: Mapping[str, Any], limit: int = 4) -> str:
+    def short(value: Any) -> str:
+        return f"{value:.3g}" if isinstance(value, float) else str(value)[:20]
+
+    items = [f"{k}={short(v)}" for k, v in list(params.items())[:limit]]
+    return ", ".join(items) + (", ..." if len(params) > limit else "")
+
+
+def _has_checkpoint(base: str, name: str) -> bool:
+    try:
+        return open_run(f"{base}/{name}").newest is not None
+    except Exception:  # noqa: BLE001 - an unreadable run: not one to continue
+        return False
+
+
+def _series(base: str, name: str) -> List[str]:
+    """The runs named ``name``, ``name.2``, ``name.3``, ... that hold a checkpoint: a study made again
+    under the same name (its trials numbered from 0 again) starts the next of the series."""
+    found: List[str] = []
+    while _has_checkpoint(base, name if not found else f"{name}.{len(found) + 1}"):
+        found.append(name if not found else f"{name}.{len(found) + 1}")
+    return found
+
+
+def optuna_run(base: str, trial: Any = None) -> Optional[TrialRun]:
+    """The run of the Optuna trial running now (None outside one). A trial's first checkpointer writes
+    ``optuna-<study>-trial-<n>``, its k-th ``...-<k>``; a retried trial writes its original's run
+    (resumed from its newest checkpoint). A trial that is no retry never takes a run that holds a
+    checkpoint already (a study made again under the same name): it starts ``<name>.2`` (``.3``, ...)."""
+    trial = trial if trial is not None else running_trial(sys._getframe(1))
+    if trial is None:
+        return None
+    try:
+        study, number = str(trial.study.study_name), int(trial.number)
+        params = dict(trial.params)
+    except Exception:  # noqa: BLE001 - not a trial we can read: the usual unnamed run
+        return None
+    original = retried_number(trial)
+    n = _PER_TRIAL[trial] = _PER_TRIAL.get(trial, 0) + 1
+    own = original if original is not None else number
+    name = f"optuna-{slug(study)}-trial-{own}" + ("" if n == 1 else f"-{n}")
+    series = _series(base, name)
+    about = f"Optuna trial {number} of study '{study}'" + (f", {_params_words(params)}" if params else "")
+    if original is not None:
+        name = series[-1] if series else name
+        why = (f"{about}: it retries trial {original}, so it resumes trial {original}'s run" if series else
+               f"{about}: it retries trial {original}, whose run holds no checkpoint; it starts it")
+    elif series:
+        taken = series[-1]
+        name = f"{name}.{len(series) + 1}"
+        why = f"new: {about}; run '{taken}' is an earlier trial {number} of a study of that name"
+    else:
+        why = f"new: {about}; each trial is its own run"
+    return TrialRun(name, f"run '{name}' in {base} ({why})")
+
+
+# ------------------------------------------------------------------------ the first save's line
+#: the checkpointers whose first save was announced (a new checkpointer on a run says it again:
+#: a cell run again is another training session)
+_ANNOUNCED: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def interval_words(every: Any) -> str:
+    """The schedule of saves in words (``every=`` as given, or the trigger's parsed
+    :class:`~keepalive.trigger.Schedule`): ``every epoch``, ``every 500 optimizer steps``, ``every 10 min``."""
+    schedule = every if isinstance(every, Schedule) else Schedule(every)
+    if schedule.auto:
+        return "at an interval chosen from measured save costs"
+    if schedule.steps is not None:
+        return f"every {schedule.steps} optimizer steps"
+    if schedule.seconds is not None:  # the user's own words ("10min"), a bare number of seconds in ours
+        text = schedule.text.strip()
+        return f"every {text if text[-1:].isalpha() else format_duration(schedule.seconds)}"
+    return "every epoch"
+
+
+def announce_first_save(ckpt: Any, say: Callable[[str], None]) -> None:
+    """At the first save of ``ckpt``: ``protecting run 'x' → <folder>, every <interval>`` (once; through
+    ``say``, which ``quiet=True`` silences)."""
+    if ckpt in _ANNOUNCED:
+        return
+    _ANNOUNCED.add(ckpt)
+    say(f"protecting run '{ckpt.store.run}' → {ckpt.url}, {interval_words(ckpt.trigger.schedule)}")

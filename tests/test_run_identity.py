@@ -1,0 +1,124 @@
+"""Which run an unnamed ``DriveCheckpoint()`` writes when one process runs several trainings
+(keepalive/runidentity.py), and the line said at a run's first save.
+
+* a K-fold loop: each fold its own run (``default``, ``default-2``, ...), each trained from its own
+  start; control: one named run shared by the folds hands fold 0's weights to every later fold;
+* an Optuna objective: each trial its own run ``optuna-<study>-trial-<n>`` (found in the caller's
+  frames, also from a helper the objective calls), a second checkpointer in one trial ``...-2``, a
+  retried trial its original's run, a new trial never a finished run (a study made again under its
+  name starts ``.2``);
+* the first save says ``protecting run 'x' → <folder>, every ...`` once; ``quiet=True`` silences it.
+"""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from keepalive import runidentity  # noqa: E402
+from keepalive.callbacks.torch import DriveCheckpoint  # noqa: E402
+from keepalive.store import CheckpointStore  # noqa: E402
+
+
+def _fold_training(fold: int, run=None, quiet=True):
+    """One fold: a tiny model trained two epochs on its own split; (run folder, final weights)."""
+    torch.manual_seed(fold)
+    x = torch.randn(40, 3)
+    y = x @ torch.tensor([[1.0], [-2.0], [0.5]])
+    keep = [i for i in range(40) if i % 5 != fold]
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x[keep], y[keep]), batch_size=8)
+    ckpt = DriveCheckpoint(model=model, optimizer=opt, quiet=quiet, **({"run": run} if run else {}))
+    for _epoch in ckpt.epochs(2):
+        for xb, yb in ckpt.batches(loader):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(xb), yb).backward()
+            opt.step()
+    ckpt.close()
+    return ckpt.core.url, model.weight.detach().clone()
+
+
+def test_kfold_each_fold_its_own_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("KEEPALIVE_DIR", str(tmp_path / "home"))
+    folds = [_fold_training(k) for k in range(5)]
+    names = [url.rsplit("/", 1)[-1] for url, _ in folds]
+    assert names == ["default", "default-2", "default-3", "default-4", "default-5"]
+    weights = [w for _, w in folds]
+    assert all(not torch.equal(weights[0], w) for w in weights[1:])  # each fold trained its own split
+
+    monkeypatch.setenv("KEEPALIVE_DIR", str(tmp_path / "shared-home"))
+    shared = [_fold_training(k, run="cv") for k in range(3)]  # control: one run for every fold
+    assert all(torch.equal(shared[0][1], w) for _, w in shared[1:])  # folds 1, 2 got fold 0's weights
+
+
+def test_first_save_line_once_and_quiet(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("KEEPALIVE_DIR", str(tmp_path))
+    _fold_training(0, run="loud", quiet=False)
+    out = capsys.readouterr().out
+    line = f"keepalive: protecting run 'loud' → {tmp_path}/loud, every epoch"
+    assert out.count("protecting run") == 1 and line in out, out
+    _fold_training(0, run="hushed", quiet=True)
+    assert "protecting" not in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------------------- Optuna
+optuna = pytest.importorskip("optuna")
+
+
+@pytest.fixture
+def study_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("KEEPALIVE_DIR", str(tmp_path))
+    warnings.simplefilter("ignore")  # the retry callback is "experimental"
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    return tmp_path
+
+
+def _made_in(objective, n_trials=1, study=None):
+    """The run URLs of the checkpointers ``objective(trial) -> [DriveCheckpoint]`` makes, per trial."""
+    study = study or optuna.create_study(study_name="s")
+    made = {}
+
+    def wrapped(trial):
+        made[trial.number] = [c.core.url.rsplit("/", 1)[-1] for c in objective(trial)]
+        return 0.0
+
+    study.optimize(wrapped, n_trials=n_trials)
+    return study, made
+
+
+def test_no_trial_outside_a_study():
+    assert runidentity.running_trial() is None
+
+
+def test_each_trial_its_own_run_also_from_a_helper(study_home):
+    def helper():  # the trial is no local of this frame: found in Optuna's own
+        return DriveCheckpoint(quiet=True)
+
+    _, made = _made_in(lambda trial: [helper(), DriveCheckpoint(quiet=True)], n_trials=2)
+    assert made == {0: ["optuna-s-trial-0", "optuna-s-trial-0-2"], 1: ["optuna-s-trial-1", "optuna-s-trial-1-2"]}
+
+
+def test_retried_trial_writes_its_original_run(study_home):
+    study, made = _made_in(lambda trial: [DriveCheckpoint(quiet=True)], n_trials=2)
+    CheckpointStore(f"{study_home}/optuna-s-trial-1", keep=None).commit({"a.bin": b"x"}, step=3, epoch=0)
+    # what Optuna's heartbeat does to a trial whose process was killed: a WAITING copy that names it
+    optuna.storages.RetryHeartbeatStaleTrialCallback()(study, study.trials[1])
+    _, again = _made_in(lambda trial: [DriveCheckpoint(quiet=True)], study=study)
+    assert again == {2: ["optuna-s-trial-1"]}
+    assert optuna.storages.RetryHeartbeatStaleTrialCallback.retried_trial_number(study.trials[2]) == 1
+
+
+def test_a_new_trial_never_takes_a_finished_run(study_home, capsys):
+    CheckpointStore(f"{study_home}/optuna-s-trial-0", keep=None).commit({"a.bin": b"x"}, step=3, epoch=0)
+    _, made = _made_in(lambda trial: [DriveCheckpoint()])  # a study made again under the same name
+    assert made == {0: ["optuna-s-trial-0.2"]}
+    out = capsys.readouterr().out
+    assert "run 'optuna-s-trial-0.2'" in out and "run 'optuna-s-trial-0' is an earlier trial 0" in out, out
+
+
+def test_study_names_become_folder_names():
+    assert runidentity.slug("plain_name-1.0") == "plain_name-1.0"
+    assert runidentity.slug("a/b") != runidentity.slug("a b") and "/" not in runidentity.slug("a/b")
