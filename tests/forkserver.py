@@ -16,6 +16,7 @@ applies to what the server imported (OMP_NUM_THREADS, for instance, is read by t
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -25,7 +26,7 @@ import sys
 import tempfile
 import threading
 from concurrent.futures import Future
-from typing import IO, Dict, List, Optional, Sequence, Tuple
+from typing import IO, Callable, Dict, Hashable, Iterator, List, Optional, Sequence, Tuple
 
 
 class Forked:
@@ -129,6 +130,100 @@ class ForkServer:
             self.proc.kill()
             self.proc.wait()
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+class ServerPool:
+    """Fork servers started on first use, one per kind of child: ``choose(argv, env)`` says which
+    (``(key, modules, setup)``; the key names what the preloaded imports depend on, e.g. Keras'
+    backend, read when keras is imported) or ``None`` for a fresh interpreter (a child whose exit
+    status or signal behaviour as a real interpreter is the point, or one the server has not
+    imported for). A server starts with the environment of the first child of its kind."""
+
+    def __init__(self, choose: Callable[[List[str], Dict[str, str]],
+                                        Optional[Tuple[Hashable, Sequence[str], str]]]):
+        self._choose = choose
+        self._servers: Dict[Hashable, ForkServer] = {}
+        self._lock = threading.Lock()
+        self.forked = 0  # children forked so far (tests print it; fresh interpreters are not counted)
+
+    def server_for(self, argv: List[str], env: Dict[str, str]) -> Optional[ForkServer]:
+        chosen = self._choose(argv, env)
+        if chosen is None:
+            return None
+        key, modules, setup = chosen
+        with self._lock:
+            if key not in self._servers:
+                self._servers[key] = ForkServer(modules, env, setup=setup)
+            self.forked += 1
+            return self._servers[key]
+
+    def close(self) -> None:
+        with self._lock:
+            servers, self._servers = list(self._servers.values()), {}
+        for server in servers:
+            server.close()
+
+
+class ForkingSubprocess:
+    """Stands in for the ``subprocess`` module inside a helper that starts the children itself
+    (tests/crashkit.py ``run_to_completion``): ``Popen([sys.executable, script, *args], stdout=PIPE,
+    stderr=STDOUT, text=True, env=...)`` and ``run([sys.executable, script, ...], capture_output=True,
+    text=True, ...)`` fork from the pool's server when it has one for that child (``run``'s
+    ``stderr`` then comes within ``stdout``: a fork has one stream); any other call is the real
+    module's. ``with ForkingSubprocess(pool).installed_in(crashkit):`` for the time of a module."""
+
+    def __init__(self, pool: ServerPool):
+        self.pool = pool
+
+    def __getattr__(self, name: str):
+        return getattr(subprocess, name)
+
+    def _server(self, args, env: Optional[Dict[str, str]]) -> Optional[ForkServer]:
+        argv = [str(a) for a in args] if isinstance(args, (list, tuple)) else []
+        if len(argv) < 2 or argv[0] != sys.executable or not argv[1].endswith(".py"):
+            return None  # python -c / -m, another program: as it was
+        return self.pool.server_for(argv[1:], dict(os.environ if env is None else env))
+
+    def Popen(self, args, stdout=None, stderr=None, text=None, env=None, cwd=None, **kw):  # noqa: N802
+        server = None
+        if stdout == subprocess.PIPE and stderr == subprocess.STDOUT and text and not kw:
+            server = self._server(args, env)
+        if server is None:
+            return subprocess.Popen(args, stdout=stdout, stderr=stderr, text=text, env=env, cwd=cwd, **kw)
+        return server.spawn([str(a) for a in args[1:]], dict(os.environ if env is None else env), cwd=cwd)
+
+    def run(self, args, capture_output=False, text=None, env=None, cwd=None, timeout=None, check=False,
+            **kw):
+        server = self._server(args, env) if capture_output and text and not kw else None
+        if server is None:
+            return subprocess.run(args, capture_output=capture_output, text=text, env=env, cwd=cwd,
+                                  timeout=timeout, check=check, **kw)
+        child = server.spawn([str(a) for a in args[1:]], dict(os.environ if env is None else env), cwd=cwd)
+        out: List[str] = []
+        reader = threading.Thread(target=lambda: out.append(child.stdout.read()), daemon=True)
+        reader.start()
+        try:
+            code = child.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+            raise subprocess.TimeoutExpired(args, timeout or 0.0) from None
+        reader.join(timeout=30)  # a grandchild may hold the stream open a moment longer
+        child.stdout.close()
+        done = subprocess.CompletedProcess(args, code, out[0] if out else "", "")
+        if check:
+            done.check_returncode()
+        return done
+
+    @contextlib.contextmanager
+    def installed_in(self, module) -> Iterator["ForkingSubprocess"]:
+        """``module.subprocess`` is this one inside the block, the real module again after it."""
+        was = module.subprocess
+        module.subprocess = self
+        try:
+            yield self
+        finally:
+            module.subprocess = was
 
 
 # ------------------------------------------------------------------------------------ the server

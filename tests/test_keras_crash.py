@@ -16,7 +16,9 @@ import pytest
 pytest.importorskip("keras")
 pytest.importorskip("tensorflow")
 
+import crashkit  # noqa: E402
 from crashkit import run_to_completion  # noqa: E402
+from forkserver import ForkingSubprocess, ServerPool  # noqa: E402
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "keras_train.py")
 EPOCHS, SAMPLES, BATCH = 4, 320, 16
@@ -58,6 +60,23 @@ def _assert_same(a, b):
 
 
 _REFS = {}
+
+
+def _preload(argv, env):
+    """The children fork from a server per Keras backend that has imported Keras and its backend (most
+    of a child's CPU time, some 30 children here); the backend's runtime starts in the child."""
+    backend = env.get("KERAS_BACKEND", "tensorflow")
+    return backend, ["numpy", backend, "keras"], ""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def forked_children():
+    pool = ServerPool(_preload)
+    try:
+        with ForkingSubprocess(pool).installed_in(crashkit):
+            yield pool
+    finally:
+        pool.close()
 
 
 def _env(backend):
