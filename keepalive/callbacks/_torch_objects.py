@@ -20,9 +20,11 @@ from ..config import CheckpointConfig
 from ..core import Checkpointer
 from ..statetree import StateTree
 from .torchstate import (
+    PlainObject,
     RandomState,
     changed_hyperparameters,
     check_objects,
+    class_name,
     frozen_parameters,
     hyperparameters,
     restore_gradients,
@@ -96,8 +98,7 @@ class TorchObjects:
         if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
             if CheckpointConfig.closest(name) is not None:  # a misspelled option, not an object
                 raise CheckpointConfig.unexpected("DriveCheckpoint", name)
-            raise TypeError(f"{name}: a {type(obj).__name__} has no state_dict()/load_state_dict(); "
-                            "put plain values in ckpt.extras instead")
+            obj = self._plain(name, obj)
         self._keep(name, obj)
         # Registered again before the resume: the fix of an object a checkpoint did not fit, the same
         # one; after it (a further stage): another object, whose state a later checkpoint holds
@@ -114,6 +115,18 @@ class TorchObjects:
             self.core.plan.update({f"{name}.{k}": v for k, v in self.schedule[name].items()})
         if self.after_resume and name in self.unrestored and name in self.objects:
             self.restore_late(name, obj)
+
+    def _plain(self, name: str, obj: Any) -> PlainObject:
+        """An object without ``state_dict()`` saved by its plain attributes (``DataLoaderLite``'s
+        position), or refused with the line that makes it savable."""
+        refusal = PlainObject.refusal(name, obj)
+        if refusal is not None:
+            raise TypeError(refusal)
+        wrapped = PlainObject(name, obj, self.core.warn)
+        kept = f"; not saved (they must not change): {', '.join(sorted(wrapped.kept))}" if wrapped.kept else ""
+        self.core.say(f"{name}: a {type(obj).__name__} without state_dict(): its attributes "
+                      f"{', '.join(wrapped.saved_names())} are saved and put back on a resume{kept}")
+        return wrapped
 
     def _keep(self, name: str, obj: Any) -> None:
         if _holds_dtensors(obj):
@@ -158,7 +171,7 @@ class TorchObjects:
 
     def section(self) -> Dict[str, Any]:
         """The ``torch`` part of a checkpoint: what a resume checks and restores beside the states."""
-        return {"classes": {n: type(o).__name__ for n, o in self.objects.items()},
+        return {"classes": {n: class_name(o) for n, o in self.objects.items()},
                 "hparams": self.hparams,
                 "registered": {n: self.generation.get(n, 1) for n in self.objects},
                 "frozen": {n: frozen_parameters(o) for n, o in self.objects.items()

@@ -5,6 +5,7 @@ per-batch worker seeding. It is no adapter itself; adapters import it, never eac
 from __future__ import annotations
 
 import random
+import types
 import weakref
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
@@ -15,7 +16,8 @@ from torch.nn.parameter import is_lazy
 from ..adapter import check_fits
 from ..errors import StateMismatchError
 
-__all__ = ["RandomState", "watch_steps", "gate_steps", "changed_hyperparameters", "check_module", "check_objects",
+__all__ = ["RandomState", "PlainObject", "class_name", "plain_value", "tensor_print", "value_print",
+           "watch_steps", "gate_steps", "changed_hyperparameters", "check_module", "check_objects",
            "check_optimizer", "state_summary",
            "frozen_parameters", "gradients", "gradients_pending", "hyperparameters", "restore_gradients",
            "restore_requires_grad", "accelerate_wrapper", "schedule_lrs", "schedule_settings",
@@ -109,15 +111,23 @@ def check_objects(objects: Mapping[str, Any], tree: Mapping[str, Any], where: st
         was = classes.get(name)
         if was in _WRAPPER_CLASSES and isinstance(obj, torch.nn.Module):
             was = None  # written before keepalive unwrapped them: its keys are checked below
-        if was is not None and was != type(obj).__name__:
+        if was is not None and was != class_name(obj):
             raise StateMismatchError(
-                f"{name}: the checkpoint {where} holds a {was}, this run has a {type(obj).__name__}. "
+                f"{name}: the checkpoint {where} holds a {was}, this run has a {class_name(obj)}. "
                 f"Nothing was loaded. Keep the {was} to continue this run, or start a new run "
                 "(another path or run=).")
         if isinstance(obj, torch.nn.Module):
             check_module(name, obj, saved[name], where)
         elif isinstance(obj, torch.optim.Optimizer):
             check_optimizer(name, obj, saved[name])
+
+
+def class_name(obj: Any) -> str:
+    """The class a checkpoint records for a registered object: an object saved by its attributes
+    (:class:`PlainObject`) is told from the same class with its own state_dict() (another state)."""
+    if isinstance(obj, PlainObject):
+        return f"{type(obj.obj).__name__} (attributes)"
+    return type(obj).__name__
 
 
 def changed_hyperparameters(now: Mapping[str, List[Dict[str, Any]]],
@@ -393,6 +403,8 @@ def state_summary(obj: Any) -> Any:
     """A cheap, comparable summary of an object's state, for an adapter's fingerprint
     (:attr:`keepalive.core.Checkpointer.fingerprint`): a scheduler: its step counts; anything else:
     its state_dict's plain values, tensors by their version counter and storage."""
+    if isinstance(obj, PlainObject):
+        return obj.summary()
     inner = getattr(obj, "scheduler", obj)  # accelerate's wrapper
     if isinstance(inner, torch.optim.lr_scheduler.LRScheduler):
         return (inner.last_epoch, getattr(inner, "_step_count", None))
@@ -416,3 +428,164 @@ def value_summary(x: Any) -> Any:
     if isinstance(x, np.generic):
         return x.item()
     return x if isinstance(x, (int, float, str, bool, type(None))) else repr(x)
+
+
+# ------------------------------------------------------------------------ objects without state_dict
+#: the largest tensor or array attribute of a plain object that is saved (bigger ones are left alone:
+#: a shard's whole token array is no position)
+PLAIN_ARRAY_BYTES = 16 << 20
+#: the most values a list / tuple / dict attribute may hold (all levels) to be saved
+PLAIN_ITEMS = 10_000
+_SCALARS = (type(None), bool, int, float, str, bytes)
+
+
+def plain_value(x: Any) -> bool:
+    """Whether ``x`` is a value a checkpoint holds as it is: a number, string, bytes, None, a numpy
+    scalar, a tensor or array up to :data:`PLAIN_ARRAY_BYTES`, or a small list / tuple / dict / set of
+    such values. Reads no data (sizes and types only)."""
+    budget = [PLAIN_ITEMS]
+
+    def walk(v: Any, depth: int) -> bool:
+        budget[0] -= 1
+        if budget[0] < 0 or depth > 6:
+            return False
+        if isinstance(v, _SCALARS):
+            return not isinstance(v, bytes) or len(v) <= PLAIN_ARRAY_BYTES
+        if isinstance(v, (np.generic, np.ndarray)):  # the dtypes a checkpoint stores
+            return v.dtype.kind in "biufc" and v.dtype.itemsize <= 8 and v.nbytes <= PLAIN_ARRAY_BYTES
+        if isinstance(v, torch.Tensor):
+            return v.layout == torch.strided and v.device.type != "meta" and not v.is_quantized and \
+                (not v.is_complex() or v.dtype == torch.complex64) and \
+                v.numel() * v.element_size() <= PLAIN_ARRAY_BYTES
+        if type(v) in (list, tuple, set, frozenset):
+            return all(walk(i, depth + 1) for i in v)
+        if type(v) is dict:
+            return all(isinstance(k, (str, int)) and walk(i, depth + 1) for k, i in v.items())
+        return False
+
+    return walk(x, 0)
+
+
+def tensor_print(t: torch.Tensor) -> Tuple[Any, ...]:
+    """A tensor's cheap fingerprint: an in-place change moves its version counter, a new tensor its
+    storage (no device sync, no data read)."""
+    try:
+        return (t._version, t.data_ptr(), tuple(t.shape))
+    except (RuntimeError, NotImplementedError):  # inference / sparse tensors have no counter or pointer
+        return (id(t), tuple(t.shape))
+
+
+def value_print(x: Any) -> Any:
+    """A cheap fingerprint of any attribute value that never calls user code: tensors and arrays by
+    identity and version / storage, a module by its tensors, small plain values as they are, other
+    objects by identity (a new object is a change; what happens inside one is not seen)."""
+    if isinstance(x, torch.Tensor):
+        return ("tensor", id(x), tensor_print(x))
+    if isinstance(x, np.ndarray):
+        return ("array", id(x), x.ctypes.data, x.shape)
+    if isinstance(x, torch.nn.Module):
+        return ("module", id(x), tuple(tensor_print(t) for t in (*x.parameters(), *x.buffers())))
+    if isinstance(x, _SCALARS) or isinstance(x, np.generic):
+        return x
+    if type(x) in (list, tuple) and len(x) <= 64:
+        return (type(x).__name__, id(x), tuple(value_print(v) for v in x))
+    return ("object", id(x), len(x) if isinstance(x, (list, tuple, dict, set)) else None)
+
+
+def _owned(x: Any, device: Optional[str]) -> Any:
+    """A value read from a checkpoint as the attribute's own (containers rebuilt, tensors copied onto
+    ``device``, arrays copied out of the loaded buffer)."""
+    if isinstance(x, torch.Tensor):
+        try:
+            return x.to(device or "cpu", copy=True)
+        except (RuntimeError, AssertionError):  # a GPU tensor resumed where there is none: on the CPU
+            return x.clone()
+    if isinstance(x, np.ndarray):
+        return x.copy()
+    if isinstance(x, (list, tuple, set, frozenset)):
+        return type(x)(_owned(v, None) for v in x)
+    if isinstance(x, dict):
+        return {k: _owned(v, None) for k, v in x.items()}
+    return x
+
+
+class PlainObject:
+    """A registered object without ``state_dict()`` (build-nanogpt's ``DataLoaderLite``, with its
+    ``current_shard`` / ``current_position``) as one that has it: its instance attributes that hold
+    plain values (:func:`plain_value`) are saved, and put back by ``setattr`` on a resume (tensors on
+    their device). Its other attributes (the shard's token array, objects) are not saved: they must not
+    change after the registration, and one that does is named once with the fix (``tell``), because a
+    resume would keep it as the code builds it. :meth:`refusal` says why an object cannot be wrapped."""
+
+    def __init__(self, name: str, obj: Any, tell: Any = None):
+        self.name, self.obj, self.tell = name, obj, tell
+        attrs = vars(obj)
+        #: the attributes not saved, as they were at the registration (a change of one is named)
+        self.kept = {k: value_print(v) for k, v in attrs.items() if not plain_value(v)}
+        self.told: set = set()
+
+    @staticmethod
+    def refusal(name: str, obj: Any) -> Optional[str]:
+        """Why ``obj`` cannot be saved attribute by attribute (the line to add), or None if it can."""
+        cls = type(obj).__name__
+        head = f"{name}: a {cls} has no state_dict()/load_state_dict()"
+        fix = (f"give {cls} a state_dict() that returns what positions it and a load_state_dict(state) that "
+               "puts it back, or put plain values in ckpt.extras instead")
+        if isinstance(obj, torch.utils.data.DataLoader):
+            return (f"{head}, and a DataLoader's position is in its iterator: pass it through "
+                    f"`for batch in ckpt.batches({name}):` instead of registering it")
+        if isinstance(obj, (type, types.ModuleType, types.FunctionType, types.MethodType)):
+            return f"{head} and no attributes keepalive can save: {fix}"
+        slots = [s for c in type(obj).__mro__[:-1] for s in getattr(c, "__slots__", ())
+                 if s not in ("__dict__", "__weakref__")]
+        if slots:
+            return f"{head}, and its __slots__ ({', '.join(slots[:4])}) cannot be saved by attribute: {fix}"
+        if not hasattr(obj, "__dict__"):
+            return f"{head} and no attributes keepalive can save: {fix}"
+        if not any(plain_value(v) for v in vars(obj).values()):
+            held = ", ".join(f"{k} ({type(v).__name__})" for k, v in list(vars(obj).items())[:4]) or "none"
+            return f"{head} and none of its attributes is a plain value (it holds {held}): {fix}"
+        return None
+
+    def saved_names(self) -> List[str]:
+        return [k for k, v in vars(self.obj).items() if plain_value(v)]
+
+    def state_dict(self) -> Dict[str, Any]:
+        self.check_kept()
+        values: Dict[str, Any] = {}
+        devices: Dict[str, str] = {}
+        for k, v in vars(self.obj).items():
+            if plain_value(v):
+                values[k] = v
+                if isinstance(v, torch.Tensor):
+                    devices[k] = str(v.device)
+        return {"attributes": values, "devices": devices}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        devices = state.get("devices") or {}
+        for k, v in (state.get("attributes") or {}).items():
+            setattr(self.obj, k, _owned(v, devices.get(k)))
+        # what the object holds now is what a resumed run starts from: changes are counted from here
+        self.kept = {k: value_print(v) for k, v in vars(self.obj).items() if not plain_value(v)}
+
+    def summary(self) -> Any:
+        """A cheap, comparable stand-in for :meth:`state_dict` (the adapter's fingerprint)."""
+        return tuple((k, value_print(v)) for k, v in vars(self.obj).items())
+
+    def check_kept(self) -> None:
+        """Name, once each, the attributes that are not saved and changed since the registration."""
+        if self.tell is None:
+            return
+        attrs = vars(self.obj)
+        for k, v in attrs.items():
+            if k in self.told or plain_value(v) or self.kept.get(k) == value_print(v):
+                continue
+            self.told.add(k)
+            size = v.numel() * v.element_size() if isinstance(v, torch.Tensor) else getattr(v, "nbytes", None)
+            what = type(v).__name__ + (f", {size / 2**20:.0f} MiB" if isinstance(size, int) else "")
+            cls = type(self.obj).__name__
+            self.tell(f"{self.name}.{k} ({what}) changed since {self.name} was registered and is not in the "
+                      f"checkpoint (saved are plain values up to {PLAIN_ARRAY_BYTES >> 20} MiB each: "
+                      f"{', '.join(self.saved_names()[:6])}): a resume would keep the {k} your code builds. "
+                      f"Give {cls} a state_dict() and a load_state_dict(state) that rebuilds {k} from "
+                      "the saved position.", key=f"plain-kept:{self.name}.{k}")
