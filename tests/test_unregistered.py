@@ -140,13 +140,13 @@ def test_a_registered_ema_or_a_ddp_like_wrapper_of_the_model_is_not_named(tmp_pa
     assert wrapped.inner is model
 
 
-def test_an_averaged_model_is_named_once_it_starts_changing_and_a_second_optimizer_too(tmp_path, capsys):
+def test_an_averaged_model_is_named_once_it_starts_changing_and_a_second_model_too(tmp_path, capsys):
     model = torch.nn.Linear(6, 3)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     swa_model = torch.optim.swa_utils.AveragedModel(model)
     critic = torch.nn.Linear(3, 1)
     critic_opt = torch.optim.Adam(critic.parameters(), lr=1e-3)
-    ckpt = DriveCheckpoint(tmp_path / "run", model=model, optimizer=opt, critic=critic, every=2, quiet=True)
+    ckpt = DriveCheckpoint(tmp_path / "run", model=model, optimizer=opt, every=2, quiet=True)
     data = loader()
     watched(ckpt, locals())
     named_at = {}
@@ -159,7 +159,7 @@ def test_an_averaged_model_is_named_once_it_starts_changing_and_a_second_optimiz
             critic(torch.randn(2, 3)).sum().backward()
             critic_opt.step()
         err = capsys.readouterr().err
-        for name in ("swa_model", "critic_opt"):
+        for name in ("swa_model", "critic", "critic_opt"):
             if warnings_about(err, name):
                 named_at[name] = named_at.get(name, []) + [n]
 
@@ -168,7 +168,7 @@ def test_an_averaged_model_is_named_once_it_starts_changing_and_a_second_optimiz
             step(model, opt, x, y)
             each_step(ckpt.step)
     # named at the first save after each began to change (saves every 2 steps), once
-    assert named_at == {"critic_opt": [6], "swa_model": [8]}, named_at
+    assert named_at == {"critic": [6], "critic_opt": [6], "swa_model": [8]}, named_at
 
 
 def test_the_watch_touches_no_random_generator_and_skips_what_has_no_state(tmp_path):
