@@ -173,3 +173,15 @@ def test_build_nanogpt_dataloaderlite_registered_resumes_exact_after_sigkill(tmp
             assert reference["loader"]["current_position"] != resumed["loader"]["current_position"]
             delta = max((reference["model"][k] - resumed["model"][k]).abs().max().item() for k in reference["model"])
             print(f"DataLoaderLite unregistered, after a resume: weights max |delta| {delta:.3g}")
+
+
+def test_under_several_processes_a_plain_object_is_said_to_resume_with_rank_0s_values(tmp_path, capsys, monkeypatch):
+    import types
+
+    from keepalive import distributed
+
+    ckpt = DriveCheckpoint(tmp_path / "run", model=torch.nn.Linear(2, 2), quiet=True)
+    monkeypatch.setattr(distributed, "GROUP", types.SimpleNamespace(active=True, world_size=2, rank=0, is_main=True))
+    ckpt.register("loader", Position(torch.arange(8)))
+    assert "loader: under 2 processes the checkpoint holds rank 0's Position attributes (current_shard, " \
+           "current_position," in capsys.readouterr().err

@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
+from .. import distributed as _distributed
 from .. import plan as _plan
 from ..config import CheckpointConfig
 from ..core import Checkpointer
@@ -126,6 +127,14 @@ class TorchObjects:
         kept = f"; not saved (they must not change): {', '.join(sorted(wrapped.kept))}" if wrapped.kept else ""
         self.core.say(f"{name}: a {type(obj).__name__} without state_dict(): its attributes "
                       f"{', '.join(wrapped.saved_names())} are saved and put back on a resume{kept}")
+        group = _distributed.GROUP
+        if group.active:  # registered objects are rank 0's in a checkpoint; a loader's position is not
+            self.core.warn(
+                f"{name}: under {group.world_size} processes the checkpoint holds rank 0's {type(obj).__name__} "
+                f"attributes ({', '.join(wrapped.saved_names())}), and every rank resumes with them: a "
+                "position that differs by rank (build-nanogpt's current_position, process_rank) is then rank "
+                "0's on every rank. Register it only where the ranks' values are the same, or set each rank's "
+                "position from ckpt.step after ckpt.resume().", key=f"plain-ranks:{name}")
         return wrapped
 
     def _keep(self, name: str, obj: Any) -> None:
