@@ -124,7 +124,9 @@ class TrainingData:
         if rl is None or rl.loader is not loader:
             if rl is not None:
                 rl.close()
-            rl = self.loaders[key] = LoaderReplay(loader)
+            replaced, rl = rl, LoaderReplay(loader)
+            self.loaders[key] = rl
+            self._persistent_from(rl, key, replaced)
             generators = (self.saved.get("generators") or {}).pop(key, None)
             if generators and not self.core.counters["batch"]:
                 rl.load_generators(generators)  # an epoch-end checkpoint: where the next epoch starts
@@ -133,6 +135,17 @@ class TrainingData:
             if not rl.mid_epoch:  # visible, once per run and reason (README: "a one-time warning")
                 self.core.warn(rl.why_not, key=f"loader:{rl.why_not}")
         return rl, key
+
+    def _persistent_from(self, rl: LoaderReplay, key: str, replaced: Optional[LoaderReplay]) -> None:
+        """A loader with persistent workers: what the checkpoint's workers carried (its ``persistent``
+        part), or, for a loader the training builds anew each epoch, that its workers start anew."""
+        saved = (self.saved.get("persistent") or {}).pop(key, None)
+        if rl.persistence is None:
+            return
+        if replaced is not None and replaced.persistence is not None:
+            rl.persistence.rebuilt = True
+        elif saved:
+            rl.persistence.load(saved)
 
     def promote(self, p: Pass) -> None:
         """``p`` is (now known to be) a pass over the training data."""
@@ -226,7 +239,10 @@ class TrainingData:
             data.update(position=self.position, epoch_rng=self.epoch_rng,
                         batch_size=self.main.batch_size if self.main is not None else None, streams=streams)
             self._tell_workers(streams)
-        else:
+        persistent = self._persistent_now()
+        if persistent:
+            data["persistent"] = persistent
+        if not self.core.counters["batch"]:
             # the loaders' private generators (generator=, a sampler's): where the next epoch starts
             data["generators"] = {key: rl.generators_now() for key, rl in self.loaders.items()}
             if self.pending_now:
@@ -234,6 +250,29 @@ class TrainingData:
                 # epoch's first step): the gradients are part of the state saved here
                 data["pending_grads"] = gradients(self.objects.objects, self.objects.optimizers)
         return data
+
+    def _persistent_now(self) -> Dict[str, Any]:
+        """What each loader's persistent workers carry into their next batches (``persistent_workers=True``:
+        their random states go on across epochs, and no new base seed is drawn), by dataset; a loaded
+        checkpoint's for the loaders this process has not iterated yet."""
+        out = dict(self.saved.get("persistent") or {})
+        for key, rl in self.loaders.items():
+            kept, pos = rl.persistence, rl.positioner
+            if kept is None or pos is None:
+                base = rl.base
+                # (a loader with state_dict() restores its own workers)
+                if rl.mode == "epoch" and getattr(base, "persistent_workers", False) and base.num_workers:
+                    self._tell_persistent(f"the {type(base).__name__} over a {type(base.dataset).__name__}")
+                continue
+            p = next((q for q in self.passes if q.rl is rl), None)
+            state = kept.state(pos, p.done if p is not None and p.trains else None, p is not None)
+            if state is None:
+                out.pop(key, None)
+            else:
+                out[key] = state
+            if kept.inexact:
+                self.core.warn(kept.inexact, key="inexact:persistent-workers")
+        return out
 
     def tell_foreign(self) -> None:
         """Loaders iterated outside ``ckpt.batches()`` across training steps: said once each."""
@@ -243,6 +282,18 @@ class TrainingData:
                 "restarts its epoch, so its batches differ from an uninterrupted run's. Pass it through "
                 f"ckpt.batches() too (e.g. zip(ckpt.batches(labeled), ckpt.batches({name}))).",
                 key=f"foreign:{name}")
+        for name in self.foreign.untold(persistent=True):
+            self._tell_persistent(f"{name} (iterated outside ckpt.batches())", "pass it through ckpt.batches(), "
+                                  "which carries its workers' states and seed, or ")
+
+    def _tell_persistent(self, what: str, fix: str = "") -> None:
+        """A loader with persistent workers whose workers a resume starts anew: said once."""
+        self.core.warn(
+            f"{what} keeps its workers across epochs (persistent_workers=True), and a resume starts them "
+            "anew: their base seed is drawn again from torch's generator (the uninterrupted run draws none "
+            "after the workers' first epoch) and their random streams restart, so the training after a "
+            f"resume differs from an uninterrupted run's. For an exact resume {fix}use "
+            "persistent_workers=False.", key=f"persistent:{what}")
 
     def _tell_workers(self, streams: Dict[str, Any]) -> None:
         """A mid-epoch save that a resume will not continue bit-exactly (a loader's shuffle buffer, or

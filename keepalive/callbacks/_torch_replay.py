@@ -35,7 +35,10 @@ worker fetched how many batches before the saved one is not replayed. keepalive 
 workers (:meth:`LoaderReplay.workers_draw`) so that the adapter can say so at the first mid-epoch
 save; from then on each batch a worker fetches carries the random state it starts from
 (:class:`keepalive.callbacks.replay.WorkerStates`, shared with the fastai adapter), and a mid-epoch
-checkpoint keeps those of the next ``num_workers`` batches.
+checkpoint keeps those of the next ``num_workers`` batches. Workers that live on across epochs
+(``persistent_workers=True``) draw their base seed once and carry their random states from one epoch to
+the next: :class:`PersistentWorkers` saves those states and the seed's generator, so that the new
+workers of a resumed process go on as the uninterrupted run's did.
 
 The steps of an iteration are public (:meth:`LoaderReplay.position_at`, :meth:`~LoaderReplay.open`,
 :meth:`~LoaderReplay.counted`, ...) for an adapter that creates the iterator itself (Lightning's).
@@ -91,6 +94,7 @@ class _Positioned:
         self.tagging = False
         self.serial = 0
         self.first = 0  # the number of the first batch the next iteration yields
+        self.made = 0   # the running iteration's batches of indices generated (handed to the fetchers)
         # A loader that fetches ahead of the batch it hands out (Accelerate's DataLoaderShard fetches
         # one batch ahead, in the main process) makes a batch before the steps before it have trained:
         # a save then holds the state the step left, not the one that batch was made from. With
@@ -125,6 +129,7 @@ class _Positioned:
         self.generated.clear()
         self.noted.clear()
         self.last_noted = None
+        self.made = first
         serial = self.serial
         # a plain BatchSampler skips samples in its sampler (as lazily as it); with batches to fetch
         # ahead again, the hook runs once they are made (below)
@@ -139,6 +144,7 @@ class _Positioned:
                 run, later = later, None
                 run()
             self.generated.append(batch_len(b))
+            self.made = first + i + 1
             self.noted.append((first + i, rng.capture() if self.noting and not self.tagging else None))
             if self.tagging and type(b) is list:
                 b = _Tagged(b)
@@ -213,12 +219,15 @@ class _WorkerDraws:
     (:class:`keepalive.callbacks.replay.WorkerStates`, which also gives a resumed iteration's first
     batches the states the uninterrupted run's workers had)."""
 
-    def __init__(self, dataset: Any, states: WorkerStates):
+    def __init__(self, dataset: Any, states: WorkerStates, serial: int = 0):
         object.__setattr__(self, "dataset", dataset)
         object.__setattr__(self, "_states", states)
+        #: the iteration that started the workers: a resumed one's saved states are its batches' only
+        #: (persistent workers make the same batch numbers again in later iterations)
+        object.__setattr__(self, "_serial", serial)
 
     def __getattr__(self, name: str) -> Any:  # worker_init_fn / collate code reading the dataset
-        if name in ("dataset", "_states"):
+        if name in ("dataset", "_states", "_serial"):
             raise AttributeError(name)
         return getattr(self.dataset, name)
 
@@ -239,12 +248,20 @@ class _WorkerDraws:
         return self._watch(indices, lambda: [self.dataset[i] for i in plain])
 
     def _watch(self, indices: Any, fetch: Callable[[], Any]) -> Any:
+        global _making
         tag = getattr(indices, "tag", None)
         info = get_worker_info()
         if tag is None or info is None:
             return fetch()
         serial, number = tag
         states = self._states
+        _making = tag
+        if serial != self._serial and states.resume:
+            states.resume.clear()
+        if number < info.num_workers:  # persistent workers: a resumed run hands them their states
+            handed = states.handed(serial, number)
+            if handed is not None:
+                _set_plain_state(handed)
         drawing = states.marked(_DRAWS)
         before = states.start(serial, number, info.num_workers, _full_state, note=drawing)
         out = fetch()
@@ -256,6 +273,173 @@ class _WorkerDraws:
 
 def _same_state(a: Tuple[bytes, Any, Any], b: Tuple[bytes, Any, Any]) -> bool:
     return a[0] == b[0] and a[1] == b[1] and int(a[2][2]) == int(b[2][2]) and bool((a[2][1] == b[2][1]).all())
+
+
+#: in a worker: the batch it is making, ``(iteration, number)`` (read by :class:`_NoteAfter`)
+_making: Optional[Tuple[int, int]] = None
+#: persistent workers' states and base seed carried across a resume (False: not, as keepalive did
+#: before; the tests' control)
+CARRY_PERSISTENT = True
+
+
+class _NoteAfter:
+    """Stands in for the ``collate_fn`` of a loader with persistent workers. In a worker, once a batch is
+    made (collated: a random collator's draws included), the worker's state is noted as that of the
+    batch it makes next, ``number + num_workers``: in this iteration, or for its last batch, the state
+    it starts the next iteration from."""
+
+    def __init__(self, inner: Callable[[Any], Any], states: WorkerStates):
+        self.inner, self.states = inner, states
+
+    def __call__(self, data: Any) -> Any:
+        out = self.inner(data)
+        info = get_worker_info()
+        if info is not None and _making is not None:
+            serial, number = _making
+            self.states.note(serial, number + info.num_workers, info.num_workers, _full_state())
+        return out
+
+
+class PersistentWorkers:
+    """What the workers of a loader with ``persistent_workers=True`` carry from one iteration to the next,
+    and how a resumed process goes on with them.
+
+    The loader's first ``iter()`` starts the workers, and draws their base seed (from torch's global
+    generator, or the loader's ``generator=``); each later ``iter()`` resets the same iterator: no seed
+    is drawn, and each worker's generators go on from where its last batch left them. A resumed
+    process has no workers yet: its first ``iter()`` starts new ones. So that it goes on as the
+    uninterrupted run did, when that run's ``iter()`` was a reset:
+
+    * the base seed is drawn from a copy of the generator as it was when the uninterrupted run started
+      its workers (the same seed for ``worker_init_fn``; nothing is drawn from the generator itself);
+    * each worker notes its state after each batch (:class:`_NoteAfter`); a checkpoint keeps, per slot
+      (the worker that makes batch ``j`` of every iteration, round-robin from batch 0), the state it
+      starts its next batch from, where the batches saved by position do not give it;
+    * the new workers start their first batches from these states. A resume inside an epoch starts at
+      batch ``k`` on the first worker, another slot: at the next iteration each slot's state is handed
+      (:meth:`WorkerStates.hand`) to the worker that makes that slot's batches from then on.
+    """
+
+    def __init__(self, loader: DataLoader):
+        self.loader = loader
+        self.workers = int(loader.num_workers)
+        self.states: Optional[WorkerStates] = None
+        self.seed_state: Optional[torch.Tensor] = None  # the base seed's generator when the workers started
+        self.running = False   # the uninterrupted run has started the workers: its next iter() resets them
+        self.reset = False     # the running iteration reset the workers (or stands for a reset)
+        self.rebuilt = False   # the training builds this loader anew each epoch (new workers each time)
+        self.carry: Dict[int, Any] = {}        # slot -> a saved state this process's workers do not have yet
+        self.start_slots: Dict[int, Any] = {}  # slot -> the state it began the running iteration with
+        self.offset = 0        # the running iteration's first batch made in this process
+        self.opened = False    # this process has iterated the loader
+        self.inexact = ""
+
+    def load(self, saved: Dict[str, Any]) -> None:
+        """A checkpoint's :meth:`state` (before this process iterates the loader)."""
+        self.running = bool(saved.get("reset"))
+        self.seed_state = saved.get("seed")
+        self.carry = {int(j): s for j, s in (saved.get("next") or {}).items()}
+
+    def opening(self, states: WorkerStates, pos: "_Positioned", resume: Optional[Dict[int, Any]]
+                ) -> Tuple[Dict[int, Any], Optional[torch.Generator]]:
+        """Before ``iter(loader)`` makes the iteration after ``pos.serial`` (from batch ``pos.first``):
+        the saved states of its first batches, for new workers, and the generator that draws their base
+        seed (None: the loader's own)."""
+        self.states = states
+        resume, gen = dict(resume or {}), None
+        if self.loader._iterator is None:  # iter() starts the workers
+            if self.running and self.seed_state is not None:  # where the uninterrupted run reset them
+                gen = torch.Generator()
+                gen.set_state(self.seed_state.clone())
+            elif not self.running:
+                g = self.loader.generator
+                self.seed_state = g.get_state() if g is not None else torch.get_rng_state()
+            self.reset, self.offset, self.start_slots = self.running, pos.first, dict(self.carry)
+            if not pos.first:
+                total = _length(pos, self.workers)
+                resume.update({j: s for j, s in self.carry.items() if j < total})
+                self.carry = {}
+        else:  # a reset: the workers go on from their last batches
+            slots = self._slots(pos.serial, pos.made, pos.made) if self._needed() else {}
+            if self.offset % self.workers or self.carry:  # this process's workers are on other slots
+                for j, state in slots.items():
+                    states.hand(pos.serial + 1, j, state)
+            self.start_slots, self.carry, self.offset, self.reset = slots, {}, 0, True
+        self.running = self.opened = True
+        return resume, gen
+
+    def around_iter(self, loader: DataLoader, gen: Optional[torch.Generator]) -> Callable[[], None]:
+        """Put in the collator noting the workers' states (and ``gen``) for ``iter(loader)``; returns
+        what puts the loader's own back."""
+        collate, generator = loader.collate_fn, loader.generator
+        assert self.states is not None
+        object.__setattr__(loader, "collate_fn", _NoteAfter(collate, self.states))
+        if gen is not None:
+            object.__setattr__(loader, "generator", gen)
+
+        def put_back() -> None:
+            object.__setattr__(loader, "collate_fn", collate)
+            object.__setattr__(loader, "generator", generator)
+        return put_back
+
+    def state(self, pos: "_Positioned", consumed: Optional[int] = None, running_pass: bool = False
+              ) -> Optional[Dict[str, Any]]:
+        """What a checkpoint keeps (None: nothing; a resume starts the workers as the uninterrupted run
+        did). ``running_pass``: an iteration is under way, with ``consumed`` batches trained (a training
+        pass saved by position) or None (an evaluation, made again whole by a resume)."""
+        if not self.opened:  # loaded, not iterated in this process yet: as loaded
+            return {"reset": self.running, "seed": self.seed_state,
+                    "next": {str(j): s for j, s in self.carry.items()}} if self.running or self.carry else None
+        if not running_pass and self.rebuilt:
+            return None  # the next epoch's loader starts new workers, as it does in the uninterrupted run
+        if running_pass and consumed is None:
+            slots = dict(self.start_slots)
+        elif not self._needed():
+            slots = {}
+        elif running_pass:
+            slots = self._slots(pos.serial, _length(pos, pos.made), int(consumed or 0))
+        else:
+            slots = self._slots(pos.serial, pos.made, pos.made)
+        reset = self.reset if running_pass else True
+        return {"reset": reset, "seed": self.seed_state, "next": {str(j): s for j, s in slots.items()}}
+
+    def _needed(self) -> bool:
+        """The workers draw random numbers (their states matter), or states wait to be handed."""
+        return bool(self.carry) or (self.states is not None and self.states.marked(_DRAWS))
+
+    def _slots(self, serial: int, sent: int, upto: int) -> Dict[int, Any]:
+        """Slot -> the state its worker starts its next batch from, once the batches before ``sent`` of
+        iteration ``serial`` are made; only the slots whose last such batch is before ``upto`` (the
+        others' next batches are in this iteration, saved by position)."""
+        w, out = self.workers, {}
+        for j in range(w):
+            last = j + (sent - 1 - j) // w * w if j < sent else -1  # the slot's last batch
+            if last >= upto:
+                continue
+            state = None
+            if last >= self.offset and self.states is not None:  # made by this process's workers
+                got = self.states.look_ahead(serial, last + w, 1, last + w + 1, _plain_state)
+                state = got[str(last + w)] if got else None
+            elif last < self.offset:
+                state = self.start_slots.get(j)
+            if state is None:
+                self.inexact = (
+                    f"the loader's {w} persistent workers (persistent_workers=True) draw random numbers, "
+                    "and keepalive could not take the state of each for this checkpoint (a worker "
+                    "that made no batch in this process, or did not note its state in time): a resume "
+                    "from it replays the data order exactly, but not the workers' draws. "
+                    "persistent_workers=False resumes bit-exactly")
+            else:
+                out[j] = state
+        return out
+
+
+def _length(pos: Any, default: int) -> int:
+    """Batches in an iteration of ``pos`` (``default`` without a length)."""
+    try:
+        return len(pos)
+    except TypeError:
+        return default
 
 
 class LoaderReplay:
@@ -293,6 +477,10 @@ class LoaderReplay:
             self.why_not = _probe(self.loader, index_sampler, self._samplers())
             if self.why_not:
                 self.mode, self._positioned = "epoch", None
+        base = self.base
+        #: what persistent workers carry from one iteration to the next (None: no such workers)
+        self.persistence = PersistentWorkers(base) if self._positioned is not None and CARRY_PERSISTENT \
+            and base.persistent_workers and base.num_workers > 0 else None
 
     @property
     def mid_epoch(self) -> bool:
@@ -509,22 +697,28 @@ class LoaderReplay:
         original = getattr(loader, attr)
         dataset = loader.dataset
         workers = loader.num_workers > 0
+        if workers and self._states is None:
+            self._states = WorkerStates.create("keepalive-workers-")
+        kept, put_back = self.persistence, None
+        if kept is not None and self._states is not None:
+            resume, gen = kept.opening(self._states, pos, resume)
+            put_back = kept.around_iter(loader, gen)
         pos.used = False
         pos.serial += 1
         pos.tagging = workers
         object.__setattr__(loader, attr, pos if index is None else index)
         try:
-            if workers:
-                if self._states is None:
-                    self._states = WorkerStates.create("keepalive-workers-")
-                object.__setattr__(loader, "dataset",
-                                   _WorkerDraws(dataset, self._states.resuming(resume, _set_plain_state)))
+            if workers and self._states is not None:
+                object.__setattr__(loader, "dataset", _WorkerDraws(
+                    dataset, self._states.resuming(resume, _set_plain_state), pos.serial))
             it = iter(self.loader)
             return it, list(itertools.islice(_ours(it), 1)) if first else []
         finally:
             object.__setattr__(loader, attr, original)
             if workers:
                 object.__setattr__(loader, "dataset", dataset)
+            if put_back is not None:
+                put_back()
 
     def check_opened(self, when: str = "") -> bool:
         """Whether the iterator :meth:`open` made went through the positioning stand-in; if it did not
@@ -824,6 +1018,8 @@ class ForeignIterators:
         self.boundary = 0  # the adapter counts its training boundaries here
         self._first: "weakref.WeakKeyDictionary[Any, Tuple[int, str]]" = weakref.WeakKeyDictionary()
         self._flagged: Dict[str, bool] = {}  # name -> told
+        #: loaders with persistent workers iterated outside ckpt.batches(): name -> told
+        self._persistent: Dict[str, bool] = {}
 
     def install(self) -> None:
         from torch.utils.data.dataloader import _BaseDataLoaderIter
@@ -860,14 +1056,18 @@ class ForeignIterators:
             return
         if first is None:
             self._first[it] = (self.boundary, _name_of(it, sys._getframe(2)))
+            if getattr(it, "_persistent_workers", False) and getattr(it, "_num_workers", 0):
+                self._persistent.setdefault(self._first[it][1], False)
         elif first[0] != self.boundary and first[1] not in self._flagged:
             self._flagged[first[1]] = False
 
-    def untold(self) -> List[str]:
-        """Names of the loaders noticed since the last call."""
-        names = [n for n, told in self._flagged.items() if not told]
+    def untold(self, persistent: bool = False) -> List[str]:
+        """Names of the loaders noticed since the last call (``persistent``: those with persistent
+        workers iterated outside ``ckpt.batches()``, whose workers a resume starts anew)."""
+        flagged = self._persistent if persistent else self._flagged
+        names = [n for n, told in flagged.items() if not told]
         for n in names:
-            self._flagged[n] = True
+            flagged[n] = True
         return names
 
 

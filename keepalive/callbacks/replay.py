@@ -16,7 +16,9 @@ put back just before the batch is made again. The adapters whose data goes throu
   (:meth:`WorkerStates.look_ahead`: a worker writes one as it starts the batch, which it has
   queued already); the resumed iteration starts at batch ``k`` and hands the workers these states
   (:meth:`WorkerStates.resuming`): the worker that makes batch ``k + w`` first starts it from the
-  state the uninterrupted run's worker had, and its generators go on from there as they did;
+  state the uninterrupted run's worker had, and its generators go on from there as they did
+  (workers that live on across iterations, ``persistent_workers=True``, are handed theirs with
+  :meth:`WorkerStates.hand`);
 * :class:`MadeStates`: the main process. A loader that makes batches ahead of the step that trains
   them (a prefetching wrapper, an optimizer step's micro-batches fetched together) makes one before
   the steps before it have trained: the state it was made from is noted as it is made, a checkpoint
@@ -148,7 +150,28 @@ class WorkerStates:
     def marked(self, name: str) -> bool:
         return os.path.exists(os.path.join(self.folder, name))
 
+    def handed(self, serial: int, number: int) -> Any:
+        """The state the main process left (:meth:`hand`) for batch ``number`` of iteration ``serial``
+        (taken: read once), or None."""
+        path = os.path.join(self.folder, f"h{serial}-{number}")
+        try:
+            with open(path, "rb") as f:  # written by this loader's own main process, never a checkpoint
+                state = pickle.load(f)
+            os.unlink(path)
+        except (OSError, EOFError, pickle.UnpicklingError):
+            return None
+        return state
+
     # -------------------------------------------------------------------- in the main process
+    def hand(self, serial: int, number: int, state: Any) -> None:
+        """Leave ``state`` for the worker that starts batch ``number`` of iteration ``serial``: workers
+        that live on from one iteration to the next (``persistent_workers=True``) get the states of a
+        resumed run this way, as new ones get them with :meth:`resuming`."""
+        path = os.path.join(self.folder, f"h{serial}-{number}")
+        with open(path + ".tmp", "wb") as f:
+            pickle.dump(state, f, protocol=pickle.HIGHEST_PROTOCOL)
+        os.replace(path + ".tmp", path)
+
     def look_ahead(self, serial: int, batches: int, workers: int, total: int,
                    convert: Optional[Callable[[Any], Any]] = None) -> Optional[Dict[str, Any]]:
         """The states the workers start the ``workers`` batches after the first ``batches`` of
