@@ -164,11 +164,17 @@ def test_build_nanogpt_dataloaderlite_registered_resumes_exact_after_sigkill(tmp
         flag = [] if registered else ["--unregistered"]
         argv = [*common, "--run", str(tmp_path / run), "--out", str(tmp_path / f"{run}.pt"), *flag]
         assert "KILL" in run_script(forks, *argv, "--kill-at", "6")  # between the micro-steps of iteration 6
-        run_script(forks, *argv)
+        out = run_script(forks, *argv)
         resumed = torch.load(tmp_path / f"{run}.pt", weights_only=False)
+        named = [line for line in out.splitlines() if "`train_loader` (DataLoaderLite) changed" in line]
         if registered:
             assert_same(reference, resumed)
-        else:  # the loader restarted at shard 0, position 0: other batches, other weights
+            assert not named, out
+        else:  # the loader restarted at shard 0, position 0: other batches, other weights; and it is named
+            assert named == ["keepalive: warning: `train_loader` (DataLoaderLite) changed during the training (its "
+                             "current_position) and is not in the checkpoint: a resume would start it again from "
+                             "its state before the loop. Register it with `ckpt.register('train_loader', "
+                             "train_loader)` before the loop."], out
             assert_differs(reference["model"], resumed["model"])
             assert reference["loader"]["current_position"] != resumed["loader"]["current_position"]
             delta = max((reference["model"][k] - resumed["model"][k]).abs().max().item() for k in reference["model"])

@@ -46,7 +46,7 @@ def watched(ckpt: DriveCheckpoint, namespace: dict) -> None:
     watch = UnregisteredWatch(ckpt.core, ckpt.objects)
     states = ckpt._objects.states
     ckpt._objects.states = lambda: (watch.check(), states())[1]
-    watch.start([namespace])
+    watch.start([namespace, globals()])  # the loop's frame: its locals and its module's globals
 
 
 def loader(steps_per_epoch: int = 4) -> torch.utils.data.DataLoader:
@@ -187,6 +187,42 @@ def test_the_watch_touches_no_random_generator_and_skips_what_has_no_state(tmp_p
     assert before[0] == after[0] and torch.equal(before[2], after[2])
     assert all(np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b for a, b in zip(before[1], after[1]))
     assert not watch.watched and relu is not None
+
+
+class Cursor:
+    """A plain position-carrying object of the loop's own code (build-nanogpt's DataLoaderLite shape)."""
+
+    def __init__(self):
+        self.current_shard, self.current_position, self.B = 0, 0, 8
+
+    def next_batch(self) -> None:
+        self.current_position += self.B
+
+
+class Settings:
+    """A plain object of the loop's code that never changes (a config): never named."""
+
+    def __init__(self):
+        self.lr, self.name = 0.1, "run"
+
+
+def test_a_plain_object_of_the_loops_code_that_moves_is_named_with_its_attributes(tmp_path, capsys):
+    model = torch.nn.Linear(6, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    train_loader, config = Cursor(), Settings()
+    ckpt = DriveCheckpoint(tmp_path / "run", model=model, optimizer=opt, every=2, quiet=True)
+    data = loader()
+    watched(ckpt, locals())
+    for epoch in ckpt.epochs(2):
+        for x, y in ckpt.batches(data):
+            train_loader.next_batch()
+            step(model, opt, x, y)
+    err = capsys.readouterr().err
+    assert warnings_about(err, "train_loader") == [
+        "keepalive: warning: `train_loader` (Cursor) changed during the training (its current_position) and is "
+        "not in the checkpoint: a resume would start it again from its state before the loop. Register it with "
+        "`ckpt.register('train_loader', train_loader)` before the loop."]
+    assert not warnings_about(err, "config") and config.lr == 0.1
 
 
 # ---------------------------------------------------------------------------------- SIGKILL

@@ -7,12 +7,14 @@ a resume that restarts it from its state before the loop while the resume line r
 :class:`UnregisteredWatch` looks at the variables of the loop's frame (its locals and the module's
 globals, handed to :meth:`~UnregisteredWatch.start` when the loop starts) for objects with state: a
 module with parameters or buffers, an optimizer, anything with ``state_dict()`` and
-``load_state_dict()``. An object registered, or whose tensors all belong to registered objects (a
-submodule of the model, the DDP / ``torch.compile`` wrapper around it), is no concern. The others are
-fingerprinted by their tensors' version counters and storages (never their data: nothing is read,
-copied, synchronised or drawn from a generator) and, at each save (:meth:`~UnregisteredWatch.check`),
-one whose own tensors or settings changed since is named once. One that never changes (a frozen
-teacher, a loss module with a class-weight buffer) is never named.
+``load_state_dict()``, and an instance of a class the script or notebook defines itself whose
+attributes registering would save (build-nanogpt's ``DataLoaderLite``). An object registered, or one
+whose tensors all belong to registered objects (a submodule of the model, the DDP / ``torch.compile``
+wrapper around it), is no concern. The others are fingerprinted by their tensors' version counters
+and storages, plain objects by their attributes (never their data: nothing is read, copied,
+synchronised or drawn from a generator) and, at each save (:meth:`~UnregisteredWatch.check`), one
+that changed since is named once. One that never changes (a frozen teacher, a loss module with a
+class-weight buffer) is never named.
 """
 from __future__ import annotations
 
@@ -66,6 +68,19 @@ def _stateful(value: Any) -> bool:
         and not hasattr(cls, "__iter__") and not hasattr(cls, "__getitem__") and hasattr(value, "__dict__")
 
 
+def _plain_object(value: Any, home: Set[str]) -> bool:
+    """An instance of a class defined in the loop's own script or notebook (build-nanogpt's
+    ``DataLoaderLite``) that registering would save by its attributes: its position is the loop's
+    state. Classes of libraries (progress bars, meters, loggers) are not looked at."""
+    cls = type(value)
+    return cls.__module__ in home and not isinstance(value, (torch.nn.Module, torch.optim.Optimizer)) \
+        and not callable(getattr(cls, "state_dict", None)) and PlainObject.refusal("", value) is None
+
+
+def _attributes(obj: Any) -> Tuple[Tuple[str, Any], ...]:
+    return tuple((k, value_print(v)) for k, v in list(vars(obj).items()))
+
+
 class UnregisteredWatch:
     """Names, once each, the stateful objects of the loop's variables that the training changes and
     no registered object holds. ``registered``: the checkpoint's objects (name -> object), read live."""
@@ -74,7 +89,7 @@ class UnregisteredWatch:
         self.core = core
         self.registered = registered
         self.namespaces: List[Dict[str, Any]] = []
-        #: id(object) -> (variable name, weak or strong reference, fingerprint at the start)
+        #: id(object) -> (variable name, weak or strong reference, (kind, fingerprint at the start))
         self.watched: Dict[int, Tuple[str, Any, Any]] = {}
         self.done: Set[int] = set()  # named, or seen to belong to registered objects
         self.ckpt_name = "ckpt"
@@ -111,14 +126,17 @@ class UnregisteredWatch:
                 self.done.add(key)
                 del self.watched[key]
                 continue
-            if self._fingerprint(obj, owned) != before:
+            now = _attributes(obj) if before[0] == "plain" else self._fingerprint(obj, owned)
+            if now != before[1]:
                 self.done.add(key)
                 del self.watched[key]
-                self._tell(name, obj)
+                changed = [k for k, v in now if (k, v) not in before[1]] if before[0] == "plain" else []
+                self._tell(name, obj, changed)
 
     # ------------------------------------------------------------------------------------ parts
     def _scan(self) -> None:
         owned = self._registered_tensors()
+        home = {"__main__", *(str(ns.get("__name__")) for ns in self.namespaces if "__name__" in ns)}
         for ns in self.namespaces:
             for name, value in list(ns.items()):
                 if value is not self and type(value).__module__.startswith("keepalive.") and \
@@ -126,13 +144,19 @@ class UnregisteredWatch:
                     self.ckpt_name = name  # the user's name for the checkpointer, for the fix line
                 if name.startswith("_") or id(value) in self.watched or id(value) in self.done:
                     continue
-                if not _stateful(value) or self._is_registered(value):
+                if _stateful(value):
+                    before = ("state", self._fingerprint(value, owned))
+                elif _plain_object(value, home):
+                    before = ("plain", _attributes(value))
+                else:
+                    continue
+                if self._is_registered(value):
                     continue
                 try:
                     ref: Any = weakref.ref(value)
                 except TypeError:
                     ref = value
-                self.watched[id(value)] = (name, ref, self._fingerprint(value, owned))
+                self.watched[id(value)] = (name, ref, before)
 
     def _registered_objects(self) -> List[Any]:
         out = []
@@ -162,9 +186,10 @@ class UnregisteredWatch:
         tensors = tuple((id(t), tensor_print(t)) for t in state_tensors(obj) if id(t) not in owned)
         return tensors, _settings(obj)
 
-    def _tell(self, name: str, obj: Any) -> None:
+    def _tell(self, name: str, obj: Any, attributes: List[str]) -> None:
         ckpt = self.ckpt_name
+        which = f" (its {', '.join(attributes[:4])})" if attributes else ""
         self.core.warn(
-            f"`{name}` ({type(obj).__name__}) changed during the training and is not in the checkpoint: a "
+            f"`{name}` ({type(obj).__name__}) changed during the training{which} and is not in the checkpoint: a "
             f"resume would start it again from its state before the loop. Register it with "
             f"`{ckpt}.register('{name}', {name})` before the loop.", key=f"unregistered:{name}")
