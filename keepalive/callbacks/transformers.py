@@ -92,6 +92,7 @@ from . import _compat_transformers as hfc
 from . import _hf_messages as hfmsg
 from . import _hf_resume as hfresume
 from . import _hf_state as hfstate
+from ._hf_best import BestModelLoader, keep_best
 from ._hf_position import DataPosition
 from ._hf_resume import NO_CHECKPOINT, TrainersResume
 from .torchstate import gate_steps
@@ -165,7 +166,7 @@ class DriveCheckpoint(CheckpointAdapter, TrainerCallback):
         # The instance attribute comes before the class's method: this train() call only (see module)
         setattr(trainer, hfc.RUN_EPOCH, _EpochRunner(self, trainer))
         setattr(trainer, hfc.GET_BATCH_SAMPLES, _BatchFetcher(self, trainer))
-        setattr(trainer, hfc.LOAD_BEST_MODEL, _BestModelLoader(self, trainer))
+        setattr(trainer, hfc.LOAD_BEST_MODEL, BestModelLoader(core, trainer, lambda: self._active, lambda: self._best))
         if self._complete:
             control.should_training_stop = True
             return
@@ -350,13 +351,8 @@ class DriveCheckpoint(CheckpointAdapter, TrainerCallback):
                 **kwargs: Any) -> None:
         """The Trainer saved its own checkpoint: when it is the new best one (``load_best_model_at_end``),
         keep its weights, so that the best model outlives a lost ``output_dir`` (a VM reset)."""
-        trainer = self._trainer
-        if not self._active or trainer is None or not args.load_best_model_at_end:
-            return
-        best = state.best_model_checkpoint
-        if best and state.best_global_step == state.global_step and (self._best is None or self._best[0] != best):
-            self._best = (best, {k: v.detach().to("cpu", copy=True)
-                                 for k, v in hfstate.trainable_state(hfstate.model_of(trainer)).items()})
+        if self._active and self._trainer is not None:
+            self._best = keep_best(self._trainer, args, state, self._best)
 
     # ------------------------------------------------------------------- this train() call's settings
     def _change(self, obj: Any, name: str, value: Any) -> None:
@@ -452,30 +448,6 @@ class DriveCheckpoint(CheckpointAdapter, TrainerCallback):
         self._resume = {"epoch": int(data.get("epoch", 0)), "batch": int(data.get("batch", 0)),
                         "replay": data.get("replay") or {}}
         self._rng_tree = {"rng": tree.get("rng")}  # only the RNGs: the tensors are loaded already
-
-
-class _BestModelLoader:
-    """Stands in for ``trainer._load_best_model`` (``hfc.LOAD_BEST_MODEL``) during one ``train()`` call: when
-    the best checkpoint's folder is gone (a local ``output_dir`` lost with the VM), the best weights come
-    from keepalive's checkpoint, or the user reads that the run ends with the last model."""
-
-    def __init__(self, cb: DriveCheckpoint, trainer: Trainer):
-        self.cb, self.trainer = cb, trainer
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        cb, trainer = self.cb, self.trainer
-        load = getattr(type(trainer), hfc.LOAD_BEST_MODEL).__get__(trainer)
-        path = trainer.state.best_model_checkpoint
-        if (not cb._active or getattr(trainer, hfc.LOAD_BEST_MODEL) is not self or not path
-                or os.path.isdir(path)):
-            return load(*args, **kwargs)
-        held = cb._best
-        if held is not None and held[0] == path:
-            hfstate.load_weights(hfstate.model_of(trainer), held[1])
-            hfmsg.say_best_loaded(cb.core, trainer, path)
-            return None
-        hfmsg.tell_best_lost(cb.core, path)
-        return None
 
 
 class _BatchFetcher:
