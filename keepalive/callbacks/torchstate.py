@@ -509,6 +509,12 @@ def _owned(x: Any, device: Optional[str]) -> Any:
     return x
 
 
+def _attrs(obj: Any) -> Dict[str, Any]:
+    """A copy of ``obj``'s instance attributes: a save from the pause guard's thread reads them while
+    the loop may add one (iterating the live dict would then raise)."""
+    return dict(vars(obj))
+
+
 class PlainObject:
     """A registered object without ``state_dict()`` (build-nanogpt's ``DataLoaderLite``, with its
     ``current_shard`` / ``current_position``) as one that has it: its instance attributes that hold
@@ -519,7 +525,7 @@ class PlainObject:
 
     def __init__(self, name: str, obj: Any, tell: Any = None):
         self.name, self.obj, self.tell = name, obj, tell
-        attrs = vars(obj)
+        attrs = _attrs(obj)
         #: the attributes not saved, as they were at the registration (a change of one is named)
         self.kept = {k: value_print(v) for k, v in attrs.items() if not plain_value(v)}
         self.told: set = set()
@@ -542,19 +548,19 @@ class PlainObject:
             return f"{head}, and its __slots__ ({', '.join(slots[:4])}) cannot be saved by attribute: {fix}"
         if not hasattr(obj, "__dict__"):
             return f"{head} and no attributes keepalive can save: {fix}"
-        if not any(plain_value(v) for v in vars(obj).values()):
-            held = ", ".join(f"{k} ({type(v).__name__})" for k, v in list(vars(obj).items())[:4]) or "none"
+        if not any(plain_value(v) for v in _attrs(obj).values()):
+            held = ", ".join(f"{k} ({type(v).__name__})" for k, v in list(_attrs(obj).items())[:4]) or "none"
             return f"{head} and none of its attributes is a plain value (it holds {held}): {fix}"
         return None
 
     def saved_names(self) -> List[str]:
-        return [k for k, v in vars(self.obj).items() if plain_value(v)]
+        return [k for k, v in _attrs(self.obj).items() if plain_value(v)]
 
     def state_dict(self) -> Dict[str, Any]:
         self.check_kept()
         values: Dict[str, Any] = {}
         devices: Dict[str, str] = {}
-        for k, v in vars(self.obj).items():
+        for k, v in _attrs(self.obj).items():
             if plain_value(v):
                 values[k] = v
                 if isinstance(v, torch.Tensor):
@@ -566,17 +572,17 @@ class PlainObject:
         for k, v in (state.get("attributes") or {}).items():
             setattr(self.obj, k, _owned(v, devices.get(k)))
         # what the object holds now is what a resumed run starts from: changes are counted from here
-        self.kept = {k: value_print(v) for k, v in vars(self.obj).items() if not plain_value(v)}
+        self.kept = {k: value_print(v) for k, v in _attrs(self.obj).items() if not plain_value(v)}
 
     def summary(self) -> Any:
         """A cheap, comparable stand-in for :meth:`state_dict` (the adapter's fingerprint)."""
-        return tuple((k, value_print(v)) for k, v in vars(self.obj).items())
+        return tuple((k, value_print(v)) for k, v in _attrs(self.obj).items())
 
     def check_kept(self) -> None:
         """Name, once each, the attributes that are not saved and changed since the registration."""
         if self.tell is None:
             return
-        attrs = vars(self.obj)
+        attrs = _attrs(self.obj)
         for k, v in attrs.items():
             if k in self.told or plain_value(v) or self.kept.get(k) == value_print(v):
                 continue
