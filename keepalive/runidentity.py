@@ -33,13 +33,16 @@ import sys
 import weakref
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any, Callable, List, Mapping, Optional
+from typing import Any, Callable, List, Mapping, Optional, Tuple
 
-from .runs import open_run
+from .errors import StateMismatchError
+from .runs import Run, open_run
+from .savepath import open_destination
 from .trigger import Schedule
 from .units import format_duration
 
-__all__ = ["TrialRun", "announce_first_save", "interval_words", "optuna_run", "running_trial", "slug"]
+__all__ = ["TrialRun", "announce_first_save", "another_training", "interval_words", "move_to", "newest_of_own_run",
+           "optuna_run", "running_trial", "slug"]
 
 #: frames looked through for a running trial (Optuna's ``_run_trial`` is a few frames above the
 #: objective; a training helper called by the objective adds some)
@@ -165,6 +168,66 @@ def optuna_run(base: str, trial: Any = None) -> Optional[TrialRun]:
     else:
         why = f"new: {about}; each trial is its own run"
     return TrialRun(name, f"run '{name}' in {base} ({why})")
+
+
+# ------------------------------------------------------------- a finished run of another training
+#: how many finished runs of other trainings one checkpointer moves past (each move is to a run named
+#: after what differs: a chain is as long as the trainings that differ from each other)
+MAX_MOVES = 8
+
+
+def _unnamed(ckpt: Any) -> bool:
+    cfg = ckpt.config
+    return cfg.path is None and cfg.run is None
+
+
+def another_training(ckpt: Any, found: Optional[Tuple[Any, Any, Any]],
+                     check: Optional[Callable[[Any], None]]) -> Optional[str]:
+    """Why the finished run ``found`` (``(info, tree, previous)``) is another training than the one
+    ``ckpt`` is about to start, in words (``another model than run 'x', which finished (...)``): its
+    checkpoint does not fit the objects (``check`` refuses it). None when it fits (the same training
+    run again: it is complete), when the run has not finished (a resume; a misfit is then refused as
+    ever), or for a run the user named (a path or ``run=``: the user chose it)."""
+    if found is None or not _unnamed(ckpt):
+        return None
+    info, tree, _ = found
+    then = (info.manifest or {}).get("metadata") or {}
+    if not then.get("finished"):
+        return None
+    if check is not None:
+        try:
+            check(tree)
+        except StateMismatchError as exc:
+            return f"another model than run '{ckpt.store.run}', which finished ({str(exc).split(';')[0]})"
+    return None
+
+
+def move_to(ckpt: Any, url: str) -> None:
+    """Make ``ckpt`` write the run ``url`` instead of its own (before anything was opened or saved)."""
+    where = open_destination(url, ckpt.config, remaining_fn=ckpt.trigger.remaining,
+                             on_durable=ckpt.trigger.record_save, on_commit=ckpt.on_commit)
+    previous = ckpt.spooled
+    ckpt.url, ckpt.store, ckpt.spooled, ckpt.writer = url, where.store, where.spooled, where.writer
+    ckpt.path.move(where)
+    previous.close()
+
+
+def newest_of_own_run(ckpt: Any, check: Optional[Callable[[Any], None]] = None) -> Any:
+    """The newest valid checkpoint of the run ``ckpt`` writes (``(info, tree, previous)`` or None),
+    after moving an unnamed checkpointer off a finished run of another training (another model: the
+    n-th training of a cell or script whose trainings differ from one run to the next) to a run of
+    its own, ``<run>-<hash of what differs>``: the same training run again finds that run (and
+    resumes it, or finds it complete). Said in one line."""
+    found = Run(ckpt.store, spool=ckpt.spooled.local_spool()).load_newest(quiet=ckpt.quiet)
+    for _ in range(MAX_MOVES):
+        why = another_training(ckpt, found, check)
+        if why is None or ckpt.saver.opened:
+            return found
+        name = f"{ckpt.store.run}-{hashlib.sha256(why.encode()).hexdigest()[:4]}"
+        move_to(ckpt, ckpt.url.rsplit("/", 1)[0] + "/" + name)
+        ckpt.say(f"run '{name}' (new: {why}; run='name' names a run)")
+        found = Run(ckpt.store, spool=ckpt.spooled.local_spool()).load_newest(quiet=ckpt.quiet)
+    return found
 
 
 # ------------------------------------------------------------------------ the first save's line

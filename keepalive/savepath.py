@@ -9,6 +9,10 @@
   into the checkpoint's folder, the rest and the manifest (last) are written by rank 0
   (:mod:`keepalive.dcp` has the DCP side).
 
+:func:`open_destination` builds what a run's checkpoints go through (its store, the spool, the writer),
+once when a checkpointer is made and again if it moves to another run before its first save
+(:mod:`keepalive.runidentity`).
+
 Each offers the same small interface (:class:`SavePath`): ``agree`` (every rank's save / stop /
 signal combined at a consistent boundary; None for one process), ``localize`` (this rank's own part
 of a loaded checkpoint), ``reserve``, ``submit``, ``wait``, ``close``; the core never branches on the
@@ -18,13 +22,16 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Tuple, cast
 
 from . import distributed as _distributed
 from . import report
+from .progress import upload_progress
+from .spool import SpooledStore
 from .state import HostSnapshot, frozen_copy
 from .statetree import StateTree
-from .store import WriteResult
+from .store import CheckpointStore, WriteResult
 from .writer import AsyncWriter
 
 log = logging.getLogger("keepalive")
@@ -55,6 +62,9 @@ class SavePath(Protocol):
 
     def close(self) -> None: ...
 
+    def move(self, where: "Destination") -> None:
+        """Write to another run from now on (before the first save: :mod:`keepalive.runidentity`)."""
+
 
 class LocalSave:
     """One process, one writer."""
@@ -84,6 +94,9 @@ class LocalSave:
     def close(self) -> None:
         pass
 
+    def move(self, where: "Destination") -> None:
+        self.writer = where.writer
+
 
 class GatheredSave(LocalSave):
     """DDP: rank 0 writes one checkpoint holding every rank's own part; all ranks agree at each
@@ -97,6 +110,10 @@ class GatheredSave(LocalSave):
     def agree(self, save: bool, stop: bool, signal: Optional[int],
               position: Optional[_distributed.Position] = None) -> Optional[_distributed.Agreement]:
         return self.group.agree(save, stop, signal, position)  # one small collective per consistent boundary
+
+    def move(self, where: "Destination") -> None:
+        super().move(where)
+        self.folder = where.store  # the run folder every rank must see
 
     def reserve(self, tree: StateTree) -> None:
         if self.writes:  # only rank 0 writes, only it needs the host buffer
@@ -282,6 +299,38 @@ class ShardedSave:
     def close(self) -> None:
         self.sharded.close()  # its staging buffers and side process group
 
+    def move(self, where: "Destination") -> None:
+        self.spooled, self.url, self.folder = where.spooled, where.store.url, where.store
+
+
+@dataclass
+class Destination:
+    """Where a run's checkpoints go: its run folder's store, what the writer commits through (the store
+    itself, or a local spool whose checkpoints a background thread uploads: remote URLs, Drive,
+    failing destinations; :mod:`keepalive.spool`), and the writer."""
+
+    store: CheckpointStore
+    spooled: SpooledStore
+    writer: AsyncWriter
+
+
+def open_destination(url: str, cfg: Any, *, remaining_fn: Callable[[], Optional[float]],
+                     on_durable: Callable[[float], None],
+                     on_commit: Optional[List[Callable[[WriteResult], None]]] = None) -> Destination:
+    """The store, spool and writer of the run folder ``url`` with the options of ``cfg`` (a
+    :class:`~keepalive.config.CheckpointConfig`); nothing is opened or written yet. ``on_commit``: the
+    callbacks a committed checkpoint is handed to (kept when a checkpointer moves to another run)."""
+    store = CheckpointStore(url, keep=cfg.keep, keep_every=cfg.keep_every, storage_options=cfg.storage_options)
+    spooled = SpooledStore(store, cfg.spool, storage_options=cfg.storage_options, flush_timeout=cfg.flush_timeout,
+                           drive_flush=cfg.drive_flush, quiet=cfg.quiet, remaining_fn=remaining_fn,
+                           on_durable=on_durable)
+    writer = AsyncWriter(spooled, background=cfg.background)
+    if on_commit is not None:
+        writer.on_commit = on_commit
+    if not cfg.quiet:
+        writer.progress_factory = upload_progress(url)
+    return Destination(store, spooled, writer)
+
 
 def choose(writer: AsyncWriter, group: _distributed.ProcessGroup, sharded: Any, spooled: Any,
            on_commit: List[Callable[[WriteResult], None]], url: str) -> SavePath:
@@ -294,4 +343,5 @@ def choose(writer: AsyncWriter, group: _distributed.ProcessGroup, sharded: Any, 
     return LocalSave(writer, group)
 
 
-__all__ = ["GatheredSave", "LocalSave", "SavePath", "ShardedSave", "choose", "localize"]
+__all__ = ["Destination", "GatheredSave", "LocalSave", "SavePath", "ShardedSave", "choose", "localize",
+           "open_destination"]

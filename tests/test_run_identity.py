@@ -11,6 +11,7 @@
 """
 from __future__ import annotations
 
+import os
 import warnings
 
 import pytest
@@ -122,3 +123,53 @@ def test_a_new_trial_never_takes_a_finished_run(study_home, capsys):
 def test_study_names_become_folder_names():
     assert runidentity.slug("plain_name-1.0") == "plain_name-1.0"
     assert runidentity.slug("a/b") != runidentity.slug("a b") and "/" not in runidentity.slug("a/b")
+
+
+# ------------------------------------------------------------ a finished run of another training
+def _session(hidden: int, monkeypatch, **named):
+    """A new process's first unnamed DriveCheckpoint() training an MLP of ``hidden`` units."""
+    from keepalive import notebook
+
+    monkeypatch.setattr(notebook, "_UNNAMED", {})  # a new process: its first unnamed checkpointer
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(16, 3)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4)
+    ckpt = DriveCheckpoint(model=model, optimizer=opt, **named)
+    trained = 0
+    for _epoch in ckpt.epochs(2):
+        for xb, yb in ckpt.batches(loader):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(xb), yb).backward()
+            opt.step()
+            trained += 1
+    ckpt.close()
+    return ckpt.core.store.run, trained, [p.detach().clone() for p in model.parameters()]
+
+
+def test_a_finished_run_of_another_model_is_not_reused(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("KEEPALIVE_DIR", str(tmp_path / "home"))
+    assert _session(8, monkeypatch)[:2] == ("default", 8)
+    run, trained, weights = _session(16, monkeypatch)  # another model: a run of its own, trained
+    out = capsys.readouterr().out
+    assert run.startswith("default-") and trained == 8, out
+    assert f"run '{run}' (new: another model than run 'default', which finished (model: '0.weight'" in out, out
+    monkeypatch.setenv("KEEPALIVE_DIR", str(tmp_path / "alone"))
+    alone = _session(16, monkeypatch)[2]
+    assert all(torch.equal(a, b) for a, b in zip(alone, weights))
+    monkeypatch.setenv("KEEPALIVE_DIR", str(tmp_path / "home"))
+    assert _session(16, monkeypatch)[:2] == (run, 0)  # the same training again finds its own run, complete
+    assert _session(8, monkeypatch)[:2] == ("default", 0)  # and the first one its own
+    runs = sorted(d for d in os.listdir(tmp_path / "home") if d.startswith("default"))
+    assert runs == sorted(["default", run])
+
+
+def test_control_a_named_run_of_another_model_is_refused(tmp_path, monkeypatch):
+    """A run the user named is the user's choice: a misfit is refused as ever, nothing moves."""
+    from keepalive.errors import StateMismatchError
+
+    monkeypatch.setenv("KEEPALIVE_DIR", str(tmp_path))
+    _session(8, monkeypatch, run="mine")
+    with pytest.raises(StateMismatchError):
+        _session(16, monkeypatch, run="mine")
