@@ -48,7 +48,7 @@ FRAMEWORKS = {
                                                       "_fastai_fits.py", "_fastai_resume.py", "_fastai_capture.py")),
     "transformers": ("keepalive.callbacks._compat_transformers", ("transformers.py", "_hf_data.py", "_hf_state.py",
                                                                   "_hf_position.py", "_hf_resume.py",
-                                                                  "_hf_messages.py")),
+                                                                  "_hf_messages.py", "_hf_best.py")),
     "lightning": ("keepalive.callbacks._compat_lightning", ("lightning.py", "_lightning_state.py",
                                                             "_lightning_data.py", "_lightning_attach.py",
                                                             "_lightning_fit.py", "_lightning_validation.py",

@@ -59,7 +59,7 @@ def _calls_get_batch_samples() -> bool:
 
 def _skip_keeps_wrappers() -> bool:
     kwargs = getattr(importlib.import_module("accelerate.data_loader"), "_PYTORCH_DATALOADER_KWARGS", {})
-    return "collate_fn" in kwargs and "worker_init_fn" in kwargs
+    return "collate_fn" in kwargs
 
 
 def _inner_loop_named() -> bool:
@@ -84,7 +84,7 @@ INTERNALS = (
              f"{_T}: DriveCheckpoint._find_trainer, _TrainersResume", (_inner_loop_named, local(_LOOP, *LOOP_LOCALS)),
              token="LOOP_LOCALS"),
     Internal(f"Trainer.{LOAD_BEST_MODEL}", "replaced on the instance for one train() call: the best model "
-             "comes from keepalive's checkpoint when its folder is gone", f"{_T}: _BestModelLoader",
+             "comes from keepalive's checkpoint when its folder is gone", "_hf_best.py: BestModelLoader",
              (has(_TRAINER, LOAD_BEST_MODEL), uses(f"{_TRAINER}._finalize_training", LOAD_BEST_MODEL)),
              token="LOAD_BEST_MODEL"),
     Internal("Trainer._initial_global_step / _initial_num_input_tokens_seen", "set to a whole run's when "
@@ -116,10 +116,10 @@ INTERNALS = (
     Internal(f"Trainer.{RUN_EPOCH} calls {GET_BATCH_SAMPLES}(epoch_iterator, ...)", "the fetcher reads the "
              "epoch iterator as the first argument", f"{_T}: _BatchFetcher.__call__",
              _calls_get_batch_samples, token="epoch_iterator"),
-    Internal("accelerate.data_loader.skip_first_batches keeps collate_fn / worker_init_fn", "a resumed "
+    Internal("accelerate.data_loader.skip_first_batches keeps collate_fn and the dataset", "a resumed "
              "pass's loader is rebuilt by accelerate from the loader's attributes: keepalive's wrappers "
-             "of the two must be among them", "_hf_data.py: Replay",
-             _skip_keeps_wrappers, token="worker_init_fn", package="accelerate"),
+             "of the collator and of the dataset the workers see must be among them", "_hf_data.py: Replay",
+             _skip_keeps_wrappers, token="base.collate_fn = self.collate", package="accelerate"),
     Internal("Trainer._tr_loss", "the running loss sum since the last log (saved, restored)",
              f"{_HS}: capture, restore_trainer", uses(_TRAINER, "_tr_loss")),
     Internal("Trainer._total_loss_scalar", "the loss sum of the whole training (saved, restored)",
