@@ -1,7 +1,9 @@
 """Exceptions keepalive raises. Each message says what happened, where, and what the user can do."""
 from __future__ import annotations
 
-from typing import Tuple
+import sys
+from types import TracebackType
+from typing import Any, Callable, Optional, Tuple, Type
 
 
 class KeepaliveError(Exception):
@@ -55,3 +57,68 @@ class IncompatibleFrameworkError(KeepaliveError, RuntimeError):
         self.framework = framework
         self.missing = missing
         super().__init__(message)
+
+
+# ------------------------------------------------------------------ one line instead of a traceback
+#: set on an exception instance whose message is the whole story (a destination that cannot be used
+#: at the start of training): uncaught, it is shown as one line, in a script and in IPython alike
+ONE_LINE = "keepalive_one_line"
+
+#: the end of that line in a script: how to get the traceback back
+DEBUG_HINT = "(KEEPALIVE_VERBOSITY=debug shows the traceback)"
+
+
+def in_one_line(exc: BaseException) -> BaseException:
+    """Mark ``exc`` (raised on, unchanged: its class, ``errno`` and message stay) so that, uncaught,
+    it ends a script with :func:`one_line` as the only line on stderr (exit status 1, as for any
+    uncaught exception) instead of a traceback through keepalive's internals, and a notebook cell with
+    that line (:mod:`keepalive.magics.tracebacks`). ``KEEPALIVE_VERBOSITY=debug`` keeps the traceback.
+    The hook only ever acts on a marked exception; every other goes to the hook that was there."""
+    try:
+        setattr(exc, ONE_LINE, True)
+    except (AttributeError, TypeError):  # an exception with __slots__: shown as Python shows it
+        return exc
+    if not getattr(sys.excepthook, ONE_LINE, False):
+        sys.excepthook = _OneLineHook(sys.excepthook)
+    return exc
+
+
+def is_one_line(exc: BaseException) -> bool:
+    """Whether ``exc`` was marked by :func:`in_one_line`."""
+    return bool(getattr(exc, ONE_LINE, False))
+
+
+def one_line(exc: BaseException) -> str:
+    """``StorageError: cannot create or write the run folder ...``: the class and the message,
+    without ``OSError``'s ``[Errno N]`` prefix (the message names the system's error itself)."""
+    text = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    return f"{type(exc).__name__}: {text}"
+
+
+def _debug() -> bool:
+    from . import settings  # the same layer; read when an error is shown, not at import
+
+    try:
+        return str(settings.get("KEEPALIVE_VERBOSITY")) == "debug"
+    except Exception:  # noqa: BLE001 - a malformed setting: keep the short form
+        return False
+
+
+class _OneLineHook:
+    """``sys.excepthook`` while a marked exception may end the process: the one line for it, the
+    previous hook for everything else."""
+
+    keepalive_one_line = True
+
+    def __init__(self, previous: Callable[..., Any]):
+        self.previous = previous
+
+    def __call__(self, etype: Type[BaseException], value: BaseException, tb: Optional[TracebackType]) -> None:
+        if not is_one_line(value) or _debug():
+            self.previous(etype, value, tb)
+            return
+        try:
+            sys.stderr.write(f"{one_line(value)} {DEBUG_HINT}\n")
+            sys.stderr.flush()
+        except (ValueError, OSError):  # no stderr left: Python's own hook does its best
+            self.previous(etype, value, tb)

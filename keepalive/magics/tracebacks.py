@@ -9,7 +9,9 @@ it saved on the line before). In IPython (a notebook kernel or the terminal) the
     RunLockedError: run 'pets' is being written by another live session ...
     (keepalive: %tb shows the full traceback)
 
-``%tb`` shows the whole traceback of the last error; after ``%xmode Verbose`` (or with
+An error marked as one line (:func:`keepalive.errors.in_one_line`: a checkpoint destination that
+cannot be used at the start of training) is that one line, the hint at its end. ``%tb`` shows the
+whole traceback of the last error; after ``%xmode Verbose`` (or with
 ``KEEPALIVE_VERBOSITY=debug``) every traceback is shown in full again. Every other exception is shown as
 IPython shows it, through a custom handler registered before ours when there was one.
 
@@ -69,7 +71,11 @@ def _frame_names(tb: Optional[types.TracebackType]) -> List[str]:
 
 def short_traceback(shell: Any, etype: type, value: BaseException,
                     tb: Optional[types.TracebackType] = None) -> List[str]:
-    """The short form: the exception's own lines as IPython colours them, then :data:`HINT`."""
+    """The short form: the exception's own lines as IPython colours them, then :data:`HINT`; one
+    line for an error whose message is the whole story (:func:`keepalive.errors.in_one_line`: a
+    destination that cannot be used at the start), the hint at its end."""
+    if errors.is_one_line(value):
+        return [f"{errors.one_line(value)} {HINT}"]
     try:
         lines = [ln.rstrip("\n") for ln in shell.InteractiveTB.get_exception_only(etype, value)]
     except Exception:  # noqa: BLE001 - a formatter that differs: plain text
