@@ -1,12 +1,14 @@
 """The objects a plain-PyTorch ``DriveCheckpoint`` saves, and a loaded checkpoint put back into them.
 
-:class:`TorchObjects` registers models, optimizers, schedulers, scalers and private random generators
-under names (a DDP / ``torch.compile`` wrapper unwrapped, FSDP2's sharded objects handed to the
-core's DCP part), gives their part of a checkpoint (``objects`` and the ``torch`` section), and puts a
-checked checkpoint back: each state into the object registered in the same generation (a later stage
-may register another object under a name), ``requires_grad`` as saved, a scheduler the code now builds
-with other settings replanned with the checkpoint's progress, and an object registered only after the
-resume (a stage-2 optimizer) restored then.
+:class:`TorchObjects` registers models, optimizers, schedulers, scalers, private random generators and
+objects without ``state_dict()`` that carry a position (saved by their plain attributes:
+:class:`~keepalive.callbacks.torchstate.PlainObject`) under names (a DDP / ``torch.compile`` wrapper
+unwrapped, FSDP2's sharded objects handed to the core's DCP part), gives their part of a checkpoint
+(``objects`` and the ``torch`` section), and puts a checked checkpoint back: each state into the object
+registered in the same generation (a later stage may register another object under a name),
+``requires_grad`` as saved, a scheduler the code now builds with other settings replanned with the
+checkpoint's progress, and an object registered only after the resume (a stage-2 optimizer) restored
+then.
 """
 from __future__ import annotations
 

@@ -73,8 +73,11 @@ def _plain_object(value: Any, home: Set[str]) -> bool:
     ``DataLoaderLite``) that registering would save by its attributes: its position is the loop's
     state. Classes of libraries (progress bars, meters, loggers) are not looked at."""
     cls = type(value)
-    return cls.__module__ in home and not isinstance(value, (torch.nn.Module, torch.optim.Optimizer)) \
-        and not callable(getattr(cls, "state_dict", None)) and PlainObject.refusal("", value) is None
+    if cls.__module__ not in home or isinstance(value, (torch.nn.Module, torch.optim.Optimizer)):
+        return False
+    # datasets and samplers of the script go through ckpt.batches(), which positions them
+    return not any(hasattr(cls, a) for a in ("state_dict", "__iter__", "__getitem__")) and \
+        PlainObject.refusal("", value) is None
 
 
 def _attributes(obj: Any) -> Tuple[Tuple[str, Any], ...]:
