@@ -21,7 +21,9 @@ import pytest
 keras = pytest.importorskip("keras")
 pytest.importorskip("tensorflow")
 
+import crashkit  # noqa: E402
 from crashkit import run_to_completion  # noqa: E402
+from forkserver import ForkingSubprocess, ServerPool  # noqa: E402
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "keras_position_train.py")
 ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", TF_ENABLE_ONEDNN_OPTS="0", KEEPALIVE_PROGRESS="0")
@@ -29,6 +31,25 @@ ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", TF_ENABLE_ONEDNN_OPTS="0", KEEP
 #: of 10 (fashion: 8) batches; the resumed epoch 2 trains batches 6-8 of the pass (fashion: 6-7, where
 #: Keras ends the epoch early as the pass runs out)
 COMMIT = 6
+
+
+def _preload(argv, env):
+    """The children fork from a server per Keras backend that has imported Keras and its backend (most
+    of a child's CPU time, 17 children here); the backend's runtime starts in the child. A fork that
+    SIGKILLs itself ends by that signal as an interpreter does."""
+    backend = env.get("KERAS_BACKEND", "tensorflow")
+    return backend, ["numpy", backend, "keras"], ""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def forked_children():
+    pool = ServerPool(_preload)
+    forking = ForkingSubprocess(pool)
+    try:
+        with forking.installed_in(crashkit), forking.installed_in(sys.modules[__name__]):
+            yield pool
+    finally:
+        pool.close()
 
 
 def _env(backend):
