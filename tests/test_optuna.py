@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.join(HERE, "scripts"))
 import optuna_sweep  # noqa: E402 - the objective's training, alone
 
 SCRIPT = os.path.join(HERE, "scripts", "optuna_sweep.py")
-KILL_TRIAL, KILL_STEP = 2, 10
+KILL_TRIAL, KILL_STEP = 2, 11  # step 11 of 18: after the save of step 10, so step 11 is trained again
 
 
 def _study(tmp_path, home, *extra: str, kill: bool = False):
