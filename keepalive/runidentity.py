@@ -106,6 +106,14 @@ def retried_number(trial: Any) -> Optional[int]:
     return int(first) if isinstance(first, int) else None
 
 
+def _running(trial: Any) -> bool:
+    """Whether the trial still runs (its state in the study's storage), True when that cannot be read."""
+    try:
+        return str(trial.storage.get_trial(trial._trial_id).state.name) == "RUNNING"
+    except Exception:  # noqa: BLE001 - an Optuna without these: take it as running
+        return True
+
+
 @dataclass(frozen=True)
 class TrialRun:
     """The run of an Optuna trial: its name and the line that says why."""
@@ -150,6 +158,8 @@ def optuna_run(base: str, trial: Any = None) -> Optional[TrialRun]:
         study, number = str(trial.study.study_name), int(trial.number)
         params = dict(trial.params)
     except Exception:  # noqa: BLE001 - not a trial we can read: the usual unnamed run
+        return None
+    if not _running(trial):  # a trial left in a variable after study.tell(): not this training's
         return None
     original = retried_number(trial)
     n = _PER_TRIAL[trial] = _PER_TRIAL.get(trial, 0) + 1

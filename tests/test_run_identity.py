@@ -102,6 +102,18 @@ def test_each_trial_its_own_run_also_from_a_helper(study_home):
     assert made == {0: ["optuna-s-trial-0", "optuna-s-trial-0-2"], 1: ["optuna-s-trial-1", "optuna-s-trial-1-2"]}
 
 
+def test_ask_and_tell(study_home):
+    """The ask-and-tell interface: the trial asked for is a local of the loop's frame."""
+    study = optuna.create_study(study_name="asked")
+    names = []
+    for _ in range(2):
+        trial = study.ask()
+        names.append(DriveCheckpoint(quiet=True).core.store.run)
+        study.tell(trial, 0.0)
+    after = DriveCheckpoint(quiet=True).core.store.run  # `trial` still names the told one: not its run
+    assert names == ["optuna-asked-trial-0", "optuna-asked-trial-1"] and not after.startswith("optuna-"), after
+
+
 def test_retried_trial_writes_its_original_run(study_home):
     study, made = _made_in(lambda trial: [DriveCheckpoint(quiet=True)], n_trials=2)
     CheckpointStore(f"{study_home}/optuna-s-trial-1", keep=None).commit({"a.bin": b"x"}, step=3, epoch=0)
