@@ -1,13 +1,16 @@
 """The pause guard: saves while the training loop pauses between steps (an evaluation, a data stall).
 
-The mechanism and its rules are :mod:`keepalive.pauses`' (the mark, the step gate, the guard's
-thread); this module applies them to one checkpointer. At each consistent boundary it remembers the
-mark (:meth:`BetweenSteps.remember`). When a signal, a cloud's notice or the deadline cannot wait for
-the next boundary, it saves the state as it is now with the mark's random state, only when nothing
-moved since the mark (:meth:`BetweenSteps.save_now`), either from the training thread
+The mechanism and its rules are :mod:`keepalive.pauses`' (the mark, the boundary parts, the step gate, the
+guard's thread); this module applies them to one checkpointer. At each consistent boundary it remembers
+the mark (:meth:`BetweenSteps.remember`), with what each boundary part (:meth:`BetweenSteps.add_part`:
+``ckpt.extras`` here, a scheduler's state in the torch adapter) kept of it. When a signal, a cloud's
+notice or the deadline cannot wait for the next boundary, it saves the tensors as they are now with the
+mark's random state and parts, only when no tensor moved since the mark
+(:meth:`BetweenSteps.save_now`), either from the training thread
 (:meth:`keepalive.core.Checkpointer.active`) or from the guard's thread while the loop has not called
 keepalive for a while (:meth:`BetweenSteps.guard_act`, holding the step gate). Otherwise what came
-due is owed to the next boundary, and said once when a step is not simply under way.
+due is owed to the next boundary, and said once (naming the tensor that moved) when a step is not
+simply under way.
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ import logging
 import signal
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 from .. import boundary as bd
 from .. import distributed as _distributed
@@ -54,6 +57,15 @@ class BetweenSteps:
         self.last_call = time.monotonic()
         self._guard: Optional[_pauses.PauseGuard] = None
         self._refusal_told = False
+        #: what a save between steps takes as it was at the mark (adapters add theirs)
+        self.parts: List[_pauses.BoundaryPart] = [
+            _pauses.KeptValue("ckpt.extras", ("extras",), lambda: ckpt.extras)]
+        self._kept: Dict[_pauses.BoundaryPart, Any] = {}
+
+    def add_part(self, part: _pauses.BoundaryPart) -> None:
+        """``part`` is kept at each consistent boundary and put into each save between steps
+        (:class:`keepalive.pauses.BoundaryPart`)."""
+        self.parts.append(part)
 
     # ------------------------------------------------------------------------- the loop's calls
     def alive(self) -> None:
@@ -73,16 +85,30 @@ class BetweenSteps:
             return
         self.mark = _pauses.Mark(counters=ckpt.state.counters, rng=rng.capture(),
                                  optimizer_steps=ckpt.optimizer_steps,
-                                 versions=_pauses.version_sum(ckpt.saver.tracked),
+                                 versions=_pauses.versions(ckpt.saver.tracked), tensors=ckpt.saver.tracked,
                                  fingerprint=ckpt.fingerprint() if ckpt.fingerprint is not None else None,
-                                 at=self.last_call)
+                                 at=self.last_call, parts=self.keep_parts())
+
+    def keep_parts(self) -> Tuple[Tuple[_pauses.BoundaryPart, Any], ...]:
+        """What each part keeps of this boundary (from what it kept at the last one)."""
+        kept: List[Tuple[_pauses.BoundaryPart, Any]] = []
+        for part in self.parts:
+            before = self._kept.get(part)
+            try:
+                value = part.keep(None if before is _pauses.UNKEPT else before)
+            except Exception as exc:  # noqa: BLE001 - a part that cannot keep refuses saves between steps
+                log.debug("%s not kept at the boundary: %s", part.name, exc)
+                value = _pauses.UNKEPT
+            kept.append((part, value))
+        self._kept = dict(kept)
+        return tuple(kept)
 
     def mark_checkpoint(self) -> None:
         """After a resume: until the first boundary, the checkpoint is the state (a signal during a
         pause before it, the validation of an epoch resumed at its end, needs no new save)."""
         ckpt = self.ckpt
         self.mark = _pauses.Mark(counters=ckpt.state.counters, rng=None, optimizer_steps=ckpt.optimizer_steps,
-                                 versions=-1, fingerprint=None, at=time.monotonic())
+                                 versions=None, fingerprint=None, at=time.monotonic())
 
     # ----------------------------------------------------------------------------- the guard
     def start_guard(self) -> None:
@@ -140,18 +166,19 @@ class BetweenSteps:
         tree: Optional[StateTree] = None
         mark = self.mark
         assert mark is not None
+        moved = ""
         if problem is None and ckpt.state.unsaved:
             if capture is None:
                 return
-            tree = ckpt.build_tree(capture, rng_state=mark.rng)
-            problem = self._tree_problem(tree, mark)
+            tree = self.tree_at_mark(capture, mark)
+            problem, moved = self._tree_problem(tree, mark)
         if problem is not None:
             ckpt.machine.owe(due)  # the next boundary saves it (a signal stays queued)
             if not stepping:  # a step under way is no pause: its boundary comes soon, nothing to say
-                self._tell_refusal(reason, problem)
+                self._tell_refusal(reason, problem, moved)
             return
         if tree is not None and capture is not None:
-            check = (lambda: self._tree_problem(tree, mark)) if in_thread else None
+            check = (lambda: self._tree_problem(tree, mark)[0]) if in_thread else None
             try:
                 ckpt.save(capture, sync=True, reason=f"{reason} (during a pause of the training loop)",
                           tree=tree, check=check)
@@ -162,37 +189,55 @@ class BetweenSteps:
         self._after_save(signum, due, in_thread)
 
     def unchanged_since_mark(self) -> Tuple[Optional[str], bool]:
-        """What moved since the mark (None: nothing), and whether a training step is under way."""
+        """What moved since the mark (None: nothing), and whether a training step is under way. (The
+        tensors are compared on the tree a save builds: :meth:`_tree_problem`.)"""
         ckpt, mark = self.ckpt, self.mark
         if mark is None:
             return "no step ended yet", True
         if ckpt.optimizer_steps != mark.optimizer_steps or ckpt.state.counters != mark.counters:
             return "an optimizer step ran since the last step boundary", True
         if ckpt.fingerprint is not None and mark.fingerprint is not None:
-            objects, where = ckpt.fingerprint()
-            if where != mark.fingerprint[1]:
+            # (the adapter's summary of what no boundary part keeps: the position, and its objects'
+            # state that changes only where the loop cannot pause, or that could not be kept)
+            now = ckpt.fingerprint()
+            if now[1] != mark.fingerprint[1]:
                 return "the next batch is under way", True
-            if objects != mark.fingerprint[0]:
+            if now != mark.fingerprint:
                 return "the loop changed state beside the tensors since its last step (e.g. a scheduler stepped)", False
+        for part, kept in mark.parts:
+            if kept is _pauses.UNKEPT:
+                return f"{part.name} could not be copied at the last step boundary", False
         return None, False
 
-    def _tree_problem(self, tree: StateTree, mark: _pauses.Mark) -> Optional[str]:
-        """What changed in ``tree``'s tensors since ``mark`` (a forward's BatchNorm statistics, an EMA
-        updated in place), or None."""
-        if _pauses.version_sum(_pauses.tensors_of(tree)) != mark.versions:
-            return "a tensor of the state was changed in place since the last step (a forward pass in "\
-                   "training mode, an EMA update)"
-        if self.ckpt.fingerprint is not None and self.ckpt.fingerprint() != mark.fingerprint:
-            return "the loop changed its state while it was copied"
-        return None
+    def tree_at_mark(self, capture: Capture, mark: _pauses.Mark) -> StateTree:
+        """The state tree of a save between steps: the tensors as they are now, the random state and
+        what the boundary parts kept as they were at ``mark``."""
+        tree = self.ckpt.build_tree(capture, rng_state=mark.rng)
+        for part, kept in mark.parts:
+            part.put(tree, kept)
+        return tree
 
-    def _tell_refusal(self, reason: str, problem: str) -> None:
+    def _tree_problem(self, tree: StateTree, mark: _pauses.Mark) -> Tuple[Optional[str], str]:
+        """What changed in ``tree``'s tensors since ``mark`` (a forward's BatchNorm statistics, an EMA
+        updated in place), or None; and the tensor that moved ("" when none is named)."""
+        if mark.versions is None:  # (a mark of the checkpoint resumed from has nothing unsaved)
+            return "no step ended since the resume", ""
+        moved = _pauses.changed_tensor(tree, mark.tensors, mark.versions)
+        if moved is not None:
+            return ("a tensor of the state was changed in place since the last step (a forward pass in "
+                    "training mode, an EMA update)"), moved
+        if self.ckpt.fingerprint is not None and self.ckpt.fingerprint() != mark.fingerprint:
+            return "the loop changed its state while it was copied", ""
+        return None, ""
+
+    def _tell_refusal(self, reason: str, problem: str, moved: str) -> None:
         if self._refusal_told:
             return
         self._refusal_told = True
+        named = f". Changed in place since that step: {moved}" if moved else ""
         self.ckpt.warn(f"{reason.split(' -> ')[0]} while the training loop paused between steps (an evaluation?), "
                        f"but its state is no longer that of its last step ({problem}): the save waits for the next "
-                       f"step boundary. {self.ckpt.pause_hint}", key="pause-refused")
+                       f"step boundary. {self.ckpt.pause_hint}{named}", key="pause-refused")
 
     def _after_save(self, signum: Optional[int], due: bd.Due, in_thread: bool) -> None:
         ckpt = self.ckpt
