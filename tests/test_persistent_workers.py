@@ -104,7 +104,8 @@ class _Stream(torch.utils.data.IterableDataset):
 
 def test_loaders_whose_workers_a_resume_cannot_carry_are_told_once(tmp_path, capsys):
     """A persistent-worker loader iterated outside ckpt.batches() (keepalive never sees its iterator
-    created), and one over an IterableDataset (positioned at epoch ends only): one line each, with the fix."""
+    created), one over an IterableDataset (positioned at epoch ends only), and one iterated before its
+    first ckpt.batches() loop (its workers started unseen): one line each, with the fix."""
     from keepalive.callbacks.torch import DriveCheckpoint
 
     model = torch.nn.Linear(2, 1)
@@ -112,6 +113,8 @@ def test_loaders_whose_workers_a_resume_cannot_carry_are_told_once(tmp_path, cap
     kw = dict(num_workers=1, persistent_workers=True)
     train = torch.utils.data.DataLoader(_Stream(), batch_size=2, **kw)
     val = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(4, 2)), batch_size=2, **kw)
+    early = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(4, 2)), batch_size=2, **kw)
+    next(iter(early))  # a look at a batch before the training
     ckpt = DriveCheckpoint(str(tmp_path / "run"), model=model, optimizer=opt)
     for _ in ckpt.epochs(2):
         for x in ckpt.batches(train):
@@ -121,9 +124,14 @@ def test_loaders_whose_workers_a_resume_cannot_carry_are_told_once(tmp_path, cap
         with torch.no_grad():
             for (x,) in val:
                 model(x)
+            for (x,) in ckpt.batches(early):
+                model(x)
     ckpt.close()
+    for loader in (train, val, early):  # their workers (forked from this process) end now, not at exit
+        loader._iterator._shutdown_workers()
     err = capsys.readouterr().err
-    assert err.count("persistent_workers=False") == 2, err
+    assert err.count("persistent_workers=False") == 3, err
+    assert err.count("were started before its first ckpt.batches() loop") == 1, err
     assert err.count("val (iterated outside ckpt.batches()) keeps its workers") == 1, err
     assert err.count("over a _Stream keeps its workers") == 1, err
     assert "pass it through ckpt.batches()" in err

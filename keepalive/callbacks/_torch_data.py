@@ -271,7 +271,7 @@ class TrainingData:
             else:
                 out[key] = state
             if kept.inexact:
-                self.core.warn(kept.inexact, key="inexact:persistent-workers")
+                self.core.warn(kept.inexact, key=f"inexact:{kept.inexact}")
         return out
 
     def tell_foreign(self) -> None:

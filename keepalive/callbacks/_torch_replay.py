@@ -360,6 +360,12 @@ class PersistentWorkers:
                 resume.update({j: s for j, s in self.carry.items() if j < total})
                 self.carry = {}
         else:  # a reset: the workers go on from their last batches
+            if not self.opened:
+                self.inexact = (
+                    f"the loader's {self.workers} persistent worker(s) (persistent_workers=True) were started "
+                    "before its first ckpt.batches() loop (the loader was iterated before): a resume starts "
+                    "new ones, whose seed and random states differ from the uninterrupted run's. Iterate it "
+                    "only through ckpt.batches(), or use persistent_workers=False")
             slots = self._slots(pos.serial, pos.made, pos.made) if self._needed() else {}
             if self.offset % self.workers or self.carry:  # this process's workers are on other slots
                 for j, state in slots.items():
@@ -424,7 +430,7 @@ class PersistentWorkers:
                 state = self.start_slots.get(j)
             if state is None:
                 self.inexact = (
-                    f"the loader's {w} persistent workers (persistent_workers=True) draw random numbers, "
+                    f"the loader's {w} persistent worker(s) (persistent_workers=True) draw random numbers, "
                     "and keepalive could not take the state of each for this checkpoint (a worker "
                     "that made no batch in this process, or did not note its state in time): a resume "
                     "from it replays the data order exactly, but not the workers' draws. "

@@ -41,6 +41,11 @@ class Augmented(torch.utils.data.Dataset):
         return x + 0.1 * torch.randn_like(x), y
 
 
+def noisy_collate(items):
+    x, y = torch.utils.data.default_collate(items)
+    return x + 0.01 * torch.randn_like(x), y
+
+
 class TinyUNet(nn.Module):
     def __init__(self):
         super().__init__()
@@ -61,12 +66,17 @@ def main():
     ap.add_argument("--plain", action="store_true")
     ap.add_argument("--every", default="3")
     ap.add_argument("--old", action="store_true", help="keepalive's behaviour before persistent workers were carried")
+    ap.add_argument("--generator", action="store_true", help="the training loader shuffles with its own generator=")
+    ap.add_argument("--collate", action="store_true", help="a collator that draws random numbers too")
     args = ap.parse_args()
     torch.manual_seed(0)
     model = TinyUNet()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     kw = dict(batch_size=BATCH, num_workers=WORKERS, persistent_workers=True)
-    train = torch.utils.data.DataLoader(Augmented(TRAIN, 1), shuffle=True, **kw)
+    if args.collate:
+        kw["collate_fn"] = noisy_collate
+    gen = torch.Generator().manual_seed(5) if args.generator else None
+    train = torch.utils.data.DataLoader(Augmented(TRAIN, 1), shuffle=True, generator=gen, **kw)
     val = torch.utils.data.DataLoader(Augmented(VAL, 2), **kw)
     where, kill_epoch, kill_batch = (args.kill.split(":") + ["", "", ""])[:3] if args.kill else ("", -1, -1)
     kill_epoch, kill_batch = int(kill_epoch), int(kill_batch)
