@@ -28,7 +28,9 @@ pytest.importorskip("transformers")
 
 from safetensors.torch import load_file  # noqa: E402
 
+import crashkit  # noqa: E402
 from crashkit import run_to_completion  # noqa: E402
+from forkserver import ForkingSubprocess, ServerPool  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "scripts", "hf_train.py")
@@ -42,6 +44,29 @@ try:
     HAVE_PEFT = True
 except ImportError:
     HAVE_PEFT = False
+
+
+#: what hf_train.py imports before keepalive (its model classes and the Trainer too): the children fork
+#: from a server that has imported it, some 4 s of CPU each of the 17 children here
+PRELOAD = ["torch", "numpy", "safetensors.torch", "transformers", "transformers.trainer",
+           "transformers.trainer_callback", "transformers.training_args",
+           "transformers.models.gpt2.modeling_gpt2", "transformers.models.bert.modeling_bert"]
+SETUP = """
+import torch
+for name in ("torchvision::nms", "torchvision::qnms"):
+    torch.library.define(name, "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+"""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def forked_children():
+    pool = ServerPool(lambda argv, env: ("hf", PRELOAD, SETUP) if argv[0] == SCRIPT else None)
+    forking = ForkingSubprocess(pool)
+    try:
+        with forking.installed_in(crashkit), forking.installed_in(sys.modules[__name__]):
+            yield pool
+    finally:
+        pool.close()
 
 
 def _cmd(run, out, *extra):
