@@ -604,7 +604,8 @@ class LoaderReplay:
         iteration continues from there; ``on_positioned`` runs once the loader is positioned, right
         before the first batch is fetched (to put back the random state of the saved step)."""
         if self.mode == "stateful":
-            yield from self._iterate_stateful(start, on_positioned)
+            self.start_state = None
+            yield from _stateful_batches(self.loader, self.stateful_source(), start, on_positioned)
             return
         if self.mode == "epoch" or self._positioned is None:
             for batch in _ours(iter(self.loader)):
@@ -745,18 +746,6 @@ class LoaderReplay:
             return self.unpositioned(batch)
         return batch, pos.generated.popleft()
 
-    def _iterate_stateful(self, start: Optional[Dict[str, Any]],
-                          on_positioned: Optional[Callable[[], None]]) -> Iterator[Tuple[Any, int]]:
-        holder = self.stateful_source()
-        if start and start.get("state") is not None and holder is not None:
-            holder.load_state_dict(start["state"])
-        self.start_state = None
-        it = iter(self.loader)
-        if on_positioned is not None and start:
-            on_positioned()
-        for batch in _ours(it):
-            yield batch, samples_in(batch, self.loader.batch_size)
-
     # --------------------------------------------------------------------------------- states
     def _record(self) -> Dict[str, Any]:
         """The states this iteration starts from (saved with a mid-epoch checkpoint)."""
@@ -839,6 +828,19 @@ class LoaderReplay:
         if self._states is not None:
             self._states.remove()
             self._states = None
+
+
+def _stateful_batches(loader: Any, holder: Optional[Any], start: Optional[Dict[str, Any]],
+                      on_positioned: Optional[Callable[[], None]]) -> Iterator[Tuple[Any, int]]:
+    """``(batch, samples in it)`` of a loader positioned through ``holder``'s ``load_state_dict()`` (the
+    loader or its dataset: ``"stateful"`` mode), from ``start`` (a saved position) if given."""
+    if start and start.get("state") is not None and holder is not None:
+        holder.load_state_dict(start["state"])
+    it = iter(loader)
+    if on_positioned is not None and start:
+        on_positioned()
+    for batch in _ours(it):
+        yield batch, samples_in(batch, loader.batch_size)
 
 
 def _probe(loader: Any, index_sampler: Any, samplers: List[Tuple[str, Any]]) -> str:
