@@ -36,13 +36,30 @@ pl = pytest.importorskip("lightning.pytorch")
 from safetensors.torch import load_file  # noqa: E402
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset  # noqa: E402
 
+import crashkit  # noqa: E402
 from crashkit import assert_differs, run_to_completion  # noqa: E402
 from fakeclock import deadline_after  # noqa: E402
+from forkserver import ForkingSubprocess, ServerPool  # noqa: E402
 from keepalive.callbacks.lightning import DriveCheckpoint  # noqa: E402
 from keepalive.errors import StateMismatchError  # noqa: E402
 
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([SHIMS, os.path.join(HERE, "scripts"), os.path.dirname(HERE)]),
            KEEPALIVE_PROGRESS="0", OMP_NUM_THREADS="1")
+
+#: what lightning_train.py imports before keepalive: the crash children fork from a server that has
+#: imported it (some 4 s of CPU each, 16 children here; the server's interpreter ran the shims' sitecustomize)
+PRELOAD = ["torch", "torch._dynamo", "safetensors.torch", "lightning.pytorch"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def forked_children():
+    pool = ServerPool(lambda argv, env: ("lightning", PRELOAD, "") if argv[0] == SCRIPT else None)
+    try:
+        with ForkingSubprocess(pool).installed_in(crashkit):  # not the pytorch_lightning child: fresh
+            yield pool
+    finally:
+        pool.close()
+
 
 KILL_AT = (17, 29, 41)  # inside epochs 2, 3 and 4 (12 steps each)
 _KEEPALIVE_RUNS: dict = {}  # the crash test's keepalive run with these kills, for the side-by-side test
