@@ -705,11 +705,13 @@ class LoaderReplay:
         dataset = loader.dataset
         workers = loader.num_workers > 0
         if workers and self._states is None:
-            self._states = WorkerStates.create("keepalive-workers-")
+            self._states = WorkerStates.create("keepalive-workers-", sweep=True)
         kept, put_back = self.persistence, None
         if kept is not None and self._states is not None:
             resume, gen = kept.opening(self._states, pos, resume)
             put_back = kept.around_iter(loader, gen)
+        if self._states is not None:
+            self._states.forget_before(pos.serial + 1)  # the earlier iterations' states are not needed
         pos.used = False
         pos.serial += 1
         pos.tagging = workers

@@ -195,6 +195,21 @@ class WorkerStates:
             out[str(n)] = convert(state) if convert is not None else state
         return out
 
+    def forget_before(self, serial: int) -> None:
+        """Remove the states noted for the iterations before ``serial`` (the last
+        :data:`KEPT_PER_WORKER` of each would otherwise stay, for every epoch of a long training)."""
+        try:
+            names = os.listdir(self.folder)
+        except OSError:
+            return
+        for name in names:
+            iteration, dash, _ = name.lstrip("h").partition("-")
+            if dash and iteration.isdigit() and int(iteration) < serial:
+                try:
+                    os.unlink(os.path.join(self.folder, name))
+                except OSError:
+                    pass
+
     def clear(self) -> None:
         """Forget every state noted (an iteration ended: its states are no longer needed)."""
         try:
