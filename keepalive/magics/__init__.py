@@ -650,7 +650,7 @@ class KeepaliveMagics(Magics):
 
     def _show(self, state: RunState, info, cell: Dict[str, Any], setup: List[Dict[str, Any]]) -> None:
         print(f"run '{state.run}' ({state.url}), newest valid checkpoint {info.name} "
-              f"(epoch {info.epoch}, step {info.step})")
+              f"(step {info.step}, {info.epoch or 0} epoch(s) done)")
         shell = self.shell
         assert shell is not None
         missing = cells.missing_names(cell["source"], shell.user_ns, shell) or []

@@ -129,7 +129,7 @@ def _dir_runs_html(report: Dict[str, Any]) -> str:
             items.append(f"{_esc(run['run'])}: unreadable ({_esc(run['error'])})")
         elif run.get("checkpoints"):
             items.append(f"<b>{_esc(run['run'])}</b>: {run['checkpoints']} checkpoint(s), newest step "
-                         f"{_esc(run.get('newest_step'))}, epoch {_esc(run.get('newest_epoch'))} "
+                         f"{_esc(run.get('newest_step'))}, {_esc(run.get('newest_epoch'))} epoch(s) done "
                          f"({_esc(run.get('newest_created') or 'time unknown')})")
         else:
             items.append(f"{_esc(run['run'])}: no committed checkpoint")
