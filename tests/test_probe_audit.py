@@ -2,8 +2,9 @@
 
 For each adapter -- a plain torch loop, the HF Trainer, Lightning, fastai, Keras on each backend
 installed (JAX, torch, TensorFlow) -- a short training whose dataset augments with every global
-generator runs without keepalive and with it (saving inside epochs where the adapter can). Each call
-of the dataset's ``__getitem__`` / ``__len__`` (``__iter__`` for a stream) and of the collate function
+generator runs without keepalive and with it (saving inside epochs where the adapter can; the plain
+loop also over a stream). Each call of the dataset's ``__getitem__`` / ``__len__`` (``__iter__`` and
+each item for a stream) and of the collate function
 is noted with the state of Python's, NumPy's and torch's global generators at that moment
 (tests/scripts/probe_audit.py). Asserted: the same calls, in the same order, each seeing the same
 random state, and bit-identical weights. Documented exceptions, each drawing nothing: a plain torch
@@ -30,7 +31,7 @@ for _name in ("torchvision::nms", "torchvision::qnms"):  # the CUDA torchvision 
     except Exception:  # noqa: BLE001 - already defined
         pass
 
-from torch.utils.data import DataLoader, Dataset, default_collate  # noqa: E402
+from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "scripts"))
@@ -54,6 +55,20 @@ class Counted(Dataset):
         self.probe.note("__getitem__")
         x = self.x[i] + augment()
         return {"x": x, "labels": self.y[i]} if self.dict_items else (x, self.y[i])
+
+
+class CountedStream(IterableDataset):
+    """A stream (no length) that augments each item with every global generator and notes each call."""
+
+    def __init__(self, probe: Probe, n: int = 24):
+        self.probe, self.n = probe, n
+
+    def __iter__(self):
+        self.probe.note("__iter__")
+        g = torch.Generator().manual_seed(7)
+        for _ in range(self.n):
+            self.probe.note("item")
+            yield torch.randn(4, generator=g) + augment(), torch.randn(2, generator=g)
 
 
 def _seed(seed: int = 0) -> None:
@@ -86,10 +101,11 @@ def _same(without, with_, extra_len: int = 0):
 
 
 # ------------------------------------------------------------------------------------ plain torch
-def _torch_run(path=None, every=3, probe_hook=None):
+def _torch_run(path=None, every=3, probe_hook=None, stream=False):
     _seed()
     probe = Probe()
-    loader = DataLoader(Counted(probe), batch_size=4, shuffle=True, collate_fn=probe.collate(default_collate))
+    data = CountedStream(probe) if stream else Counted(probe)
+    loader = DataLoader(data, batch_size=4, shuffle=not stream, collate_fn=probe.collate(default_collate))
     model = _net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     epochs, batches = range(2), iter
@@ -117,6 +133,11 @@ def test_torch_loop(tmp_path):
     without = _torch_run()
     _same(without, _torch_run(tmp_path / "run"), extra_len=2 * 2)
     _same(without, _torch_run(tmp_path / "epochs", every="epoch"), extra_len=2 * 2)
+
+
+def test_torch_loop_over_a_stream(tmp_path):
+    """An IterableDataset: one __iter__ per epoch and its items, as without keepalive."""
+    _same(_torch_run(stream=True), _torch_run(tmp_path / "run", stream=True))
 
 
 def test_control_a_probe_that_draws_is_seen(tmp_path):
