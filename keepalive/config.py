@@ -16,7 +16,7 @@ import dataclasses
 import difflib
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 __all__ = ["CheckpointConfig"]
 
@@ -69,6 +69,13 @@ class CheckpointConfig:
         flush_timeout: how long the end of training waits for uploads (default 120 s).
         drive_flush: on Colab, call ``drive.flush_and_unmount()`` at the end of the run.
         remaining_fn: seconds left in the session (default: from :mod:`keepalive.session`).
+        track_globals: save the loop's own variables (plain values the loop assigns: a best loss, a
+            counter, a batch drawn ahead) with each checkpoint and put them back on resume, when the
+            loop runs at the top level of a script or notebook cell (default True); the loop-carried
+            ones that cannot be saved (objects, a loop inside a function) are named once with the fix.
+            False: none are saved, none named.
+        track: the names of the loop's variables to save instead (only these, e.g.
+            ``["best_val_loss", "patience"]``): globals of the loop's script or cell.
     """
 
     path: Union[str, "os.PathLike[str]", None] = None
@@ -88,6 +95,8 @@ class CheckpointConfig:
     flush_timeout: Optional[float] = None
     drive_flush: Optional[bool] = None
     remaining_fn: Optional[Callable[[], Optional[float]]] = None
+    track_globals: bool = True
+    track: Optional[Sequence[str]] = None
 
     @classmethod
     def field_names(cls) -> Tuple[str, ...]:

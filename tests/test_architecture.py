@@ -35,6 +35,7 @@ PACKAGE = os.path.join(ROOT, "keepalive")
 LAYERS: Dict[str, int] = {
     # 0 base
     "_version": 0, "units": 0, "errors": 0, "settings": 0, "report": 0, "statetree": 0, "plan": 0,
+    "loopstate": 0,  # the loop's own variables, read from its code (stdlib only: every adapter may use it)
     # 1 storage
     "backends": 1, "state": 1, "store": 1, "rng": 1, "dataorder": 1,
     # 2 runs

@@ -89,7 +89,7 @@ INTERNALS = (
              token="LOAD_BEST_MODEL"),
     Internal("Trainer._initial_global_step / _initial_num_input_tokens_seen", "set to a whole run's when "
              "keepalive's checkpoint replaces the Trainer's own resume",
-             f"{_T}: DriveCheckpoint._replace_trainers_resume",
+             "_hf_restore.py: load",
              uses(_TRAINER, "_initial_global_step", "_initial_num_input_tokens_seen"), token="_initial_global_step"),
     Internal("CallbackHandler.callbacks", "the callback list the found Trainer must hold this callback in",
              f"{_T}: DriveCheckpoint._find_trainer, _exportable", uses(_HANDLER, "callbacks"),

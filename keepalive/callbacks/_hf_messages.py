@@ -3,11 +3,12 @@ waits for the end of an evaluation, the best model's weights found or lost. Each
 (by its key) through the core."""
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 from transformers import Trainer
 
 from ..core import Checkpointer
+from ..interrupts import signal_name
 from . import _hf_data
 from .replay import STATE_WAIT_S
 
@@ -38,8 +39,21 @@ def tell_inexact(core: Checkpointer, trainer: Trainer, stream: str, replay: Opti
                   "uninterrupted run's", key="hf-workers")
 
 
-def tell_eval_for_step(core: Checkpointer, came: str, step: int) -> None:
-    """A signal, a notice or the deadline came during the evaluation the Trainer runs for a step."""
+def watching(core: Checkpointer) -> Tuple[Any, Any]:
+    """What :func:`tell_eval_for_step` compares with: the deadline and notice the trigger had seen."""
+    return core.trigger.deadline_hit, core.trigger.notice_hit
+
+
+def tell_eval_for_step(core: Checkpointer, before: Tuple[Any, Any], step: int) -> None:
+    """Said when a signal, a notice or the deadline came (since :func:`watching` gave ``before``) during
+    the evaluation the Trainer runs for a step."""
+    signum = core.signals.peek()
+    deadline, notice = before
+    came = (signal_name(signum) if signum is not None else "a preemption notice"
+            if core.trigger.notice_hit is not notice else "the deadline"
+            if core.trigger.deadline_hit != deadline else None)
+    if not came:
+        return
     core.warn(f"{came} came during the evaluation the Trainer runs for step {step} "
               "(eval_strategy=\"steps\"), before keepalive's boundary of that step: the save waits for the "
               "evaluation's end. During an evaluation at an epoch's end (eval_strategy=\"epoch\") keepalive "

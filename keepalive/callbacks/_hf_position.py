@@ -11,7 +11,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 from transformers import TrainingArguments
 
-from . import _hf_data
+from . import _hf_data, _hf_samplers
 
 #: why a stream is checkpointed at epoch ends only with several processes
 STREAM_ON_PROCESSES = ("a stream (IterableDataset) on several processes: keepalive checkpoints it at epoch ends "
@@ -40,6 +40,8 @@ class DataPosition:
         the replay of its random states; returns why an epoch cannot be continued inside ("" when it can)."""
         self.sampler, why = _hf_data.install(loader, int(args.data_seed if args.data_seed is not None
                                                          else args.seed))
+        if why.startswith("custom batch sampler"):  # a library's own (sentence-transformers'): see _hf_samplers
+            self.sampler, why = _hf_samplers.install_library(loader)
         if why == "iterable" and args.world_size > 1:
             # accelerate shards or dispatches a stream across the processes; neither is positioned
             why = STREAM_ON_PROCESSES
@@ -65,12 +67,17 @@ class DataPosition:
             "stream": self.stream}
         if self.replay is not None and batches and not finishing:
             data["replay"] = self.replay.capture(batches)
+        library = _hf_samplers.library_state(self.sampler, bool(batches) and not finishing
+                                             and batches < self.steps_in_epoch)
+        if library is not None:
+            data["library"] = library
         return data
 
     def restore_order(self, data: Mapping[str, Any]) -> None:
         """The saved run's epoch order (its sampler kind and seed) wins over this call's."""
         if data.get("order") and self.sampler is not None:
             self.sampler.kind, self.sampler.seed = data["order"][0], int(data["order"][1])
+        _hf_samplers.restore_library(self.sampler, data.get("library"))
 
     def end_pass(self) -> None:
         if self.replay is not None:

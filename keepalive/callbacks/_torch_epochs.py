@@ -6,15 +6,18 @@ number of epochs; a loop left by a ``break`` in an earlier run) and says what wi
 the loop (early stopping, told from an interruption by :mod:`keepalive.callbacks._torch_break`) is
 saved as the run's end, marked, so that the next run says so instead of training on. Each
 ``ckpt.epochs()`` loop that ends is a stage of the run: a further one (another optimizer, unfrozen
-layers) trains on from there.
+layers) trains on from there. ``ckpt.iterations(n)`` runs the same loop over iterations (one optimizer
+step each), saving every ``"auto"`` interval rather than every iteration.
 """
 from __future__ import annotations
 
 import sys
 from typing import Any, Callable, Dict, Iterator, Optional
 
+from ..autointerval import AutoInterval, expected_uptime
 from ..core import Checkpointer
 from ..statetree import Captured
+from ..trigger import Schedule
 from ._torch_break import closed_by_break
 from ._torch_data import TrainingData
 from ._torch_objects import TorchObjects
@@ -35,10 +38,27 @@ class EpochLoop:
         self.plan_compared = False      # the loaded plan was compared with the code's (once)
         self.left_at: Optional[Dict[str, int]] = None   # a loop left by a break: {"epoch", "of"}
         self.leaving: Optional[Dict[str, int]] = None   # saved with the checkpoint of that break
+        #: called once the loop has resumed, before its first epoch (the loop's variables put back)
+        self.started: Callable[[], None] = lambda: None
+        self.iterating = False          # the loop is ckpt.iterations(): an epoch is one iteration
+        self.told_iterations = False    # an epochs() loop of single steps was told about iterations()
+
+    def iterations(self, n: int) -> None:
+        """The next loop is ``ckpt.iterations(n)``: with ``every`` left at ``"epoch"``, saves every
+        ``"auto"`` interval instead of every iteration (said once)."""
+        self.iterating = True
+        trigger = self.core.trigger
+        if self.core.config.every == "epoch" and trigger.schedule.epoch:
+            trigger.schedule = Schedule("auto")
+            trigger.auto = AutoInterval(expected_uptime)
+            self.core.say(f"ckpt.iterations({n}) saves every 'auto' interval (a save's measured cost against "
+                          "the expected time between interruptions), not every iteration; every=N saves every "
+                          "N iterations")
 
     def epochs(self, n: int) -> Iterator[int]:
         """See :meth:`keepalive.callbacks.torch.DriveCheckpoint.epochs`."""
         self.resume()
+        self.started()
         core, data = self.core, self.data
         core.total_epochs = n
         core.plan.update(stage=self.stage, epochs=int(n))
@@ -56,6 +76,7 @@ class EpochLoop:
             while core.counters["epoch"] < n:
                 core.start_epoch()
                 data.begin_epoch()
+                steps_before = core.optimizer_steps
                 try:
                     yield core.counters["epoch"]
                 except GeneratorExit:
@@ -66,6 +87,7 @@ class EpochLoop:
                     if closed_by_break(caller):
                         self._leave(n)
                     raise
+                self._tell_iteration_loop(n, core.optimizer_steps - steps_before)
                 if not self._end_epoch(n):
                     return
             self.stage += 1
@@ -89,6 +111,19 @@ class EpochLoop:
         last = core.counters["epoch"] + 1 >= n
         self.objects.check_schedule_end(last)
         return not core.end_epoch(self.capture, last=last, requested=requested).stop
+
+    def _tell_iteration_loop(self, n: int, steps: int) -> None:
+        """An ``epochs(n)`` epoch of one optimizer step and no batch loop is an iteration: with
+        ``every="epoch"`` every iteration is saved (a training's time doubled). Said once."""
+        core = self.core
+        if (self.iterating or self.told_iterations or steps != 1 or n < 100 or self.data.batches_done
+                or not core.trigger.schedule.epoch):
+            return
+        self.told_iterations = True
+        core.warn(f"ckpt.epochs({n}) runs one optimizer step per epoch and no ckpt.batches() loop: an iteration "
+                  "loop, which every='epoch' saves after every iteration (the training may take twice its time). "
+                  f"Write `for it in ckpt.iterations({n}):` (saves every 'auto' interval) or give every=N "
+                  "(every N iterations).", key="iteration-loop")
 
     def _loop_ended(self) -> None:
         """This checkpointer's loop ran to its end (or had nothing to train): the run's next loop is

@@ -6,12 +6,17 @@ save may be made); a pass not known to be training data (a validation loader, or
 before its first optimizer step) replays whole and becomes a training pass at a registered
 optimizer's first step. Which loader is the training data, and where a resumed pass continues, is
 :class:`keepalive.callbacks._torch_data.TrainingData`'s.
+
+A pass whose epoch code reads, after the pass, what its last batch left (``print(loss.item())`` after
+the batch loop) in variables a resume cannot put back (a loop inside a function) is never saved at its
+epoch's last batch: a resume there would run that code with no batch run (a ``NameError`` on every
+re-run). What comes due at that batch (a save, a stop, a signal) waits for the epoch's end.
 """
 from __future__ import annotations
 
 import gc
 import weakref
-from typing import Any, Callable, Iterable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Iterable, Iterator, List, Sequence, Tuple
 
 from .. import rng
 from ..core import Checkpointer
@@ -21,7 +26,11 @@ from ._torch_objects import TorchObjects
 from ._torch_replay import LoaderReplay
 from .torchstate import gradients_pending
 
-__all__ = ["Passes"]
+__all__ = ["Passes", "WAIT_FOR_EPOCH_END"]
+
+#: what comes due at an epoch's last batch waits for the epoch's end where the code after the batch
+#: loop reads that batch's variables and a resume cannot put them back (False only in tests' controls)
+WAIT_FOR_EPOCH_END = True
 
 
 class Passes:
@@ -32,17 +41,20 @@ class Passes:
         self.core, self.objects, self.data = core, objects, data
         self.capture, self.resume = capture, resume
         self.enumerate_told = False
+        #: called once a batch loop outside ``ckpt.epochs()`` has resumed (the loop's variables put back)
+        self.started: Callable[[], None] = lambda: None
 
-    def batches(self, loader: Iterable) -> Iterator[Any]:
-        """See :meth:`keepalive.callbacks.torch.DriveCheckpoint.batches`."""
+    def batches(self, loader: Iterable, reads: Sequence[str] = ()) -> Iterator[Any]:
+        """See :meth:`keepalive.callbacks.torch.DriveCheckpoint.batches`; ``reads``: what the code
+        after the loop reads from its last batch that a resume cannot put back."""
         holder: List[Any] = []
-        gen = self._batches(loader, holder)
+        gen = self._batches(loader, holder, reads)
         holder.append(weakref.ref(gen))
         return gen
 
-    def _batches(self, loader: Iterable, holder: List[Any]) -> Iterator[Any]:
+    def _batches(self, loader: Iterable, holder: List[Any], reads: Sequence[str]) -> Iterator[Any]:
         first = True
-        for i, batch in self.enumerate(loader):
+        for i, batch in self.enumerate(loader, reads):
             if first:
                 first = False
                 if i and not self.enumerate_told:
@@ -61,10 +73,12 @@ class Passes:
             "`if i >= ...: break`, a schedule stepped with i) sees other values than an uninterrupted "
             "run. Write `for i, batch in ckpt.enumerate(loader):` for the true index.", key="enumerate")
 
-    def enumerate(self, loader: Iterable) -> Iterator[Tuple[int, Any]]:
-        """See :meth:`keepalive.callbacks.torch.DriveCheckpoint.enumerate`."""
+    def enumerate(self, loader: Iterable, reads: Sequence[str] = ()) -> Iterator[Tuple[int, Any]]:
+        """See :meth:`keepalive.callbacks.torch.DriveCheckpoint.enumerate` (``reads``: see :meth:`batches`)."""
         self.resume()
         data = self.data
+        if not data.in_epochs:
+            self.started()
         rl, key = data.resumable(loader)
         if (data.in_epochs and data.batches_done) or (self.core.finished and not data.in_epochs):
             # the epoch's training pass is over, or the whole training (e.g. a test-set evaluation
@@ -72,18 +86,19 @@ class Passes:
             return (yield from self._run(Pass(rl, key), promote=False))
         streams = data.saved.get("streams") or {}
         if key == data.train_key or key in streams or (data.train_key is None and not self.objects.optimizers):
-            return (yield from self._training(rl, key))
+            return (yield from self._training(rl, key, bool(reads)))
         # Not known to be the training data (yet): e.g. a validation loader, or the training loader
         # before its first optimizer step. It becomes a training pass at that step.
-        return (yield from self._run(Pass(rl, key), promote=True))
+        return (yield from self._run(Pass(rl, key), promote=True, ends_epoch=bool(reads)))
 
-    def _training(self, rl: LoaderReplay, key: str) -> Iterator[Tuple[int, Any]]:
-        """A pass over training data: counted, positioned, saved inside where it can be."""
+    def _training(self, rl: LoaderReplay, key: str, ends_epoch: bool = False) -> Iterator[Tuple[int, Any]]:
+        """A pass over training data: counted, positioned, saved inside where it can be
+        (``ends_epoch``: not at its last batch, see the module's docstring)."""
         if not self.data.in_epochs:
             self._outside_epochs()
         p = Pass(rl, key, start=self.data.start(rl, key))
         self.data.promote(p)
-        return (yield from self._run(p, promote=False))
+        return (yield from self._run(p, promote=False, ends_epoch=ends_epoch))
 
     def _outside_epochs(self) -> None:
         """``ckpt.batches()`` in a plain ``for epoch in range(n)`` loop: each pass counts as an epoch,
@@ -96,7 +111,7 @@ class Passes:
                 "so the run trains more epochs than asked. Write `for epoch in ckpt.epochs(n):` to skip "
                 "the finished ones.", key="outside-epochs")
 
-    def _run(self, p: Pass, promote: bool) -> Iterator[Tuple[int, Any]]:
+    def _run(self, p: Pass, promote: bool, ends_epoch: bool = False) -> Iterator[Tuple[int, Any]]:
         """Iterate one pass. A training pass counts its samples when a batch is handed out and acts
         at its batch's end (the boundary); a pass not known to be training data replays whole: what
         comes due while it runs waits for the training loop's next boundary. With ``promote``, a
@@ -114,7 +129,7 @@ class Passes:
                     data.promote(p)
                     data.samples_out += p.position  # its samples so far were training data
                 if p.trains:
-                    if self._boundary(p, stepped).stop:
+                    if self._boundary(p, stepped, ends_epoch).stop:
                         return
                 else:  # not a boundary (an evaluation): what cannot wait is saved here when the state is
                     # still the last step's (keepalive.pauses), the data where that step left it (the
@@ -151,7 +166,7 @@ class Passes:
             finally:
                 self.core.uninstall_signal_handlers()
 
-    def _boundary(self, p: Pass, stepped: bool) -> Any:
+    def _boundary(self, p: Pass, stepped: bool, ends_epoch: bool = False) -> Any:
         """The end of a training batch: count the optimizer's steps and act as due. Saving is
         consistent only when no gradient is pending and no other open training pass has handed out
         a batch that no step has consumed yet (``zip`` of two loaders: the other one's next batch)."""
@@ -175,8 +190,10 @@ class Passes:
             length = None
         at_end = length is not None and p.done >= length
         self.objects.check_schedule_end(total is None or (core.counters["epoch"] + 1 >= total and at_end))
+        # not a point to resume from: the epoch's code after the pass needs its last batch's variables
+        waits = ends_epoch and at_end and data.in_epochs and WAIT_FOR_EPOCH_END
         return core.advance(self.capture, steps=steps, batch=p.done, samples=samples, can_save=mid_epoch,
-                            pending=pending or outstanding, requested=requested, length=length)
+                            pending=pending or outstanding or waits, requested=requested, length=length)
 
     def claim_unstepped_epoch(self) -> None:
         """At an epoch's end with no pass that stepped a registered optimizer (the loop steps another

@@ -24,8 +24,14 @@ What is saved: every registered object's ``state_dict()`` (models, optimizers, L
 ``GradScaler``, and any extra object with ``state_dict`` / ``load_state_dict``), private random
 generators you register (``random.Random``, ``np.random.Generator`` / ``RandomState``,
 ``torch.Generator``), the epoch / step / batch / sample counters, the RNG states (python, numpy, torch
-CPU and CUDA), the data order (the sampler seed and the sample position) and ``ckpt.extras``
-(JSON-able values of yours, e.g. the best metric).
+CPU and CUDA), the data order (the sampler seed and the sample position), ``ckpt.extras``
+(JSON-able values of yours, e.g. the best metric) and, when the loop runs at the top level of a script or
+a notebook cell, the plain values the loop assigns (a best loss, a counter, a batch drawn ahead:
+:mod:`keepalive.loopstate`; ``track_globals=False`` / ``track=[...]``), put back before it continues.
+
+``for it in ckpt.iterations(max_iters)`` is the loop of a training counted in iterations (one optimizer
+step each, no batch loop: nanoGPT's shape); it saves every ``"auto"`` interval unless ``every=`` says
+otherwise.
 
 Loops as people write them (the README's "What resumes exactly" table has each shape): optimizer
 steps are counted by a step hook, so ``every=N`` counts them and nothing is saved while gradients are
@@ -51,6 +57,7 @@ from typing import Any, Dict, Iterable, Iterator, Optional, Tuple, Union, cast
 from ..adapter import CheckpointAdapter
 from ..config import CheckpointConfig
 from ..core import Checkpointer
+from ..loopstate import LoopVariables, caller_frame
 from ..statetree import Captured, StateTree
 from ._torch_data import TrainingData
 from ._torch_epochs import EpochLoop
@@ -83,6 +90,9 @@ class DriveCheckpoint(CheckpointAdapter):
         self._data = TrainingData(self.core, self._objects, self._storable_preview)
         self._passes = Passes(self.core, self._objects, self._data, self.capture, self.resume)
         self._loop = EpochLoop(self.core, self._objects, self._data, self._passes, self.capture, self.resume)
+        #: the variables of the loop (its top-level globals saved and put back; the others named)
+        self._vars = LoopVariables(self.core.say, self.core.warn, enabled=cfg.track_globals, track=cfg.track)
+        self._loop.started = self._passes.started = self._vars.put_back
         for name, obj in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler),
                           ("scaler", scaler), *objects.items()):
             if obj is not None:
@@ -122,29 +132,57 @@ class DriveCheckpoint(CheckpointAdapter):
         """Put a loaded (and checked) tree into the registered objects, the RNGs and the data position."""
         self._objects.restore(tree)
         self._data.restore(tree)
+        self._vars.loaded(tree.get("loop"))
 
     # ------------------------------------------------------------------------------------ loops
     def epochs(self, n: int) -> Iterator[int]:
         """``for epoch in ckpt.epochs(n)``: yields the epochs still to run, saving as configured."""
+        self._vars.watch(caller_frame())
+        self._loop.iterating = False
         # the loop's own generator, not one delegating to it: a break is read from the frame closing it
+        return self._loop.epochs(n)
+
+    def iterations(self, n: int) -> Iterator[int]:
+        """``for it in ckpt.iterations(max_iters)``: a loop of iterations (one optimizer step each, no
+        ``ckpt.batches()`` loop inside), yielding those still to run. Each iteration is one of the
+        run's epochs for the counters; with ``every`` left at ``"epoch"`` the saves come every
+        ``"auto"`` interval (what a save costs against the expected time between interruptions, at
+        most 1 % of the training), not every iteration."""
+        self._vars.watch(caller_frame())
+        self._loop.iterations(n)
         return self._loop.epochs(n)
 
     def batches(self, loader: Iterable) -> Iterator[Any]:
         """``for batch in ckpt.batches(loader)``: the loader's batches from the saved position."""
-        return self._passes.batches(loader)
+        return self._passes.batches(loader, self._pass_reads(caller_frame()))
 
     def enumerate(self, loader: Iterable) -> Iterator[Tuple[int, Any]]:
         """``for i, batch in ckpt.enumerate(loader)``: like :meth:`batches`, with the batch's true
         index in the epoch (a resumed epoch starts at the saved index, not at 0)."""
-        return self._passes.enumerate(loader)
+        return self._passes.enumerate(loader, self._pass_reads(caller_frame()))
+
+    def _pass_reads(self, frame: Any) -> Tuple[str, ...]:
+        """For a batch loop starting in ``frame``: what the code after it reads from its last batch
+        that a resume cannot put back (an epoch's ``print(loss.item())`` in a function). A save due at
+        the epoch's last batch then waits for the epoch's end (:class:`~._torch_passes.Passes`).
+        Outside ``ckpt.epochs()`` the batch loop is the outermost loop, whose variables are kept."""
+        if not self._data.in_epochs:
+            self._vars.watch(frame)
+        if frame is None:
+            return ()
+        until = self._vars.loop.span[1] if self._vars.loop is not None and frame.f_globals is \
+            self._vars.namespace and frame.f_code is self._vars.code else None
+        return self._vars.unrestored_reads(frame, until)
 
     # ------------------------------------------------------------------------------- save/state
     def _fingerprint(self) -> Tuple[Any, Any]:
         """What :meth:`capture` reads beside tensors, cheaply: the core saves during a pause of the
-        loop (an evaluation) only while this is what it was at the last step boundary. A scheduler
-        stepped before the evaluation, a batch handed out, a pass ended or begun all change it."""
-        return self._objects.summary(), (*self._data.fingerprint(), self._loop.leaving is not None,
-                                         self._data.pending_now)
+        loop (an evaluation) only while this is what it was at the last step boundary. A batch handed
+        out, a pass ended or begun, a variable of the loop that is saved rebound all change it (the
+        registered objects' state beside their tensors, e.g. a scheduler stepped before the
+        evaluation, is kept at each boundary instead: :mod:`._torch_boundary`)."""
+        return (self._objects.summary(), self._vars.fingerprint()), (
+            *self._data.fingerprint(), self._loop.leaving is not None, self._data.pending_now)
 
     def capture(self) -> Captured:
         self._data.tell_foreign()
@@ -153,7 +191,11 @@ class DriveCheckpoint(CheckpointAdapter):
         if self._loop.leaving is not None:
             data["left_loop"] = dict(self._loop.leaving)
         data = self._data.section(data)
-        return {"objects": self._objects.states(), "data": data, "torch": self._objects.section()}
+        captured: Captured = {"objects": self._objects.states(), "data": data, "torch": self._objects.section()}
+        loop = self._vars.capture(tell=self.core.optimizer_steps > 0)
+        if loop is not None:
+            captured["loop"] = loop
+        return captured
 
     def _storable_preview(self) -> Captured:
         return cast(Captured, without_lazy(dict(self.capture())))

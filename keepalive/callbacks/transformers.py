@@ -13,8 +13,9 @@ What is saved and restored: the model (for a PEFT model, or any model with froze
 what trains: the adapter weights and buffers, not the frozen base), the optimizer, the LR scheduler,
 the grad scaler, ``TrainerState`` (global step, epoch, log history, best metric, FLOs, tokens seen), the
 Trainer's running loss sums (so the first loss logged after a resume is the one an uninterrupted run
-logs), the state of stateful callbacks (``EarlyStoppingCallback``'s patience), every RNG, and the data
-position: the epoch and the batch within it.
+logs), the state of stateful callbacks (``EarlyStoppingCallback``'s patience), a ``Trainer`` subclass's own
+counters (TRL's ``SFTTrainer``: ``_metrics``, ``num_tokens``; :mod:`keepalive.callbacks._hf_counters`), every
+RNG, and the data position: the epoch and the batch within it.
 
 When: ``every=`` counts optimizer steps (with gradient accumulation a save never lands between two
 micro-batches), or ``"epoch"`` / a duration; the session's deadline saves and stops the training cleanly
@@ -52,6 +53,9 @@ Data position (:mod:`keepalive.callbacks._hf_data`):
   a rank killed at any moment, mid-save included, leaves a whole checkpoint or none); all ranks decide
   together when to save. Exact. Told: ``even_batches=False`` and streams on several processes (checkpoints at
   epoch ends only).
+* sentence-transformers' own batch samplers (its default, ``NO_DUPLICATES``, ``GROUP_BY_LABEL``), one process:
+  run again from the generator states their epoch began with, the trained batches dropped as indices
+  (:mod:`keepalive.callbacks._hf_samplers`). Exact, a one-epoch run included.
 * other samplers: checkpoints at epoch ends only (said once).
 
 The Trainer's own checkpoints (``save_strategy`` / ``save_steps``, written to ``output_dir``) are
@@ -86,13 +90,14 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 from ..adapter import CheckpointAdapter
 from ..config import CheckpointConfig
 from ..core import Checkpointer
-from ..interrupts import signal_name
 from ..statetree import Captured, StateTree
 from . import _compat_transformers as hfc
 from . import _hf_messages as hfmsg
+from . import _hf_restore as hfrestore
 from . import _hf_resume as hfresume
 from . import _hf_state as hfstate
 from ._hf_best import BestModelLoader, keep_best
+from ._hf_counters import SubclassCounters
 from ._hf_position import DataPosition
 from ._hf_resume import NO_CHECKPOINT, TrainersResume
 from .torchstate import gate_steps
@@ -138,6 +143,7 @@ class DriveCheckpoint(CheckpointAdapter, TrainerCallback):
         #: the best model's trainable weights (load_best_model_at_end): (its Trainer folder, weights), kept
         #: in keepalive's checkpoint so the best model survives the loss of a local output_dir
         self._best: Optional[hfstate.Best] = None
+        self._counters: Optional[SubclassCounters] = None  # the Trainer subclass's own (TRL's _metrics ...)
 
     def __repr__(self) -> str:
         return f"DriveCheckpoint({self.core.url!r})"
@@ -155,6 +161,7 @@ class DriveCheckpoint(CheckpointAdapter, TrainerCallback):
         own = TrainersResume.of(loop, state)
         loader = kwargs.get("train_dataloader")
         self._reset(trainer, loader)
+        self._counters = SubclassCounters(trainer, core)  # noted before a checkpoint is restored
         self._position_data(args, loader)
         core.plan = hfresume.plan_of(args, state)
         self._load(trainer, state, own)
@@ -195,31 +202,13 @@ class DriveCheckpoint(CheckpointAdapter, TrainerCallback):
             self.core.warn(why, key="hf-positionable")
 
     def _load(self, trainer: Trainer, state: TrainerState, own: Optional[TrainersResume]) -> None:
-        """Restore keepalive's newest checkpoint, unless the Trainer's own (``own``) is newer."""
-        core = self.core
+        """Restore keepalive's newest checkpoint, unless the Trainer's own (``own``) is newer: then the
+        training continues from the Trainer's as the Trainer resumes it, keepalive counting from there."""
         self._epochs_begun = own.epoch if own is not None else 0  # the Trainer's loop variable starts there
-        tree, newer = hfresume.load_newest(core, own, self._check_fits)  # may refuse: nothing changed
-        self._restored = tree is not None
-        if tree is not None:
-            hfresume.tell_plan(core, state)
-            self.restore(tree)
-            if own is not None:
-                # keepalive's replaced what the Trainer loaded: as in a resume of keepalive's alone, the
-                # loss average and the token rate cover the whole run
-                trainer._initial_global_step = 0
-                trainer._initial_num_input_tokens_seen = 0
-                hfresume.say_replaced(core, own, hfresume.saved_step(tree))
-        elif own is not None:
-            self._continue_trainers_resume(own, newer)
-
-    def _continue_trainers_resume(self, own: TrainersResume, keepalives: Optional[int]) -> None:
-        """The Trainer resumed from its own checkpoint and keepalive's is older (or absent): the training
-        continues from the Trainer's as the Trainer resumes it; keepalive counts (and saves) from there."""
-        c = self.core.counters
-        c["epoch"], c["step"], c["batch"] = own.epoch, own.step, own.batches
-        c["samples"] = self._position.batch_size * (own.epoch * self._position.steps_in_epoch + own.batches)
-        self._from_trainer = own
-        hfresume.tell_continued(self.core, own, keepalives)
+        self._restored, newer = hfrestore.load(self.core, trainer, state, own, self._check_fits, self.restore)
+        if not self._restored and own is not None:
+            hfrestore.count_from_trainers(self.core, own, self._position, newer)
+            self._from_trainer = own
 
     @property
     def _positionable(self) -> bool:
@@ -302,6 +291,7 @@ class DriveCheckpoint(CheckpointAdapter, TrainerCallback):
                 if self._pending_epoch is not None:
                     self._epoch, self._batches = epochs, 0
                 self._pending_epoch = None
+                self._note_counters()
                 core.end_epoch(self.capture, last=True, epoch=epochs)
         finally:
             self._active = False
@@ -317,21 +307,16 @@ class DriveCheckpoint(CheckpointAdapter, TrainerCallback):
         state is still that of the last step boundary (the core checks it: :mod:`keepalive.pauses`)."""
         if not self._active:
             return  # trainer.evaluate() / predict() outside train()
-        core = self.core
-        deadline, notice = core.trigger.deadline_hit, core.trigger.notice_hit
+        before = hfmsg.watching(self.core)
         try:
-            core.active(self.capture)
+            self.core.active(self.capture)
         except BaseException:  # a signal saved here now takes effect: train() ends
             self._active = False
             raise
-        signum = core.signals.peek()
-        came = (signal_name(signum) if signum is not None else "a preemption notice"
-                if core.trigger.notice_hit is not notice else "the deadline"
-                if core.trigger.deadline_hit != deadline else None)
-        if self._pending_step and came:
+        if self._pending_step:
             # eval_strategy="steps": the Trainer evaluates for a step before the step's boundary (the
             # boundary is after the Trainer's work for it, so that a checkpoint holds its results)
-            hfmsg.tell_eval_for_step(core, came, state.global_step)
+            hfmsg.tell_eval_for_step(self.core, before, state.global_step)
 
     def _fingerprint(self) -> Tuple[Any, Any]:
         """What :meth:`capture` reads beside tensors, cheaply, as the core's pair (objects' state, loop
@@ -372,6 +357,7 @@ class DriveCheckpoint(CheckpointAdapter, TrainerCallback):
         if not self._pending_step:
             return
         self._pending_step = False
+        self._note_counters()
         try:
             decision = self.core.advance(self.capture, steps=1, batch=self._batches,
                                          samples=self._position.batch_size * self._batches_since_step(),
@@ -393,6 +379,7 @@ class DriveCheckpoint(CheckpointAdapter, TrainerCallback):
             return
         epochs, self._pending_epoch = self._pending_epoch, None
         self._epoch, self._batches = epochs, 0
+        self._note_counters()
         try:
             decision = self.core.end_epoch(self.capture, epoch=epochs)
         except BaseException:
@@ -400,6 +387,10 @@ class DriveCheckpoint(CheckpointAdapter, TrainerCallback):
             raise
         if decision.stop:
             control.should_training_stop = True
+
+    def _note_counters(self) -> None:
+        if self._counters is not None:
+            self._counters.at_boundary()
 
     def _put_back_rng(self) -> None:
         tree, self._rng_tree = self._rng_tree, None
@@ -411,6 +402,8 @@ class DriveCheckpoint(CheckpointAdapter, TrainerCallback):
         trainer = self._trainer
         assert trainer is not None
         objects, hf = hfstate.capture(trainer, finishing=self._finishing, best=self._best, skip=DriveCheckpoint)
+        if self._counters is not None:
+            hf["counters"] = self._counters.capture()
         data = self._position.capture(trainer.args, self._epoch, self._batches, finishing=self._finishing)
         if "replay" in data:  # inside an epoch: said at the first such save, what its resume cannot replay
             hfmsg.tell_inexact(self.core, trainer, self._position.stream, self._position.replay)
@@ -418,36 +411,16 @@ class DriveCheckpoint(CheckpointAdapter, TrainerCallback):
 
     # --------------------------------------------------------------------------------- restore
     def _check_fits(self, tree: StateTree) -> None:
-        trainer = self._trainer
-        assert trainer is not None
-        where = self.core.loaded_url
-        hfstate.check_trainer_fits(trainer, tree, where)
-        hfresume.check_position_fits(tree.get("data") or {}, where=where, world=int(trainer.args.world_size),
-                                     now=self._position.shape(trainer.args), positionable=self._positionable,
-                                     obstacle=self.core.mid_epoch_obstacle)
+        assert self._trainer is not None
+        hfrestore.check_fits(self.core, self._trainer, tree, self._position)
 
     def restore(self, tree: StateTree) -> None:
-        """Put a loaded tree into the Trainer of this ``train()``: model (its trainable part),
-        optimizer, scheduler, scaler, ``TrainerState``, running loss sums, callbacks, data position."""
-        trainer = self._trainer
-        if trainer is None:
+        """Put a loaded tree into the Trainer of this ``train()`` (:func:`~._hf_restore.put_back`)."""
+        if self._trainer is None:
             raise RuntimeError("DriveCheckpoint: no train() is running")
-        state = trainer.state
-        hfstate.restore_objects(trainer, tree.get("objects") or {})
-        hf = tree.get("hf") or {}
-        self._best = hfstate.restore_trainer(trainer, state, hf, DriveCheckpoint)
-        data = tree.get("data") or {}
-        self._position.restore_order(data)
-        if hf.get("finished") and state.global_step < state.max_steps and hfresume.plan_extended(self.core):
-            # a longer plan than the finished run's ("one more epoch"): continue from its final state
-            hfstate.continue_finished(trainer, state)
-        elif hf.get("finished"):
-            self._complete = True
-            hfmsg.say_already_complete(self.core, state.global_step)
-            return
-        self._resume = {"epoch": int(data.get("epoch", 0)), "batch": int(data.get("batch", 0)),
-                        "replay": data.get("replay") or {}}
-        self._rng_tree = {"rng": tree.get("rng")}  # only the RNGs: the tensors are loaded already
+        got = hfrestore.put_back(self.core, self._trainer, tree, self._position, self._counters, DriveCheckpoint)
+        self._best, self._resume, self._rng_tree = got.best, got.resume, got.rng_tree
+        self._complete = self._complete or got.complete
 
 
 class _BatchFetcher:

@@ -1,0 +1,384 @@
+"""The loop's own state: the variables a training loop assigns, read from the loop's code.
+
+A training loop keeps more than the registered objects: a best loss, a patience counter, an iteration
+number, a batch drawn ahead (nanoGPT's ``X, Y = get_batch('train')`` at the end of each step). Which
+variables a loop assigns is read from the code of the frame that runs it (:func:`read_loop`: the
+``for`` whose iterator is keepalive's call, and the names its body stores, nested loops included) with
+:func:`dis.get_instructions`: no source is needed, so scripts and notebook cells alike are read.
+
+At the top level of a script or a cell those variables are the module's globals, which can be written
+back: :class:`LoopVariables` saves the ones holding plain values (numbers, strings, small arrays and
+tensors, small lists / tuples / dicts of them) with each checkpoint and puts them back on resume, before
+the loop continues, and names the others the loop carries from one step to the next, with the line
+that fixes it. Inside a function (whose variables cannot be written back) it names the loop-carried
+ones. Loop-carried: read in a loop's body before that body assigns it (in the code's linear order, an
+approximation): ``loss`` or ``logits``, assigned before use every step, are not; a ``+=`` counter is.
+
+Reading the values changes nothing (no random number is drawn, nothing is mutated). This module
+imports nothing but the standard library (tensors and arrays are recognised through ``sys.modules``),
+so that every adapter can use it and its analysis runs under every supported Python.
+"""
+from __future__ import annotations
+
+import dis
+import inspect
+import sys
+from dataclasses import dataclass
+from types import CodeType, FrameType
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
+
+__all__ = ["LoopCode", "LoopVariables", "MAX_BYTES", "caller_frame", "plain_size", "read_loop",
+           "reads_after"]
+
+#: what the loop's variables may hold in all, per checkpoint (bigger values are named, not saved)
+MAX_BYTES = 16 * 2**20
+#: elements of the lists, tuples and dicts of one value (more: not a small value)
+MAX_ITEMS = 10_000
+_TORCH_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8",
+                           "uint8", "bool"})
+_SCOPES = ("NAME", "GLOBAL", "FAST", "DEREF")
+
+
+def caller_frame(depth: int = 1) -> Optional[FrameType]:
+    """The frame ``depth`` levels above the caller of this function (1: its caller's caller, the
+    user's loop when called from a ``ckpt.epochs()`` facade method), or None where there is none."""
+    try:
+        return sys._getframe(depth + 1)
+    except (ValueError, AttributeError):  # no such frame, or an implementation without frames
+        return None
+
+
+def _accesses(ins: dis.Instruction) -> List[Tuple[str, str]]:
+    """(``load`` / ``store`` / ``global`` / ``clear``, name) for each variable ``ins`` reads or writes,
+    in the order it does (3.13 fuses two accesses into one instruction)."""
+    op, val = ins.opname, ins.argval
+    if op == "LOAD_FAST_AND_CLEAR":  # an inlined comprehension's own variable (3.12+)
+        return [("clear", val)]
+    if op == "STORE_FAST_LOAD_FAST":
+        return [("store", val[0]), ("load", val[1])]
+    names = val if isinstance(val, tuple) else (val,)
+    if op.startswith("STORE_") and op.split("_")[1] in _SCOPES:
+        kind = "global" if op == "STORE_GLOBAL" else "name" if op == "STORE_NAME" else "store"
+        return [(kind, str(n)) for n in names]
+    if op.startswith("LOAD_") and any(scope in op for scope in _SCOPES):
+        return [("load", str(n)) for n in names]
+    return []
+
+
+@dataclass(frozen=True)
+class LoopCode:
+    """What the body of one ``for`` loop assigns (names in the order first assigned)."""
+
+    module_level: bool
+    #: assigned names that are the frame's globals (module-level code, or ``global`` in a function)
+    globals: Tuple[str, ...]
+    #: assigned names that are a function's own variables (cannot be written back)
+    locals: Tuple[str, ...]
+    #: assigned names that a loop body reads before it assigns them
+    carried: FrozenSet[str]
+    #: the loop's body: the offsets of its ``FOR_ITER`` and of the instruction that ends it
+    span: Tuple[int, int]
+
+
+def _loops(instructions: Sequence[dis.Instruction], after: int, end: int) -> List[Tuple[int, int]]:
+    """(``FOR_ITER`` offset, its jump target) of every ``for`` loop starting in (after, end)."""
+    return [(i.offset, int(i.argval)) for i in instructions
+            if i.opname == "FOR_ITER" and after < i.offset < end and isinstance(i.argval, int)]
+
+
+def _carried(instructions: Sequence[dis.Instruction], spans: List[Tuple[int, int]]) -> Set[str]:
+    """Names some span reads before its first assignment of them (and assigns)."""
+    carried: Set[str] = set()
+    for lo, hi in spans:
+        loaded: Dict[str, int] = {}
+        stored: Dict[str, int] = {}
+        for ins in instructions:
+            if lo < ins.offset < hi:
+                for kind, name in _accesses(ins):
+                    (loaded if kind == "load" else stored).setdefault(name, ins.offset)
+        carried |= {n for n, at in stored.items() if n in loaded and loaded[n] < at}
+    return carried
+
+
+def read_loop(code: CodeType, after: int, module_level: bool) -> Optional[LoopCode]:
+    """The ``for`` loop of ``code`` whose iterator is the call at offset ``after`` (the first
+    ``FOR_ITER`` after it: a call wrapped in ``tqdm()`` / ``enumerate()`` too), and what its body
+    assigns; None when no loop follows. ``module_level``: the code runs with its globals as its
+    namespace (a script, a notebook cell), where ``STORE_NAME`` writes a global."""
+    instructions = list(dis.get_instructions(code))
+    found = _loops(instructions, after, sys.maxsize)
+    if not found:
+        return None
+    span = found[0]
+    glob: Dict[str, None] = {}
+    local: Dict[str, None] = {}
+    cleared: Set[str] = set()
+    for ins in instructions:
+        if span[0] < ins.offset < span[1]:
+            for kind, name in _accesses(ins):
+                if kind == "clear":
+                    cleared.add(name)
+                elif kind == "global" or (kind == "name" and module_level):
+                    glob[name] = None
+                elif kind in ("store", "name"):
+                    local[name] = None
+    spans = [span, *_loops(instructions, span[0], span[1])]
+    carried = _carried(instructions, spans) - cleared
+    return LoopCode(module_level, tuple(n for n in glob if n not in cleared),
+                    tuple(n for n in local if n not in cleared), frozenset(carried), span)
+
+
+def reads_after(code: CodeType, after: int, until: Optional[int] = None) -> Tuple[str, ...]:
+    """The names that the code after the ``for`` loop over the call at ``after`` reads (up to offset
+    ``until``: the end of an enclosing loop's body) before assigning them, and that the loop assigns:
+    what an epoch's code after its batch loop (``print(loss.item())``) takes from its last batch."""
+    instructions = list(dis.get_instructions(code))
+    found = _loops(instructions, after, sys.maxsize)
+    if not found:
+        return ()
+    lo, hi = found[0]
+    assigned = {name for ins in instructions if lo < ins.offset < hi
+                for kind, name in _accesses(ins) if kind != "load"}
+    reads: Dict[str, None] = {}
+    stored: Set[str] = set()
+    for ins in instructions:
+        if hi <= ins.offset < (until if until is not None else sys.maxsize):
+            for kind, name in _accesses(ins):
+                if kind == "load" and name in assigned and name not in stored:
+                    reads[name] = None
+                elif kind != "load":
+                    stored.add(name)
+    return tuple(reads)
+
+
+def _modules() -> Tuple[Any, Any]:
+    """numpy and torch where already imported (never imported here)."""
+    return sys.modules.get("numpy"), sys.modules.get("torch")
+
+
+def _is_tensor(value: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and type(value) is torch.Tensor
+
+
+def plain_size(value: Any, depth: int = 0) -> Optional[int]:
+    """The bytes ``value`` takes in a checkpoint if it is a plain value (None, a bool, int, float,
+    str or bytes, a numpy or torch scalar, a numpy array or a torch tensor of a storable dtype, a
+    small list / tuple / dict of those: exact types, so that a value put back has its type), else
+    None. Reads only: no conversion, no device transfer."""
+    kind = type(value)
+    if value is None or kind in (bool, int, float):
+        return 8
+    if kind in (str, bytes):
+        return len(value)
+    np, torch = _modules()
+    if np is not None and (isinstance(value, np.generic) or kind is np.ndarray):
+        return int(value.nbytes) if value.dtype.kind in "biuf" and value.dtype.itemsize <= 8 else None
+    if torch is not None and kind is torch.Tensor:  # not a Parameter: the model's own state
+        if value.layout != torch.strided or value.is_quantized or str(value.dtype)[6:] not in _TORCH_DTYPES:
+            return None
+        return int(value.numel() * value.element_size())
+    if kind in (list, tuple, dict) and depth < 8 and len(value) <= MAX_ITEMS:
+        items = [*value.keys(), *value.values()] if kind is dict else list(value)
+        total = 8
+        for item in items:
+            size = plain_size(item, depth + 1)
+            if size is None:
+                return None
+            total += size
+        return total
+    return None
+
+
+def _snapshot(value: Any, devices: List[str]) -> Any:
+    """A copy of a plain value's containers, its tensors detached (their devices noted in order)."""
+    kind = type(value)
+    if kind in (list, tuple):
+        return kind(_snapshot(v, devices) for v in value)
+    if kind is dict:
+        return {k: _snapshot(v, devices) for k, v in value.items()}
+    if _is_tensor(value):
+        devices.append(str(value.device))
+        return value.detach().contiguous()
+    return value
+
+
+def _put_back(value: Any, devices: List[str]) -> Any:
+    """A loaded value as the loop had it: tensors on their devices, arrays in their own memory."""
+    kind = type(value)
+    if kind in (list, tuple):
+        return kind(_put_back(v, devices) for v in value)
+    if kind is dict:
+        return {k: _put_back(v, devices) for k, v in value.items()}
+    np = sys.modules.get("numpy")
+    if _is_tensor(value):
+        device = devices.pop(0) if devices else "cpu"
+        return value.to(device) if device != "cpu" else value.clone()
+    if np is not None and type(value) is np.ndarray:
+        return value.copy()
+    return value
+
+
+def _fix_for(name: str, value: Any, size: Optional[int]) -> str:
+    """The line that keeps ``value`` (assigned in the loop as ``name``) across a resume."""
+    what = type(value).__qualname__
+    if size is not None:
+        return (f"`{name}` ({what}, {size / 2**20:.0f} MiB) is over the {MAX_BYTES // 2**20} MiB kept for "
+                "the loop's variables: draw it inside the step, or keep it in a registered module")
+    if callable(getattr(type(value), "state_dict", None)):
+        return f"`{name}` ({what}): register it with ckpt.register('{name}', {name})"
+    return (f"`{name}` ({what}): keep what it holds in ckpt.extras (ckpt.extras['{name}'] = ... at the "
+            f"end of a step, read back after ckpt.resume())")
+
+
+class LoopVariables:
+    """The variables of the loop one checkpointer runs: saved, put back and named as they can be.
+
+    ``watch(frame)`` when the outermost keepalive loop starts; ``capture()`` for each checkpoint
+    (its ``loop`` section); ``loaded(section)`` when a checkpoint is restored; ``put_back()`` once the
+    loop continues. ``say`` / ``warn(message, key)`` are the core's.
+    """
+
+    def __init__(self, say: Callable[[str], None], warn: Callable[..., None], *, enabled: bool = True,
+                 track: Optional[Sequence[str]] = None, max_bytes: int = MAX_BYTES):
+        self.say, self.warn = say, warn
+        self.enabled = enabled
+        self.track = None if track is None else tuple(track)
+        self.max_bytes = max_bytes
+        self.loop: Optional[LoopCode] = None
+        self.namespace: Optional[Dict[str, Any]] = None   # the globals the loop's code writes
+        self.function = ""                                # the loop's function (for messages)
+        self.pending: Optional[Dict[str, Any]] = None     # a loaded section, put back at the loop's start
+        self.code: Optional[CodeType] = None                # the code running the loop
+        self.told: Set[str] = set()
+        self.said_saved = False
+        self._read: Dict[Tuple[Any, ...], Any] = {}        # the code read so far (a loop runs many times)
+
+    # ------------------------------------------------------------------------------ the loop's code
+    def watch(self, frame: Optional[FrameType]) -> None:
+        """The loop over the call ``frame`` is running (keepalive's outermost loop) is the one whose
+        variables are kept."""
+        if frame is None or not (self.enabled or self.track):
+            return
+        code = frame.f_code
+        # a function's frame is never read for its locals (that would copy them on 3.11 / 3.12)
+        module_level = not code.co_flags & inspect.CO_OPTIMIZED and frame.f_globals is frame.f_locals
+        loop = self._reading(read_loop, code, frame.f_lasti, module_level)
+        if loop is not None:
+            self.loop, self.namespace, self.function, self.code = loop, frame.f_globals, code.co_name, code
+
+    def _reading(self, read: Callable[..., Any], code: CodeType, *args: Any) -> Any:
+        """``read(code, *args)``, once per code and call site; None where the code cannot be read."""
+        key = (read, code, *args)
+        if key not in self._read:
+            try:
+                self._read[key] = read(code, *args)
+            except Exception:  # noqa: BLE001 - an unreadable code object: nothing is kept, nothing changes
+                self._read[key] = None
+        return self._read[key]
+
+    def unrestored_reads(self, frame: FrameType, until: Optional[int]) -> Tuple[str, ...]:
+        """What the code after the batch loop starting in ``frame`` reads from its last batch (up to
+        ``until``, the end of the epoch loop's body) that a resume does not put back."""
+        reads = self._reading(reads_after, frame.f_code, frame.f_lasti, until) or ()
+        kept = self.restored(frame)
+        return tuple(n for n in reads if n not in kept)
+
+    def names(self) -> Tuple[str, ...]:
+        """The globals saved with each checkpoint."""
+        if self.track is not None:
+            return self.track
+        return self.loop.globals if self.loop is not None and self.enabled else ()
+
+    def restored(self, frame: Optional[FrameType]) -> Set[str]:
+        """Of the names ``frame``'s code uses, those a resume puts back (the watched loop's globals)."""
+        if frame is None or self.namespace is None or frame.f_globals is not self.namespace:
+            return set()
+        return set(self.names())
+
+    # ------------------------------------------------------------------------------------- saving
+    def capture(self, tell: bool) -> Optional[Dict[str, Any]]:
+        """The ``loop`` section of a checkpoint (None: nothing to keep); ``tell``: the loop has run a
+        step in this process, so what is saved and what is not can be said (once)."""
+        ns = self.namespace
+        if ns is None:
+            return None
+        values: Dict[str, Any] = {}
+        devices: Dict[str, List[str]] = {}
+        skipped: Dict[str, Tuple[Any, Optional[int]]] = {}
+        used = 0
+        for name in self.names():
+            if name not in ns:
+                continue
+            value = ns[name]
+            if inspect.ismodule(value) or inspect.isroutine(value) or inspect.isclass(value):
+                continue  # code, not state
+            size = plain_size(value)
+            if size is None or used + size > self.max_bytes:
+                skipped[name] = (value, size)
+                continue
+            used += size
+            found: List[str] = []
+            values[name] = _snapshot(value, found)
+            if any(d != "cpu" for d in found):
+                devices[name] = found
+        if tell:
+            self._tell(values, skipped)
+        return {"values": values, "devices": devices} if values else None
+
+    def _tell(self, values: Dict[str, Any], skipped: Dict[str, Tuple[Any, Optional[int]]]) -> None:
+        """Once: which variables are saved, which the loop carries and are not, with the fix."""
+        loop = self.loop
+        if values and not self.said_saved:
+            self.said_saved = True
+            self.say(f"the loop's variables are saved with each checkpoint and put back on resume: "
+                     f"{', '.join(values)}")
+        carried = loop.carried if loop is not None and self.track is None else frozenset()
+        unsaved = [n for n in skipped if n in carried and n not in self.told]
+        if unsaved:
+            self.told.update(unsaved)
+            fixes = "; ".join(_fix_for(n, *skipped[n]) for n in unsaved)
+            self.warn(f"the loop carries {len(unsaved)} variable(s) from one step to the next that the "
+                      f"checkpoint does not hold (a resumed run starts them from what the code before the "
+                      f"loop sets): {fixes}", key="loop-unsaved:" + ",".join(unsaved))
+        if loop is not None and not loop.module_level and "function" not in self.told and self.enabled:
+            self.told.add("function")
+            self._tell_function(loop)
+
+    def _tell_function(self, loop: LoopCode) -> None:
+        names = [n for n in loop.locals if n in loop.carried]
+        if not names:
+            return
+        first = names[0]
+        self.warn(f"the training loop runs inside {self.function}(), whose variables cannot be put back on "
+                  f"resume: {', '.join(names)} carry from one step to the next and a resumed run starts them "
+                  "from what the code before the loop sets. Move the loop to the top level of the script or "
+                  "cell (its variables are then saved with each checkpoint), or keep them in ckpt.extras: "
+                  f"`ckpt.extras['{first}'] = {first}` at the end of each step and "
+                  f"`{first} = ckpt.extras.get('{first}', {first})` after `ckpt.resume()`.",
+                  key="loop-in-function")
+
+    def fingerprint(self) -> Tuple[Any, ...]:
+        """Which objects the saved variables hold now (a pause save must see what the last boundary
+        saw: a variable rebound since, or a tensor changed in place, is another state)."""
+        ns = self.namespace
+        if ns is None:
+            return ()
+        return tuple((n, id(ns[n]), ns[n]._version if _is_tensor(ns[n]) else None)
+                     for n in self.names() if n in ns)
+
+    # ------------------------------------------------------------------------------------ resuming
+    def loaded(self, section: Optional[Dict[str, Any]]) -> None:
+        """A checkpoint's ``loop`` section, put back when the loop continues."""
+        self.pending = dict(section) if section else None
+
+    def put_back(self) -> None:
+        """Write the loaded values into the loop's globals (once, before the loop continues)."""
+        section, self.pending = self.pending, None
+        if section is None or self.namespace is None:
+            return
+        wanted = set(self.names()) if self.track is not None or self.enabled else set()
+        devices = section.get("devices") or {}
+        for name, value in (section.get("values") or {}).items():
+            if name in wanted:
+                self.namespace[name] = _put_back(value, list(devices.get(name, [])))
