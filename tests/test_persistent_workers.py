@@ -72,14 +72,18 @@ def test_with_keepalive_the_training_is_the_one_without(forks, tmp_path, referen
 def test_killed_mid_epoch_and_in_a_validation_resumes_exactly(forks, tmp_path, reference):
     """Killed after batch 6 of epoch 2 (a checkpoint every 3 steps: resumed after its 5th batch, so the
     resumed workers start on each other's slots), then inside epoch 2's validation (resumed after the
-    epoch's last batch: the validation's new workers go on from the last one's states)."""
-    first = _run(forks, tmp_path, "crash", "--kill", "train:2:6", killed=True)
-    second = _run(forks, tmp_path, "crash", "--kill", "val:2:1", killed=True)
-    assert "in epoch 2 after 5 batches" in second, second
-    last = _run(forks, tmp_path, "crash")
-    assert "in epoch 2 after 8 batches" in last, last
-    assert "warning" not in first + second + last
+    epoch's last batch: the validation's new workers go on from the last one's states). Control: the
+    same kills with keepalive's former behaviour differ."""
+    for name, extra in (("crash", []), ("old", ["--old"])):
+        first = _run(forks, tmp_path, name, "--kill", "train:2:6", *extra, killed=True)
+        second = _run(forks, tmp_path, name, "--kill", "val:2:1", *extra, killed=True)
+        assert "in epoch 2 after 5 batches" in second, second
+        last = _run(forks, tmp_path, name, *extra)
+        assert "in epoch 2 after 8 batches" in last, last
+        if not extra:
+            assert "warning" not in first + second + last
     assert_same(reference, _result(tmp_path, "crash"), "killed in epoch 2 and in its validation")
+    assert_differs(reference["weights"], _result(tmp_path, "old")["weights"])
 
 
 def test_killed_after_an_epoch_boundary_resumes_exactly_and_the_control_differs(forks, tmp_path, reference):
