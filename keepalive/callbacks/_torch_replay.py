@@ -336,6 +336,11 @@ class PersistentWorkers:
 
     def load(self, saved: Dict[str, Any]) -> None:
         """A checkpoint's :meth:`state` (before this process iterates the loader)."""
+        workers = int(saved.get("workers", self.workers))
+        if workers != self.workers:
+            self.inexact = (f"the checkpoint was written with {workers} persistent loader worker(s), this "
+                            f"training has {self.workers}: the data order resumes exactly, the workers' "
+                            f"random draws do not. Keep num_workers={workers} for an exact resume")
         self.running = bool(saved.get("reset"))
         self.seed_state = saved.get("seed")
         self.carry = {int(j): s for j, s in (saved.get("next") or {}).items()}
@@ -394,7 +399,7 @@ class PersistentWorkers:
         did). ``running_pass``: an iteration is under way, with ``consumed`` batches trained (a training
         pass saved by position) or None (an evaluation, made again whole by a resume)."""
         if not self.opened:  # loaded, not iterated in this process yet: as loaded
-            return {"reset": self.running, "seed": self.seed_state,
+            return {"reset": self.running, "seed": self.seed_state, "workers": self.workers,
                     "next": {str(j): s for j, s in self.carry.items()}} if self.running or self.carry else None
         if not running_pass and self.rebuilt:
             return None  # the next epoch's loader starts new workers, as it does in the uninterrupted run
@@ -407,7 +412,8 @@ class PersistentWorkers:
         else:
             slots = self._slots(pos.serial, pos.made, pos.made)
         reset = self.reset if running_pass else True
-        return {"reset": reset, "seed": self.seed_state, "next": {str(j): s for j, s in slots.items()}}
+        return {"reset": reset, "seed": self.seed_state, "workers": self.workers,
+                "next": {str(j): s for j, s in slots.items()}}
 
     def _needed(self) -> bool:
         """The workers draw random numbers (their states matter), or states wait to be handed."""

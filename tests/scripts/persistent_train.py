@@ -68,11 +68,12 @@ def main():
     ap.add_argument("--old", action="store_true", help="keepalive's behaviour before persistent workers were carried")
     ap.add_argument("--generator", action="store_true", help="the training loader shuffles with its own generator=")
     ap.add_argument("--collate", action="store_true", help="a collator that draws random numbers too")
+    ap.add_argument("--workers", type=int, default=WORKERS)
     args = ap.parse_args()
     torch.manual_seed(0)
     model = TinyUNet()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    kw = dict(batch_size=BATCH, num_workers=WORKERS, persistent_workers=True)
+    kw = dict(batch_size=BATCH, num_workers=args.workers, persistent_workers=True)
     if args.collate:
         kw["collate_fn"] = noisy_collate
     gen = torch.Generator().manual_seed(5) if args.generator else None
