@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import gc
 import weakref
-from typing import Any, Callable, Iterable, Iterator, List, Sequence, Tuple
+from typing import Any, Callable, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 from .. import rng
 from ..core import Checkpointer
