@@ -35,7 +35,9 @@ for _name in ("torchvision::nms", "torchvision::qnms"):  # the CUDA torchvision 
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
+import crashkit  # noqa: E402
 from crashkit import assert_differs, assert_same, run_to_completion  # noqa: E402
+from forkserver import ForkingSubprocess, ServerPool  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPTS = os.path.join(HERE, "scripts")
@@ -45,7 +47,27 @@ import hf_setup  # noqa: E402
 SCRIPT = os.path.join(SCRIPTS, "hf_data_train.py")
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([SCRIPTS, os.path.dirname(HERE)]),
            OMP_NUM_THREADS="1", KEEPALIVE_PROGRESS="0", TOKENIZERS_PARALLELISM="false")
+#: what hf_data_train.py has imported once keepalive's Trainer callback is (and the model's module): the
+#: children fork from a server that has imported it, some 4 s of CPU each of the 11 children here
+PRELOAD = ["torch", "numpy", "safetensors.torch", "transformers", "transformers.trainer_callback",
+           "transformers.trainer", "transformers.training_args", "transformers.models.bert.modeling_bert"]
+SETUP = """
+import torch
+for name in ("torchvision::nms", "torchvision::qnms"):
+    torch.library.define(name, "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+"""
 TOTAL = 12  # map: 44 samples / batch 4 = 11 batches, accumulation 2: 6 steps per epoch, 2 epochs; streams: max_steps
+
+
+@pytest.fixture(scope="module", autouse=True)
+def forked_children():
+    pool = ServerPool(lambda argv, env: ("hf", PRELOAD, SETUP) if argv[0] == SCRIPT else None)
+    forking = ForkingSubprocess(pool)
+    try:
+        with forking.installed_in(crashkit), forking.installed_in(sys.modules[__name__]):
+            yield pool
+    finally:
+        pool.close()
 
 
 def _has(module):
