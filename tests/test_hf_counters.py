@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import subprocess
 import sys
 
 import pytest
@@ -34,7 +33,9 @@ pytest.importorskip("transformers")
 pytest.importorskip("trl")
 pytest.importorskip("datasets")
 
+import crashkit  # noqa: E402
 from crashkit import assert_same, run_to_completion  # noqa: E402
+from forkserver import ForkingSubprocess, ServerPool  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPTS = os.path.join(HERE, "scripts")
@@ -43,6 +44,26 @@ ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([SCRIPTS, os.path.dirname(HERE
            OMP_NUM_THREADS="1", KEEPALIVE_PROGRESS="0", TOKENIZERS_PARALLELISM="false", HF_DATASETS_OFFLINE="1",
            HF_HUB_OFFLINE="1")
 TOTAL = 20
+
+PRELOAD = ["torch", "transformers.trainer", "datasets", "trl.trainer.sft_trainer"]
+_SHIM = ("import torch\n"
+         "for n in ('torchvision::nms', 'torchvision::qnms'):\n"
+         "    try:\n"
+         "        torch.library.define(n, '(Tensor dets, Tensor scores, float iou_threshold) -> Tensor')\n"
+         "    except Exception:\n"
+         "        pass\n")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def forked_children():
+    """The children fork from a server that has imported torch, transformers' Trainer and TRL (most of
+    a child's CPU time)."""
+    pool = ServerPool(lambda argv, env: ("hf", PRELOAD, _SHIM))
+    try:
+        with ForkingSubprocess(pool).installed_in(crashkit):
+            yield pool
+    finally:
+        pool.close()
 
 
 def _run(tmp_path, name, *extra, kills=0, seed=0):
@@ -57,7 +78,8 @@ def _run(tmp_path, name, *extra, kills=0, seed=0):
         assert report.kills == kills and "DONE" in report.final_output
         assert all(t.resumed_step is not None for t in report.trials[1:]), report.trials
     else:
-        subprocess.run(cmd, check=True, env=ENV, capture_output=True, text=True, timeout=300)
+        report = run_to_completion(cmd, total_steps=TOTAL, kills=0, rng=random.Random(0), env=ENV, timeout=240)
+        assert "DONE" in report.final_output, report.final_output[-2000:]
     from safetensors.torch import load_file
 
     with open(str(out) + ".json") as f:
