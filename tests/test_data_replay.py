@@ -16,11 +16,27 @@ import pytest
 import torch
 
 from crashkit import assert_differs, assert_same
+from forkserver import ForkingSubprocess, ServerPool
 
 HERE = os.path.dirname(__file__)
 SCRIPT = os.path.join(HERE, "scripts", "replay_shapes.py")
 SHAPES = ("weighted", "subclass", "generator", "custom", "counting", "stateful", "stream")
 KILL_AFTER = 13  # epoch 1 (10 batches an epoch), its 4th step; every=3: the save of step 12 is the newest
+
+
+#: what replay_shapes.py imports before keepalive: its 33 children fork from a server that has imported it
+#: (a fork that SIGKILLs itself ends by that signal as an interpreter does)
+PRELOAD = ["numpy", "torch", "torch._dynamo", "torch.nn.functional", "torch.utils.data"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def forked_children():
+    pool = ServerPool(lambda argv, env: ("torch", PRELOAD, "") if argv[0] == SCRIPT else None)
+    try:
+        with ForkingSubprocess(pool).installed_in(sys.modules[__name__]):
+            yield pool
+    finally:
+        pool.close()
 
 
 def child(shape: str, out, *options: str, killed: bool = False) -> str:
