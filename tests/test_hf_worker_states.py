@@ -11,7 +11,9 @@ deadline stops the run inside an epoch and the same cell runs again.
   worker that made each batch, as keepalive wrote it before) resumes bit-exactly; control: the same
   checkpoint read without its worker states differs;
 * persistent workers stopped at the epoch's last step (fewer batches left than workers): the next epoch's
-  new workers take over states saved with the checkpoint and noted by the resumed pass's workers: exact.
+  new workers take over states saved with the checkpoint and noted by the resumed pass's workers: exact;
+* persistent workers, a checkpoint at an epoch's end: the resumed epoch's new workers take over the states
+  the uninterrupted run's workers go on from: exact; control: without them, the weights differ.
 """
 from __future__ import annotations
 
@@ -129,3 +131,27 @@ def test_persistent_workers_stopped_at_an_epochs_last_batches_resume_exactly(tmp
     plain = _state(_train(tmp_path / "plain", **kw))
     _stop(tmp_path, 5, **kw)
     assert_same(plain, _resume(tmp_path, **kw))
+
+
+def test_persistent_workers_resumed_at_an_epochs_end_go_on_as_the_uninterrupted_ones(tmp_path, monkeypatch):
+    """2 persistent workers, a checkpoint at epoch 0's end (every="epoch"): the uninterrupted run's workers
+    go on into epoch 1, a resumed run starts new ones: they take over the saved states (and the main
+    generator is not drawn from by their creation). Control: without the states taken over the masks of
+    epoch 1 differ (max |delta| of the weights printed)."""
+    from keepalive.callbacks import _hf_data
+    from keepalive.callbacks.transformers import DriveCheckpoint
+
+    kw = dict(workers=2, dataloader_persistent_workers=True)
+    plain = _state(_train(tmp_path / "plain", **kw))
+    cb = DriveCheckpoint(tmp_path / "run", every="epoch", quiet=True, remaining_fn=_stop_after(7),
+                         deadline_margin="5s")
+    _train(tmp_path / "a", cb, **kw)
+    assert cb.stopped and dict(cb.core.counters, samples=0) == {"epoch": 1, "step": 6, "batch": 0, "samples": 0}
+    shutil.copytree(tmp_path / "run", tmp_path / "control" / "run")
+    assert_same(plain, _resume(tmp_path, **kw))
+
+    monkeypatch.setattr(_hf_data.Replay, "resume_carry", lambda self, saved: None)
+    control = _resume(tmp_path / "control", **kw)
+    delta = max((plain["weights"][k] - control["weights"][k]).abs().max().item() for k in plain["weights"])
+    print(f"control: max |delta| of the weights = {delta}")
+    assert_differs(plain, control)

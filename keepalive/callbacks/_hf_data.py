@@ -45,7 +45,9 @@ are those of :mod:`keepalive.callbacks.replay` (:func:`~keepalive.callbacks.repl
 With ``persistent_workers=True`` the workers of a resumed pass end with it (accelerate rebuilt its loader
 to skip batches), so the next pass's new workers take over their states (each worker also notes the
 state after each batch it makes: the state its next batch, in the next pass, starts from), and the main
-generator's state is put back after their creation, which the uninterrupted run does not have.
+generator's state is put back after their creation, which the uninterrupted run does not have. A
+checkpoint at an epoch's end keeps those states too (:meth:`Replay.capture_carry`): a resume there starts
+new workers where the uninterrupted run's go on.
 
 The wrappers draw nothing, so a run with the callback is bit-identical to one without it.
 
@@ -315,6 +317,7 @@ class Replay:
         self.keep_rng: Optional[torch.Tensor] = None  # ... and the main state their creation must not draw from
         self.carried: Dict[int, Any] = {}  # saved states past the resumed pass's end (made before the resume)
         self.carry_from = 0  # the first noted state past the pass's end its own workers leave
+        self.next_states: Optional[Dict[int, Any]] = None  # saved at an epoch's end: the next pass's
 
     # ----------------------------------------------------------------------- while training
     def epoch_iterator(self, it: Any) -> Iterator[Any]:
@@ -326,22 +329,45 @@ class Replay:
                 self.iter_rng = torch.get_rng_state()  # the next fetch creates the iterator from it
             if self.carry and self.data is not None and self.sampler is not None:
                 self.carry = False
-                self._take_over(self.data, self.sampler)
+                taken = self.next_states if self.next_states is not None else self.after_pass(self.sampler)
+                self.data.states = self.data.states.resuming(taken)
                 self.keep_rng = torch.get_rng_state()  # the uninterrupted run creates no iterator here
+            self.next_states = None
+            self.carried, self.carry_from = {}, 0  # this pass's own workers note all their states
             self.collate.new_pass()
             self.feed = it
         assert self.feed is not None
         return self.feed
 
-    def _take_over(self, data: WorkerData, sampler: PositionedBatchSampler) -> None:
-        """The new workers of the next pass start where the resumed pass's left their generators: batch
-        ``j`` of a pass is made by worker ``j % workers``, which made the last batch of the pass before
-        with that remainder; the state after it was noted under the number ``workers`` further on (or
-        was saved, for a batch made before the resume)."""
-        end, first = len(sampler) + self.workers, self.carry_from
-        noted = data.states.look_ahead(sampler.serial, first, end - first, end) if first < end else {}
+    def after_pass(self, sampler: PositionedBatchSampler) -> Dict[int, Any]:
+        """Persistent workers: the states the next pass's batches ``0 .. workers - 1`` start from, where
+        the last pass left each worker's generators. Batch ``j`` of a pass is made by worker
+        ``j % workers``, which made the last batch of the pass before with that remainder; the state
+        after it was noted under the number ``workers`` further on (or was saved, for a batch made
+        before a resume)."""
+        assert self.data is not None
+        end, first = len(sampler) + self.workers, max(len(sampler), self.carry_from)
+        noted = self.data.states.look_ahead(sampler.serial, first, end - first, end) if first < end else {}
+        self.workers_lost = self.workers_lost or noted is None
         after = {**self.carried, **{int(k): s for k, s in (noted or {}).items()}}
-        data.states = data.states.resuming({k % self.workers: s for k, s in after.items()})
+        return {k % self.workers: s for k, s in after.items()}
+
+    def capture_carry(self) -> Optional[Dict[str, Any]]:
+        """At an epoch's end, persistent workers: what the next epoch's workers start from (a resume
+        there starts new workers, where the uninterrupted run's go on); None when there is nothing."""
+        if not self.persistent or self.data is None or self.sampler is None:
+            return None
+        if self.carry and self.next_states is not None:  # restored here, no pass since
+            return {str(j): s for j, s in self.next_states.items()}
+        if not self.sampler.serial:
+            return None
+        return {str(j): s for j, s in self.after_pass(self.sampler).items()} or None
+
+    def resume_carry(self, saved: Mapping[str, Any]) -> None:
+        """A resume at an epoch's start: its new persistent workers take over the saved states."""
+        if self.persistent and self.data is not None:
+            self.next_states = {int(j): dict(s) for j, s in saved.items()}
+            self.carry = True
 
     def capture(self, trained: int) -> Dict[str, Any]:
         """What a resume at batch ``trained`` of this pass needs, beyond the step's own random state."""

@@ -67,6 +67,10 @@ class DataPosition:
             "stream": self.stream}
         if self.replay is not None and batches and not finishing:
             data["replay"] = self.replay.capture(batches)
+        elif self.replay is not None and not finishing:  # an epoch's end: persistent workers go on
+            carry = self.replay.capture_carry()
+            if carry:
+                data["worker_carry"] = carry
         library = _hf_samplers.library_state(self.sampler, bool(batches) and not finishing
                                              and batches < self.steps_in_epoch)
         if library is not None:
@@ -78,6 +82,8 @@ class DataPosition:
         if data.get("order") and self.sampler is not None:
             self.sampler.kind, self.sampler.seed = data["order"][0], int(data["order"][1])
         _hf_samplers.restore_library(self.sampler, data.get("library"))
+        if self.replay is not None and data.get("worker_carry") and not data.get("batch"):
+            self.replay.resume_carry(data["worker_carry"])
 
     def end_pass(self) -> None:
         if self.replay is not None:
