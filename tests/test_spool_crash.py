@@ -24,8 +24,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import crashkit
 import faultyfs
 from crashkit import COMMITTED_RE, run_to_completion
+from forkserver import ForkingSubprocess, ServerPool
 from keepalive import cli, runs
 from keepalive.store import MANIFEST, CheckpointStore
 
@@ -33,6 +35,22 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "torch_train_remote.
 EPOCHS, SAMPLES, BATCH, HIDDEN = 3, 300, 16, 256
 STEPS = EPOCHS * -(-SAMPLES // BATCH)
 FAR = 4e9
+
+
+#: what torch_train_remote.py imports before keepalive: its 15 children fork from a server that has
+#: imported it (faultyfs, keepalive and the storage clients are imported in each child, after its start)
+PRELOAD = ["numpy", "torch", "torch._dynamo", "torch.nn.functional", "torch.utils.data", "safetensors.torch"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def forked_children():
+    pool = ServerPool(lambda argv, env: ("torch", PRELOAD, "") if argv[0] == SCRIPT else None)
+    forking = ForkingSubprocess(pool)
+    try:
+        with forking.installed_in(crashkit), forking.installed_in(sys.modules[__name__]):
+            yield pool
+    finally:
+        pool.close()
 
 
 def cmd(run, out, *extra):
