@@ -203,6 +203,17 @@ def _snapshot(value: Any, devices: List[str]) -> Any:
     return value
 
 
+def _containers(value: Any, depth: int = 0) -> Any:
+    """``value`` with its lists, tuples and dicts copied (small ones: what :func:`plain_size` may
+    accept), everything else shared."""
+    kind = type(value)
+    if kind in (list, tuple) and depth < 8 and len(value) <= MAX_ITEMS:
+        return kind(_containers(v, depth + 1) for v in value)
+    if kind is dict and depth < 8 and len(value) <= MAX_ITEMS:
+        return {k: _containers(v, depth + 1) for k, v in value.items()}
+    return value
+
+
 def _put_back(value: Any, devices: List[str]) -> Any:
     """A loaded value as the loop had it: tensors on their devices, arrays in their own memory."""
     kind = type(value)
@@ -236,7 +247,8 @@ class LoopVariables:
 
     ``watch(frame)`` when the outermost keepalive loop starts; ``capture()`` for each checkpoint
     (its ``loop`` section); ``loaded(section)`` when a checkpoint is restored; ``put_back()`` once the
-    loop continues. ``say`` / ``warn(message, key)`` are the core's.
+    loop continues; ``keep()`` at each step boundary and ``put(tree, kept)`` for a save made during an
+    evaluation (it saves the boundary's values). ``say`` / ``warn(message, key)`` are the core's.
     """
 
     def __init__(self, say: Callable[[str], None], warn: Callable[..., None], *, enabled: bool = True,
@@ -300,17 +312,33 @@ class LoopVariables:
     def capture(self, tell: bool) -> Optional[Dict[str, Any]]:
         """The ``loop`` section of a checkpoint (None: nothing to keep); ``tell``: the loop has run a
         step in this process, so what is saved and what is not can be said (once)."""
+        return self._section(self.now(), tell)
+
+    def now(self) -> Dict[str, Any]:
+        """The saved names' values as the loop's globals hold them now."""
         ns = self.namespace
-        if ns is None:
-            return None
+        return {} if ns is None else {n: ns[n] for n in self.names() if n in ns}
+
+    def keep(self) -> Dict[str, Any]:
+        """What a save between steps (during an evaluation) takes of this boundary: the values as
+        they are now, their lists / tuples / dicts copied (the code after the boundary may append to
+        them), no tensor or array copied (the loop rebinds those, it does not change them)."""
+        return {n: _containers(v) for n, v in self.now().items()}
+
+    def put(self, tree: Dict[str, Any], kept: Dict[str, Any]) -> None:
+        """Make ``tree``'s ``loop`` section the one of the boundary ``kept`` was taken at."""
+        section = self._section(kept, tell=False)
+        if section is None:
+            tree.pop("loop", None)
+        else:
+            tree["loop"] = section
+
+    def _section(self, now: Dict[str, Any], tell: bool) -> Optional[Dict[str, Any]]:
         values: Dict[str, Any] = {}
         devices: Dict[str, List[str]] = {}
         skipped: Dict[str, Tuple[Any, Optional[int]]] = {}
         used = 0
-        for name in self.names():
-            if name not in ns:
-                continue
-            value = ns[name]
+        for name, value in now.items():
             if inspect.ismodule(value) or inspect.isroutine(value) or inspect.isclass(value):
                 continue  # code, not state
             size = plain_size(value)
@@ -357,15 +385,6 @@ class LoopVariables:
                   f"`ckpt.extras['{first}'] = {first}` at the end of each step and "
                   f"`{first} = ckpt.extras.get('{first}', {first})` after `ckpt.resume()`.",
                   key="loop-in-function")
-
-    def fingerprint(self) -> Tuple[Any, ...]:
-        """Which objects the saved variables hold now (a pause save must see what the last boundary
-        saw: a variable rebound since, or a tensor changed in place, is another state)."""
-        ns = self.namespace
-        if ns is None:
-            return ()
-        return tuple((n, id(ns[n]), ns[n]._version if _is_tensor(ns[n]) else None)
-                     for n in self.names() if n in ns)
 
     # ------------------------------------------------------------------------------------ resuming
     def loaded(self, section: Optional[Dict[str, Any]]) -> None:

@@ -256,3 +256,21 @@ def test_a_signal_at_an_epochs_last_batch_in_a_function_saves_at_the_epochs_end(
     ref, run = torch.load(tmp_path / "ref.pt"), torch.load(tmp_path / "run.pt")
     assert all(torch.equal(ref[k], run[k]) for k in ref)
     assert (tmp_path / "ref.log").read_text() == (tmp_path / "run.log").read_text()
+
+
+def test_a_save_during_an_evaluation_takes_the_loops_variables_of_the_last_boundary():
+    """What the loop assigns after its last step (a best value, a list appended to) is not in a save
+    made during the evaluation that follows: a resume runs that code again."""
+    from keepalive.loopstate import LoopVariables
+
+    ns = {"best": 1.0, "history": [1.0], "X": torch.ones(2)}
+    lv = LoopVariables(lambda m: None, lambda m, key=None: None, track=["best", "history", "X"])
+    lv.namespace = ns
+    kept = lv.keep()  # the step boundary
+    ns["best"], ns["X"] = 0.5, torch.zeros(2)
+    ns["history"].append(0.5)
+    tree = {"loop": lv.capture(tell=False)}
+    assert tree["loop"]["values"]["best"] == 0.5
+    lv.put(tree, kept)
+    assert tree["loop"]["values"]["best"] == 1.0 and tree["loop"]["values"]["history"] == [1.0]
+    assert tree["loop"]["values"]["X"].tolist() == [1.0, 1.0]

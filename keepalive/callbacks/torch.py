@@ -58,6 +58,7 @@ from ..adapter import CheckpointAdapter
 from ..config import CheckpointConfig
 from ..core import Checkpointer
 from ..loopstate import LoopVariables, caller_frame
+from ..pauses import BoundaryPart
 from ..statetree import Captured, StateTree
 from ._torch_data import TrainingData
 from ._torch_epochs import EpochLoop
@@ -66,6 +67,22 @@ from ._torch_passes import Passes
 from .torchstate import without_lazy
 
 __all__ = ["DriveCheckpoint"]
+
+
+class LoopPart(BoundaryPart):
+    """The loop's variables in a save made during an evaluation: as at the last step boundary (the
+    code after the batch loop may have changed them, and a resume runs that code again)."""
+
+    name = "the loop's variables"
+
+    def __init__(self, loop_vars: LoopVariables):
+        self.vars = loop_vars
+
+    def keep(self, before: Any) -> Any:
+        return self.vars.keep()
+
+    def put(self, tree: StateTree, kept: Any) -> None:
+        self.vars.put(cast(Dict[str, Any], tree), kept)
 
 
 class DriveCheckpoint(CheckpointAdapter):
@@ -93,6 +110,7 @@ class DriveCheckpoint(CheckpointAdapter):
         #: the variables of the loop (its top-level globals saved and put back; the others named)
         self._vars = LoopVariables(self.core.say, self.core.warn, enabled=cfg.track_globals, track=cfg.track)
         self._loop.started = self._passes.started = self._vars.put_back
+        self.core.between_steps.add_part(LoopPart(self._vars))  # a save during an evaluation: the boundary's
         for name, obj in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler),
                           ("scaler", scaler), *objects.items()):
             if obj is not None:
@@ -178,10 +196,10 @@ class DriveCheckpoint(CheckpointAdapter):
     def _fingerprint(self) -> Tuple[Any, Any]:
         """What :meth:`capture` reads beside tensors, cheaply: the core saves during a pause of the
         loop (an evaluation) only while this is what it was at the last step boundary. A batch handed
-        out, a pass ended or begun, a variable of the loop that is saved rebound all change it (the
-        registered objects' state beside their tensors, e.g. a scheduler stepped before the
-        evaluation, is kept at each boundary instead: :mod:`._torch_boundary`)."""
-        return (self._objects.summary(), self._vars.fingerprint()), (
+        out, a pass ended or begun all change it (the registered objects' state beside their tensors,
+        e.g. a scheduler stepped before the evaluation, is kept at each boundary instead:
+        :mod:`._torch_boundary`; the loop's variables too: :class:`LoopPart`)."""
+        return self._objects.summary(), (
             *self._data.fingerprint(), self._loop.leaving is not None, self._data.pending_now)
 
     def capture(self) -> Captured:
