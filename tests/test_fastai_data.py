@@ -30,13 +30,31 @@ from fastai.torch_core import set_seed  # noqa: E402
 from fastai_setup import history, make_learner, weights  # noqa: E402
 from fastai_shapes import make_lm, make_tabular, make_text  # noqa: E402
 
+import crashkit  # noqa: E402
 from crashkit import assert_differs, assert_same, run_to_completion  # noqa: E402
+from forkserver import ForkingSubprocess, ServerPool  # noqa: E402
 from keepalive.callbacks.fastai import DriveCheckpoint  # noqa: E402
 from keepalive.state import from_files  # noqa: E402
 from keepalive.store import CheckpointStore  # noqa: E402
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "fastai_shapes.py")
 EPOCHS, LR = 3, 1e-2
+#: what fastai_shapes.py imports before keepalive: its 15 SIGKILLed children fork from a server that has
+#: imported it
+PRELOAD = ["numpy", "pandas", "torch", "torch._dynamo", "safetensors.torch", "fastai.data.core", "fastai.learner",
+           "fastai.losses", "fastai.metrics", "fastai.tabular.all", "fastai.text.data", "fastai.torch_core",
+           "fastai.callback.core"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def forked_children():
+    pool = ServerPool(lambda argv, env: ("fastai", PRELOAD, "") if argv[0] == SCRIPT else None)
+    try:
+        with ForkingSubprocess(pool).installed_in(crashkit):
+            yield pool
+    finally:
+        pool.close()
+
 SCENARIOS = {  # name: (learner maker, DataLoader workers, batches per epoch)
     "images-0-workers": (lambda cbs: make_learner(workers=0, cbs=cbs), 0, 6),
     "images-2-workers": (lambda cbs: make_learner(workers=2, cbs=cbs), 2, 6),
