@@ -20,7 +20,9 @@ if keras.backend.backend() != "tensorflow":  # pragma: no cover - this module ru
     pytest.skip("the in-process tests need KERAS_BACKEND=tensorflow", allow_module_level=True)
 tf.config.experimental.enable_op_determinism()
 
+import crashkit  # noqa: E402
 from crashkit import run_to_completion  # noqa: E402
+from forkserver import ForkingSubprocess, ServerPool  # noqa: E402
 from keepalive.callbacks.keras import DriveCheckpoint, ResumableData  # noqa: E402
 from keepalive.store import CheckpointStore  # noqa: E402
 
@@ -28,6 +30,23 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "keras_shapes_train.
 ENV = dict(os.environ, KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="3", TF_ENABLE_ONEDNN_OPTS="0",
            KEEPALIVE_PROGRESS="0")
 SPE = 12  # steps per epoch of the child: 120 samples, batches of 10
+
+
+def _preload(argv, env):
+    """The children fork from a server per Keras backend that has imported Keras and its backend (most
+    of a child's CPU time); the backend's runtime starts in the child."""
+    backend = env.get("KERAS_BACKEND", "tensorflow")
+    return backend, ["numpy", backend, "keras"], ""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def forked_children():
+    pool = ServerPool(_preload)
+    try:
+        with ForkingSubprocess(pool).installed_in(crashkit):
+            yield pool
+    finally:
+        pool.close()
 
 
 def _cmd(run, out, *extra):
