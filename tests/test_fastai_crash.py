@@ -12,11 +12,29 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import crashkit
 from crashkit import run_to_completion
+from forkserver import ForkingSubprocess, ServerPool
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "fastai_train.py")
 N_TRAIN, BS = 96, 16
 N_ITER = -(-N_TRAIN // BS)
+
+
+#: what fastai_train.py (and its fastai_setup) import before keepalive: its 16 children fork from a server
+#: that has imported it
+PRELOAD = ["numpy", "torch", "torch._dynamo", "safetensors.torch", "fastai.callback.core", "fastai.callback.tracker",
+           "fastai.data.core", "fastai.learner", "fastai.losses", "fastai.metrics", "fastai.torch_core"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def forked_children():
+    pool = ServerPool(lambda argv, env: ("fastai", PRELOAD, "") if argv[0] == SCRIPT else None)
+    try:
+        with ForkingSubprocess(pool).installed_in(crashkit):
+            yield pool
+    finally:
+        pool.close()
 
 
 def _cmd(run, out, *extra):
