@@ -8,6 +8,11 @@ environment, and returns a :class:`Forked` that the tests use as they use ``subp
 ``pid`` (the fork's own: signals reach it), ``stdout`` (the fork's stdout and stderr, through a FIFO:
 end of file when it exits), ``send_signal``, ``kill``, ``poll``, ``wait``, ``returncode``.
 
+For the files whose children a helper starts (tests/crashkit.py ``run_to_completion``), ``ServerPool``
+starts a server per kind of child on first use and ``ForkingSubprocess(pool).installed_in(crashkit)``
+makes that helper's ``subprocess.Popen([sys.executable, script, ...])`` a fork (the test module's own
+``subprocess.run`` too, installed in it); a child the pool has no server for stays a fresh interpreter.
+
 What a fork shares with a fresh interpreter: keepalive and the script are imported after the fork (its
 signal handlers, threads and state are its own); Python's, NumPy's and torch's global generators are
 seeded from the OS again (as at a fresh start); the fork leaves through the interpreter's normal exit (non-daemon
