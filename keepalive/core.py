@@ -32,10 +32,9 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, MutableMapping,
 
 from . import boundary as bd
 from . import distributed as _distributed
-from . import notebook, report, rng
+from . import errors, notebook, report, rng
 from . import pauses as _pauses
 from . import progress as _progress
-from . import spool as _spool
 from .config import CheckpointConfig
 from .interrupts import DeferredSignals
 from .lifecycle import Capture, resuming
@@ -46,11 +45,10 @@ from .lifecycle.saving import ALIVE, Saver
 from .lifecycle.snapshots import LazySnapshots
 from .lifecycle.stops import Stops, cloud_notice
 from .notebook import default_dir, resolve_run_url
-from .savepath import SavePath
+from .savepath import SavePath, open_destination
 from .statetree import StateTree
-from .store import CheckpointInfo, CheckpointStore, WriteResult
+from .store import CheckpointInfo, WriteResult
 from .trigger import SaveTrigger
-from .writer import AsyncWriter
 
 log = logging.getLogger("keepalive")
 
@@ -86,24 +84,18 @@ class Checkpointer:
         self.config = cfg
         self.url = resolve_run_url(cfg.path, cfg.run, say=lambda line: report.say(
             line, quiet=cfg.quiet or not _distributed.GROUP.is_main))
-        self.store = CheckpointStore(self.url, keep=cfg.keep, keep_every=cfg.keep_every,
-                                     storage_options=cfg.storage_options)
         self.trigger = SaveTrigger(cfg.every, on_deadline=cfg.on_deadline, margin=cfg.deadline_margin,
                                    remaining_fn=cfg.remaining_fn, on_preempt=cfg.on_preempt,
                                    notice_fn=cloud_notice)
-        #: what the writer commits through: the store itself, or a local spool whose checkpoints a
-        #: background thread uploads (remote URLs, Drive, failing destinations: keepalive/spool)
-        self.spooled = _spool.SpooledStore(self.store, cfg.spool, storage_options=cfg.storage_options,
-                                           flush_timeout=cfg.flush_timeout, drive_flush=cfg.drive_flush,
-                                           quiet=cfg.quiet, remaining_fn=self.trigger.remaining,
-                                           on_durable=self.trigger.record_save)
-        self.writer = AsyncWriter(self.spooled, background=cfg.background)
+        #: the run folder's store, what the writer commits through (the store itself, or a local spool
+        #: whose checkpoints a background thread uploads: keepalive/spool) and the writer
+        where = open_destination(self.url, cfg, remaining_fn=self.trigger.remaining,
+                                 on_durable=self.trigger.record_save)
+        self.store, self.spooled, self.writer = where.store, where.spooled, where.writer
         self.saver = Saver(self)
         #: called with each WriteResult after a checkpoint is committed, whatever the save path
         self.on_commit: List[Callable[[WriteResult], None]] = self.writer.on_commit
         self.on_commit.append(self.saver.committed)
-        if not cfg.quiet:
-            self.writer.progress_factory = _progress.upload_progress(self.url)
         self.framework = framework
         self.takeover = cfg.takeover
         self.quiet = cfg.quiet
@@ -239,7 +231,11 @@ class Checkpointer:
         ``check(tree)`` runs first and may raise (e.g. ``StateMismatchError``): then nothing changes,
         and ``load`` after fixing the objects tries again. Otherwise sets the counters and extras and
         says in one line what is resumed, with ``describe(tree)``'s words (e.g. what is restored)."""
-        return resuming.load(self, describe, check)
+        try:
+            return resuming.load(self, describe, check)
+        except errors.StorageError as exc:  # the destination cannot be used: its message says it all
+            errors.in_one_line(exc)
+            raise
 
     def restore_rng(self, tree: Mapping[str, Any]) -> None:
         if tree.get("rng"):

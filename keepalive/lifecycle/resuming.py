@@ -12,7 +12,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable, Optional, cast
 
 from .. import boundary as bd
-from ..runs import Run, resuming_line
+from ..runidentity import newest_of_own_run
+from ..runs import resuming_line
 from ..savepath import Found
 from ..statetree import StateTree
 
@@ -26,7 +27,8 @@ def load(ckpt: "Checkpointer", describe: Optional[Callable[[StateTree], str]] = 
          check: Optional[Callable[[StateTree], None]] = None) -> Optional[StateTree]:
     """:meth:`keepalive.core.Checkpointer.load`."""
     # the run = its destination and this machine's spool of it: the newest valid checkpoint of both
-    found = cast(Optional[Found], Run(ckpt.store, spool=ckpt.spooled.local_spool()).load_newest(quiet=ckpt.quiet))
+    # (an unnamed checkpointer moves off a finished run of another training first: keepalive.runidentity)
+    found = cast(Optional[Found], newest_of_own_run(ckpt, check))
     # Take the writer lease now, at the start of training: a second session on the same run
     # learns it at once instead of after its first epoch.
     ckpt.saver.open()

@@ -23,6 +23,7 @@ from .. import notebook, rng
 from .. import pauses as _pauses
 from .. import rendezvous as _rendezvous
 from .. import session as _session
+from ..runidentity import announce_first_save
 from ..runs import record_run
 from ..savepath import SavePath, choose
 from ..statetree import Header, StateTree
@@ -157,6 +158,7 @@ class Saver:
             ckpt.trigger.record_stall(time.perf_counter() - started)
         ckpt.machine.feed(bd.Saved())
         ckpt.trigger.saved()
+        announce_first_save(ckpt, ckpt.say)  # a run never interrupted shows that it is protected, and where
 
     def committed(self, result: WriteResult) -> None:
         """Each committed checkpoint, whatever the save path: its cost teaches the schedule."""
