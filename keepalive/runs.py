@@ -295,13 +295,15 @@ class Run:
         return (newest.created or 0.0) if newest else 0.0
 
     def where(self, info: Optional[CheckpointInfo] = None) -> str:
-        """``epoch E, step S (ckpt-..., saved 3 min ago)`` for ``info`` (default: the newest)."""
+        """``step S, E epoch(s) done (ckpt-..., saved 3 min ago)`` for ``info`` (default: the newest): a
+        count of epochs, which no numbering can misread (the manifest does not say whether the step lies
+        inside the next epoch)."""
         n = info or self.newest
         if n is None:
             return "no committed checkpoint"
         age = format_duration(max(0.0, time.time() - (n.created or time.time())))
         spooled = "; in the local spool, not uploaded yet" if self.in_spool(n) else ""
-        return f"epoch {n.epoch}, step {n.step} ({n.name}, saved {age} ago{spooled})"
+        return f"step {n.step}, {n.epoch or 0} epoch(s) done ({n.name}, saved {age} ago{spooled})"
 
     def writer_progress(self) -> Optional[dict]:
         """How far the last writer got (the counters in its lease's heartbeat), or None."""
@@ -696,15 +698,22 @@ def resuming_line(run: str, info: Any, counters: Mapping[str, int], previous: Op
             f"{format_duration(age)} ago{redone}{finished}{'; ' + detail if detail else ''}")
 
 
-def position(counters: Mapping[str, int]) -> str:
-    """Where a checkpoint lies, in the words of a loop that prints its epoch counting from 1: at an
-    epoch end ``epoch 2, step 80`` (2 completed); inside an epoch ``in epoch 2 (1 completed, batch
-    40), step 80``, as a loop printing ``[2, 40]`` there sees it.
+def position(counters: Mapping[str, int], batches: Optional[int] = None) -> str:
+    """Where a checkpoint lies, with epochs numbered as ``for epoch in ckpt.epochs(n)`` numbers them
+    (from 0: "epoch 1" is the pass in which the loop variable was 1) and batches counted (how many of
+    the epoch's batches were done). ``batches``: the epoch's length when known, 0 for a loader without
+    one (a stream). At an epoch end ``at the end of epoch 1, step 80`` (the loop goes on with epoch 2).
 
     >>> position({"epoch": 1, "batch": 40, "step": 80}), position({"epoch": 2, "batch": 0, "step": 80})
-    ('in epoch 2 (1 completed, batch 40), step 80', 'epoch 2, step 80')
+    ('in epoch 1 after 40 batches, step 80', 'at the end of epoch 1, step 80')
+    >>> position({"epoch": 0, "batch": 30, "step": 30}, batches=0)
+    'in epoch 0 after 30 batches of an unsized loader, step 30'
     """
     epoch, batch, step = (int(counters.get(k, 0) or 0) for k in ("epoch", "batch", "step"))
     if batch:
-        return f"in epoch {epoch + 1} ({epoch} completed, batch {batch}), step {step}"
-    return f"epoch {epoch}, step {step}"
+        of = f" of {batches}" if batches else ""
+        unsized = " of an unsized loader" if batches == 0 else ""
+        return f"in epoch {epoch} after {batch}{of} batches{unsized}, step {step}"
+    if epoch:
+        return f"at the end of epoch {epoch - 1}, step {step}"
+    return f"at the start of epoch 0, step {step}"

@@ -289,7 +289,7 @@ def other_run_state(run: Mapping[str, Any]) -> str:
         return f"unreadable ({run['error']})"
     if run.get("checkpoints"):
         return (f"{'finished' if run.get('finished') else 'UNFINISHED'}, {run['checkpoints']} "
-                f"checkpoint(s), newest step {run.get('newest_step')} epoch {run.get('newest_epoch')}"
+                f"checkpoint(s), newest step {run.get('newest_step')}, {run.get('newest_epoch')} epoch(s) done"
                 f"{_processes(run)}")
     return "no committed checkpoint"
 
@@ -304,7 +304,7 @@ def _run_lines(r: Mapping[str, Any]) -> List[str]:
             lines.append(f"            {run['run']}: unreadable ({run['error']})")
         elif run.get("checkpoints"):
             lines.append(f"            {run['run']}: {run['checkpoints']} checkpoint(s), newest step "
-                         f"{run.get('newest_step')} epoch {run.get('newest_epoch')}{_processes(run)} "
+                         f"{run.get('newest_step')}, {run.get('newest_epoch')} epoch(s) done{_processes(run)} "
                          f"({run.get('newest_created') or 'time unknown'})")
         else:
             lines.append(f"            {run['run']}: no committed checkpoint")

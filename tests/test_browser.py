@@ -609,9 +609,12 @@ def _story(lab: Lab, browser, tmp_path: Path) -> None:
     mark("resume line shown")
     done = wait_for("the resumed run to finish", lambda: (lambda t: t if f"epoch {EPOCHS}/{EPOCHS}" in t else None)(
         page.output_text(resume_cell)), timeout=90)
-    # "from ...: epoch 2, step 80" at an epoch end, "in epoch 3 (2 completed, batch 4), ..." inside one
-    resumed_from = re.search(rf"resuming run '{RUN}' from \S+: (?:epoch (\d+)|in epoch \d+ \((\d+) completed)", done)
-    completed = int(next(g for g in resumed_from.groups() if g is not None)) if resumed_from else 0
+    # "from ...: at the end of epoch 1, step 80" at an epoch end, "in epoch 2 after 4 batches, ..." inside
+    # one (epochs numbered from 0, as the loop's variable): the epochs completed before the resume
+    resumed_from = re.search(rf"resuming run '{RUN}' from \S+: (?:at the end of epoch (\d+)|in epoch (\d+) after)",
+                             done)
+    completed = (int(resumed_from.group(1)) + 1 if resumed_from.group(1) is not None else int(resumed_from.group(2))
+                 ) if resumed_from else 0
     assert resumed_from and completed >= 1, done
     resumed_epochs = [int(e) for e in re.findall(rf"^epoch (\d+)/{EPOCHS}:", done, re.M)]
     assert resumed_epochs == list(range(completed + 1, EPOCHS + 1)), done  # each once, none again

@@ -9,7 +9,7 @@
   the re-run redoes the steps since the newest checkpoint and ends bit-identical to the same training
   without keepalive. Control: a training one step short differs.
 * The index of runs holds absolute paths (a relative one named another folder in another process).
-* Positions in the user's numbering: ``in epoch 2 (1 completed, batch 40)``; the steps a resume redoes
+* Positions in the user's numbering: ``in epoch 1 after 40 batches``; the steps a resume redoes
   are said as what they are (the last writer got at least that far), not as a count from a heartbeat.
 """
 from __future__ import annotations
@@ -130,7 +130,7 @@ def test_the_last_step_is_written_once_and_a_kill_before_it_resumes_bit_exactly(
     out = train(tmp_path, "keepalive", kill_at="VALIDATING 2", after="COMMITTED 10 False")
     assert commits(out) == [(2, False), (4, False), (6, False), (8, False), (10, False)], out
     out = train(tmp_path, "keepalive")
-    assert "resuming run 'run'" in out and "in epoch 3 (2 completed, batch 2), step 10" in out, out
+    assert "resuming run 'run'" in out and "in epoch 2 after 2 batches, step 10" in out, out
     assert commits(out) == [(12, True)], out  # written once, by the end of training
     assert folders(tmp_path / "run") == [(10, False), (12, True)]
     assert same(tmp_path / "keepalive.pt", tmp_path / "plain.pt")
@@ -205,11 +205,11 @@ def test_the_index_of_runs_holds_absolute_paths(tmp_path, monkeypatch):
 
 
 def test_positions_and_the_resume_line_in_the_users_numbering():
-    assert position({"epoch": 1, "batch": 40, "step": 140}) == "in epoch 2 (1 completed, batch 40), step 140"
-    assert position({"epoch": 2, "batch": 0, "step": 200}) == "epoch 2, step 200"
+    assert position({"epoch": 1, "batch": 40, "step": 140}) == "in epoch 1 after 40 batches, step 140"
+    assert position({"epoch": 2, "batch": 0, "step": 200}) == "at the end of epoch 1, step 200"
     info = SimpleNamespace(name="ckpt-0000000140-ab", created=time.time() - 5, manifest={"metadata": {}})
     line = resuming_line("r", info, {"epoch": 1, "batch": 40, "step": 140}, {"step": 170})
-    assert line.startswith("resuming run 'r' from ckpt-0000000140-ab: in epoch 2 (1 completed, batch 40), "
+    assert line.startswith("resuming run 'r' from ckpt-0000000140-ab: in epoch 1 after 40 batches, "
                            "step 140, saved "), line
     assert line.endswith("; the last session got to step 170 or further: the steps after 140 are redone"), line
 

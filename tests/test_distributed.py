@@ -152,7 +152,7 @@ def test_sigterm_on_one_rank_saves_once_then_all_stop_and_two_to_one_resume(tmp_
         job.stop()
     text = job.text()
     assert code != 0 and "DONE" not in text, text  # every rank stopped
-    assert "SIGTERM: saved in epoch 2 (1 completed, batch 4), step 16" in text, text
+    assert "SIGTERM: saved in epoch 1 after 4 batches, step 16" in text, text
     store = CheckpointStore(job.run_dir)
     infos = store.list()
     assert [i.step for i in infos] == [16], [i.name for i in infos]  # one global save
@@ -201,7 +201,7 @@ def test_deadline_on_one_rank_saves_once_and_stops_every_rank(tmp_path):
         job.stop()
     text = job.text()
     assert "DONE rank 0 step 20" in text and "DONE rank 1 step 20" in text, text
-    assert "stopping before the session ends: saved in epoch 2 (1 completed, batch 8), step 20" in text, text
+    assert "stopping before the session ends: saved in epoch 1 after 8 batches, step 20" in text, text
     infos = CheckpointStore(job.run_dir).list()
     assert [i.step for i in infos] == [20], [i.name for i in infos]
     assert "another rank" in infos[0].manifest["metadata"]["reason"]  # rank 1's deadline, rank 0 wrote

@@ -119,7 +119,7 @@ def test_a_sigterm_save_says_why_the_ranks_exit_with_143(jobs):
     code, text = finished(jobs, "sigterm")
     assert code != 0, text
     run = jobs["sigterm"].run_dir
-    assert (f"keepalive: SIGTERM: saved in epoch 1 (0 completed, batch 5), step 5 to {run}; exiting with code 143 "
+    assert (f"keepalive: SIGTERM: saved in epoch 0 after 5 batches, step 5 to {run}; exiting with code 143 "
             "(stopped by SIGTERM), not 0: the program did not run to its end, and only a failed exit makes "
             "torchrun --max-restarts or a job scheduler start it again, which resumes from this checkpoint\n") in text
     # both ranks stop after the one global save (the agent may stop the second before it exits itself)

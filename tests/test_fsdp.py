@@ -150,7 +150,8 @@ def test_rank_killed_while_writing_its_shard_leaves_no_valid_checkpoint_without_
     assert len(re.findall(r"unverified \(2 ranks, DCP shards\)", listed)) == 2, listed
     status = [sys.executable, "-m", "keepalive", "status", "--dir", str(tmp_path)]
     shown = subprocess.run(status, capture_output=True, text=True, cwd=ROOT, timeout=60).stdout
-    assert re.search(r"inshard-run: 2 checkpoint\(s\), newest step 6 epoch 0, 2 ranks, DCP shards", shown), shown
+    assert re.search(r"inshard-run: 2 checkpoint\(s\), newest step 6, 0 epoch\(s\) done, 2 ranks, DCP shards",
+                     shown), shown
     report = json.loads(subprocess.run(status + ["--json"], capture_output=True, text=True, cwd=ROOT,
                                        timeout=60).stdout)
     [run] = [r for r in report["runs"] if r["run"] == "inshard-run"]
@@ -218,7 +219,7 @@ def test_sigterm_on_one_rank_saves_once_globally_then_all_stop_and_the_run_resum
     job = run_job(tmp_path, "term", env={"FSDP_SIGTERM": "1:16", "FSDP_EVERY": "100"})
     text = job.text()
     assert job.proc.returncode != 0 and "DONE" not in text, text  # every rank stopped
-    assert "SIGTERM: saved in epoch 2 (1 completed, batch 4), step 16" in text, text
+    assert "SIGTERM: saved in epoch 1 after 4 batches, step 16" in text, text
     infos = CheckpointStore(job.run_dir).list()
     assert [i.step for i in infos] == [16] and infos[0].manifest["metadata"]["reason"] == "SIGTERM received"
     assert shard_names(infos[0]) == ["__0_0.distcp", "__1_0.distcp"]

@@ -144,7 +144,7 @@ def test_deadline_stops_mid_epoch_saves_and_the_rerun_is_exact(tmp_path, capsys,
     model.fit(_resumable(form, x, y), epochs=3, verbose=0, callbacks=[ckpt])
     out = capsys.readouterr().out
     assert ckpt.stopped and not ckpt.finished and model.stop_training
-    assert "stopping before the session ends" in out and "saved in epoch 2 (1 completed, batch 2), step 8" in out
+    assert "stopping before the session ends" in out and "saved in epoch 1 after 2 batches, step 8" in out
     (info,) = [i for i in CheckpointStore(str(tmp_path / "run")).list() if i.step == 8]
     assert info.epoch == 1
 
@@ -154,8 +154,8 @@ def test_deadline_stops_mid_epoch_saves_and_the_rerun_is_exact(tmp_path, capsys,
     history = model2.fit(_resumable(form, x, y), epochs=3, verbose=0,
                          callbacks=[ckpt2])
     out = capsys.readouterr().out
-    assert "resuming run 'run'" in out and "in epoch 2 (1 completed, batch 2), step 8" in out
-    assert "data position (batch 2 of epoch 2)" in out  # as Keras shows it: Epoch 2/3
+    assert "resuming run 'run'" in out and "in epoch 1 after 2 batches, step 8" in out
+    assert "restored weights, optimizer, RNG, data position" in out  # the position: "in epoch 1 after 2 batches"
     assert ckpt2.finished and ckpt2.step == 3 * STEPS_PER_EPOCH
     assert history.epoch == [0, 1, 2]
     assert _same(_state(model2), want)
@@ -209,7 +209,7 @@ def test_callback_states_survive_a_crash(tmp_path, capsys):
     h = model2.fit(x, y, batch_size=BATCH, epochs=5, verbose=0,
                    callbacks=[DriveCheckpoint(tmp_path / "run"), es2, rlr2, mc2])
     out = capsys.readouterr().out
-    assert "epoch 3, step 18" in out and "EarlyStopping" in out and "ReduceLROnPlateau" in out
+    assert "at the end of epoch 2, step 18" in out and "EarlyStopping" in out and "ReduceLROnPlateau" in out
     assert h.epoch == [0, 1, 2, 3, 4] and len(h.history["loss"]) == 5
     assert _same(_state(model2), _state(ref))
     assert (es2.wait, es2.best, es2.best_epoch) == (es0.wait, es0.best, es0.best_epoch)
@@ -230,7 +230,7 @@ def test_finished_and_early_stopped_runs_do_nothing_again(tmp_path, capsys):
     h2 = m2.fit(x, y, batch_size=BATCH, epochs=6, verbose=0,
                 callbacks=[es2, DriveCheckpoint(tmp_path / "es")])
     out = capsys.readouterr().out
-    assert "ended early at epoch 2" in out and "nothing to do" in out
+    assert "ended early after 2 epoch(s)" in out and "nothing to do" in out
     assert h2.epoch == [0, 1] and _same(_state(m2), want)
 
     _model().fit(x, y, batch_size=BATCH, epochs=2, verbose=0, callbacks=[DriveCheckpoint(tmp_path / "done")])

@@ -216,7 +216,7 @@ def test_a_stale_epochs_cell_ends_the_fit_and_says_so_once(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("plan differs") == 1 and (
         "warning: run 'run', fit 1: this code's plan differs from the checkpoint's: epochs 6 -> 4: this code's 4 "
-        "wins, the fit ends after epoch 4 and counts as complete; to train the 6 planned, run fit(epochs=6) "
+        "wins, the fit ends after 4 epochs and counts as complete; to train the 6 planned, run fit(epochs=6) "
         "(it goes on from there).") in err, err
     assert hist["epoch"] == [0, 1, 2, 3] and int(model.optimizer.iterations.numpy()) == 4 * SPE
 
@@ -227,7 +227,7 @@ def test_a_stale_epochs_cell_ends_the_fit_and_says_so_once(tmp_path, capsys):
     model, hist = _one_fit(path, 6)
     err = capsys.readouterr().err
     assert ("this code's plan differs from the checkpoint's: epochs 4 -> 6: this code's 6 wins, the fit goes on "
-            "to epoch 6; to end at 4, run fit(epochs=4).") in err, err
+            "to 6 epochs; to end at 4, run fit(epochs=4).") in err, err
     assert hist == ref_hist and _same(_state(model), _state(ref_model))
 
     # the stale cell after the 4th epoch was saved: nothing is left to train, and that is said too
@@ -236,7 +236,7 @@ def test_a_stale_epochs_cell_ends_the_fit_and_says_so_once(tmp_path, capsys):
     capsys.readouterr()
     _one_fit(tmp_path / "late", 4)
     out = capsys.readouterr()
-    assert "epochs 6 -> 4: this code's 4 wins, the fit ends after epoch 4 (reached already: nothing to train)" \
+    assert "epochs 6 -> 4: this code's 4 wins, the fit ends after 4 epochs (reached already: nothing to train)" \
         in out.err and "already completed 4 epoch(s) of 4" in out.out, out
 
 
@@ -337,7 +337,7 @@ def test_sigkill_in_the_second_fit_then_the_script_again_or_without_its_first_fi
     assert killed.returncode == 9 and f"COMMITTED {first + CHILD_SPE}" in killed.stdout, killed.stdout[-3000:]
     shutil.copytree(tmp_path / "b", tmp_path / "c")
     out = _run(_cmd(tmp_path / "b", tmp_path / "b.npz", "--fits", "2"))
-    assert f"epoch 3, step {first + CHILD_SPE}" in out and "skipped" not in out, out
+    assert f"at the end of epoch 2, step {first + CHILD_SPE}" in out and "skipped" not in out, out
     assert not _differing(tmp_path / "ref.npz", tmp_path / "b.npz")
     assert "history.2.loss" in _load(tmp_path / "b.npz")
 

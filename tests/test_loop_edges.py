@@ -377,7 +377,7 @@ def test_sigint_to_the_process_group_with_workers_is_reported_once(tmp_path):
     assert "NOT INTERRUPTED" not in out
     assert out.count("SIGINT received") == 1, out  # the main process only, not each worker
     assert proc.stderr.count("Traceback") == 1 and "KeyboardInterrupt" in proc.stderr, out  # main only
-    assert "SIGINT: saved in epoch 1 (0 completed, batch 4), step 4" in proc.stdout, out
+    assert "SIGINT: saved in epoch 0 after 4 batches, step 4" in proc.stdout, out
     assert newest(tmp_path / "run").step == 4
 
 

@@ -530,7 +530,7 @@ def test_ls_header_and_table_agree(shell, ka_dir, tmp_path, capsys):
 
     assert run(shell, "%keepalive ls").success                      # control: not re-read
     out = capsys.readouterr().out
-    assert f"UNFINISHED at epoch {newest.epoch}, step {newest.step} ({newest.name}" in out, out
+    assert f"UNFINISHED at step {newest.step}, {newest.epoch} epoch(s) done ({newest.name}" in out, out
     assert run(shell, "%keepalive ls --verify").success
     out = capsys.readouterr().out
     rows = {ln.split()[1]: ln for ln in out.splitlines() if ln.startswith("gamma ")}
@@ -539,7 +539,8 @@ def test_ls_header_and_table_agree(shell, ka_dir, tmp_path, capsys):
     assert f"({newest.name}" not in header.split("(the newer")[0], header
     assert f"the newer {newest.name} is INVALID" in header and "falls back past it" in header, header
     older = store.list()[-2]
-    assert f"step {older.step} ({older.name}" in header and rows[older.name].rstrip().endswith("ok"), out
+    assert f"step {older.step}, {older.epoch} epoch(s) done ({older.name}" in header, header
+    assert rows[older.name].rstrip().endswith("ok"), out
 
 
 def test_status_panel_lists_runs_opened_with_a_path(shell, ka_dir, tmp_path):

@@ -172,7 +172,7 @@ def test_sigkill_then_resume_training_in_a_fresh_kernel_is_bit_exact(tmp_path, r
     with Kernel(env, cwd=str(tmp_path)) as k:
         res = k.run_ok("%load_ext keepalive")
         assert "unfinished run 'story'" in res.stdout, res.text
-        assert "%resume_training" in res.stdout and "stopped at epoch" in res.stdout
+        assert "%resume_training" in res.stdout and "stopped at step" in res.stdout
         k.run_ok(SETUP + params(out))
         res = k.run_ok("%resume_training", timeout=240)
         assert "re-running training cell" in res.stdout
@@ -284,7 +284,7 @@ def test_a_run_at_an_explicit_drive_path_is_named_and_resumed_after_a_kill(tmp_p
     assert not any(p.name.startswith("ckpt-") for p in ckpts.rglob("*"))
     with Kernel(env, cwd=str(tmp_path)) as k:
         res = k.run_ok("%load_ext keepalive")
-        assert f"unfinished run 'story' in {drive_run} stopped at epoch" in res.stdout, res.text
+        assert f"unfinished run 'story' in {drive_run} stopped at step" in res.stdout, res.text
         k.run_ok(SETUP + params(out))
         res = k.run_ok("%resume_training", timeout=240)
         assert f"run 'story' ({drive_run})" in res.stdout and "re-running training cell" in res.stdout

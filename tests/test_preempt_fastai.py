@@ -187,7 +187,7 @@ def sigterm_during_validation_saved_at_once(tmp_path, reference) -> None:
                sigterm_in_eval=True)
     assert got.rc == 143, got.text[-3000:]
     assert got.signal_at is not None and got.eval_start is not None and got.eval_end is None
-    assert re.search(r"SIGTERM: saved in epoch 1 \(0 completed, batch 4\), step 4 to .* during a pause of the "
+    assert re.search(r"SIGTERM: saved in epoch 0 after 4 batches, step 4 to .* during a pause of the "
                      r"training loop; exiting with code 143", got.text), got.text[-3000:]
     step, at = got.commits[-1]
     assert step == N_ITER
@@ -211,8 +211,8 @@ def sigterm_in_next_epoch_prologue(tmp_path, reference) -> None:
     got = _run(tmp_path / "run", tmp_path / "w.st", "--slow-epoch", "1", "--eval-seconds", "0",
                "--slow-prologue", "6", "--every", "1000", sigterm_in_eval=True)
     assert got.rc == 143, got.text[-3000:]
-    assert re.search(r"SIGTERM: saved epoch 1, step 4 to .* during a pause of the training loop", got.text), \
-        got.text[-3000:]
+    assert re.search(r"SIGTERM: saved at the end of epoch 0, step 4 to .* during a pause of the training loop",
+                     got.text), got.text[-3000:]
     step, at = got.commits[-1]
     assert step == N_ITER and 0 < at - got.signal_at < BOUND
     assert got.eval_end is None, "exited only after the prologue"
@@ -253,7 +253,8 @@ def control_state_changed_before_validation(tmp_path, reference) -> None:
         "the state (a learning rate, a weight, an EMA, the freeze state) in a callback's after_epoch or " \
         "before_train, not in after_train or before_validate" in got.text, got.text[-3000:]
     assert got.eval_end is not None and got.commits and got.commits[-1][1] > got.eval_end
-    assert re.search(r"SIGTERM: saved epoch 1, step 4 to \S+; exiting with code 143", got.text), got.text[-3000:]
+    assert re.search(r"SIGTERM: saved at the end of epoch 0, step 4 to \S+; exiting with code 143", got.text), \
+        got.text[-3000:]
     _resume(tmp_path, reference, got, N_ITER)
 
 
@@ -300,7 +301,7 @@ def test_control_hyperparameter_changed_before_validation(tmp_path, capsys):
     assert ("SIGTERM received while the training loop paused between steps (an evaluation?), but its state is no "
             "longer that of its last step (the loop changed state beside the tensors since its last step (e.g. a "
             "scheduler stepped)): the save waits for the next step boundary") in text, text[-3000:]
-    assert re.search(r"SIGTERM: saved epoch 1, step 4 to \S+; exiting with code 143", text), text[-3000:]
+    assert re.search(r"SIGTERM: saved at the end of epoch 0, step 4 to \S+; exiting with code 143", text), text[-3000:]
 
 
 # ------------------------------------------------------------------------------------------ the tests

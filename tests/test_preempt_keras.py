@@ -182,7 +182,7 @@ def test_sigterm_during_validation_is_saved_then_and_resumes_exactly(runs):
     assert first.first("EVAL END") is None  # exited inside the validation, before it would have ended
     assert first.first("EPOCH 1") is None
     # the resume: epoch 1 with no batch left (its validation and its end run once), then epoch 2
-    assert "(1 completed, batch 8)" in second.text and "EVAL START 1" in second.text
+    assert "in epoch 1 after 8 batches" in second.text and "EVAL START 1" in second.text
     assert "LOSS 1 " not in second.text
     _assert_exact(runs, "sigterm", "reference")
 
@@ -195,10 +195,10 @@ def test_sigterm_during_an_epochs_last_batch_is_saved_there(runs):
     assert first.signal_at is not None
     committed = first.first("COMMITTED 16", after=first.signal_at)
     assert committed is not None and committed - first.signal_at < BOUND, first.text[-3000:]
-    assert "SIGTERM: saved in epoch 2 (1 completed, batch 8), step 16" in first.text
+    assert "SIGTERM: saved in epoch 1 after 8 batches, step 16" in first.text
     assert "cannot be saved inside an epoch" not in first.text
     assert first.first("EVAL START 1") is None
-    assert "(1 completed, batch 8)" in second.text and "LOSS 1 " not in second.text
+    assert "in epoch 1 after 8 batches" in second.text and "LOSS 1 " not in second.text
     _assert_exact(runs, "sigterm_last_batch", "reference")
 
 

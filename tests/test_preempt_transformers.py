@@ -224,7 +224,7 @@ def test_sigterm_during_evaluation_is_saved_then_and_resumes_exactly(runs):
     s = _interrupted(runs, "sigterm")
     committed = s.times("COMMITTED 4 ")
     assert committed and committed[0] - s.sent < BOUND, s.text
-    assert (f"keepalive: SIGTERM: saved in epoch 1 (0 completed, batch 8), step 4 to {s.run} during a pause of "
+    assert (f"keepalive: SIGTERM: saved in epoch 0 after 8 batches, step 4 to {s.run} during a pause of "
             "the training loop; exiting with code 143") in s.text
     # it exited during the evaluation (its end line is printed as the exit passes through it)
     (start,), (end,) = s.times("EVAL START"), s.times("EVAL END")
@@ -259,7 +259,7 @@ def test_deadline_during_evaluation_is_saved_then_stops_and_resumes_exactly(runs
     committed = s.times("COMMITTED 4 ")
     # durable before the deadline (5 s after the evaluation's start) and before the evaluation ended
     assert committed and start < committed[0] < min(start + 5.0, end), s.text
-    assert (f"keepalive: saved in epoch 1 (0 completed, batch 8), step 4 to {s.run} during a pause of the "
+    assert (f"keepalive: saved in epoch 0 after 8 batches, step 4 to {s.run} during a pause of the "
             "training loop; the training stops at its next step. Why: the session ends in ") in s.text
     assert "STEP 5" not in s.text  # stopped before the next step
     assert not _differences(_reference(runs), s.result())

@@ -197,7 +197,7 @@ def test_accumulation_every_2_steps(root, accum_ref, kill_at, grads, resumed):
 
 
 @pytest.mark.parametrize("signame,returncode,says", [
-    ("TERM", 128 + signal.SIGTERM, "SIGTERM: saved in epoch 2 (1 completed, batch 9), step 7"),
+    ("TERM", 128 + signal.SIGTERM, "SIGTERM: saved in epoch 1 after 9 batches, step 7"),
     ("INT", -signal.SIGINT, "KeyboardInterrupt"),  # uncaught: python ends by SIGINT
 ])
 def test_accumulation_signal_between_two_steps(root, accum_ref, signame, returncode, says):

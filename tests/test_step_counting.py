@@ -295,7 +295,7 @@ def test_randperm_batches_killed_in_the_third_epoch_resume_at_its_start(root, pe
     assert (last.epoch, last.batch, last.step, last.opt_steps) == (2, 0, 16, 16), \
         f"newest checkpoint before the kill: {last}"
     assert t.resumed_at(1) == (2, 16)
-    assert "epoch 2, step 16" in t.outputs[1]
+    assert "at the end of epoch 1, step 16" in t.outputs[1]
     assert t.trained() == perm_ref.trained()
     assert_same(perm_ref.state(), t.state())
 

@@ -401,7 +401,7 @@ def test_a_break_out_of_the_epochs_is_the_runs_end_with_control(tmp_path, capsys
     out = capsys.readouterr().out
     assert ran == [] and ckpt.finished
     assert_same(stopped, again)
-    assert out.count("keepalive: the loop was left with a break at epoch 3 of 8 (e.g. early stopping), and "
+    assert out.count("keepalive: the loop was left with a break after 3 of 8 epochs (e.g. early stopping), and "
                      "that was saved as the end of the run: nothing to train; the model is the one it left "
                      "with. To train on from epoch 3, ask for another number of epochs (ckpt.epochs(n) with "
                      "n > 3 and n != 8), or start a new run.") == 1, out

@@ -261,7 +261,7 @@ def test_random_rank_killed_mid_epoch_and_mid_save_resumes_bit_exactly(tmp_path,
     assert len(log) == 2, log
     resumed = [int(s) for s in RESUME_RE.findall(job.text())]
     assert resumed and resumed[-1] % STEPS_PER_EPOCH, f"the last resume is not inside an epoch: {resumed}"
-    assert re.search(r"epoch \d+ continues at batch \d+/11", job.text()), job.text()
+    assert "11 batches per epoch" in job.text(), job.text()
     for rank, final in enumerate(job.finals()):
         assert same(final, reference[rank]), f"rank {rank} differs from the run without keepalive ({log})"
 

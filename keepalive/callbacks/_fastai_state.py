@@ -588,7 +588,8 @@ def epochs(n: int) -> str:
 
 def where_words(epochs_done: int, n_epoch: int, batches_done: int = 0, n_iter: int = 0) -> str:
     """A position inside a fit, in the one numbering every fastai message uses: counts of work done
-    (as keepalive's counters: "epoch 2" in a resume line is 2 epochs done), never 0-based indices."""
+    (as keepalive's counters), never indices: "2 of 5 epochs done" is what the resume line's position
+    calls "at the end of epoch 1" (epochs numbered from 0, as fastai's table numbers them)."""
     words = f"{epochs_done} of {n_epoch} epochs done"
     if batches_done:
         words += f", {batches_done} of {n_iter} batches into the next"

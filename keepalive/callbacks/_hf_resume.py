@@ -72,7 +72,9 @@ def describe(tree: StateTree) -> str:
     """Where a checkpoint continues, for the core's resume line (empty at an epoch's end)."""
     data = tree.get("data") or {}
     if data.get("batch") and not (tree.get("hf") or {}).get("finished"):
-        return f"epoch {data['epoch']} continues at batch {data['batch']}/{data.get('steps_in_epoch')}"
+        # the position itself is in the line already (keepalive.runs.position); this adds the length
+        length = data.get("steps_in_epoch")
+        return f"{length} batches per epoch" if length else "an unsized loader (its epochs have no known length)"
     return ""
 
 

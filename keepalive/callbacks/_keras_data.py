@@ -329,9 +329,10 @@ def batch_samples(adapter: Any, first: int, n: int) -> int:
     """How many samples batches ``first`` .. ``first + n - 1`` of a Keras data adapter hold (an
     estimate for the ``samples`` counter; 0 when the adapter does not say)."""
     try:
-        bs, nb = adapter.batch_size, adapter.num_batches
-        if not bs:
+        bs = adapter.batch_size
+        if not bs:  # a PyDataset's adapter: asked before num_batches, which calls the user's __len__
             return 0
+        nb = adapter.num_batches
         last = adapter.partial_batch_size if adapter.has_partial_batch else bs
         return sum(last if nb and b == nb - 1 else bs for b in range(first, first + n))
     except Exception:  # noqa: BLE001 - an estimate only

@@ -202,11 +202,11 @@ class Stages:
             change = describe([(key, old, new)])
             if key == "epochs" and resumed.fewer_epochs:
                 reached = " (reached already: nothing to train)" if resumed.complete else ""
-                parts.append(f"{change}: this code's {new} wins, the fit ends after epoch {new}{reached} and "
+                parts.append(f"{change}: this code's {new} wins, the fit ends after {new} epochs{reached} and "
                              f"counts as complete; to train the {old} planned, run fit(epochs={old}) (it goes on "
                              "from there)")
             elif key == "epochs":
-                parts.append(f"{change}: this code's {new} wins, the fit goes on to epoch {new}; to end at "
+                parts.append(f"{change}: this code's {new} wins, the fit goes on to {new} epochs; to end at "
                              f"{old}, run fit(epochs={old})")
             elif key == "optimizer.learning_rate" and kstate.set_learning_rate(model.optimizer, new):
                 parts.append(f"{change}: this code's {new} wins (it replaces the checkpoint's rate); to go on "

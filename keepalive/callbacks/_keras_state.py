@@ -518,7 +518,7 @@ def describe(tree: Mapping[str, Any]) -> str:
     parts = ["weights", "optimizer", "RNG"]
     counters = tree.get("counters", {})
     if counters.get("batch"):
-        parts.append(f"data position (batch {counters['batch']} of epoch {int(counters.get('epoch') or 0) + 1})")
+        parts.append("data position")  # where it lies is in the line already (keepalive.runs.position)
     names = sorted({k.split(":")[0] for k in (tree.get("keras", {}).get("callbacks") or {})})
     if names:
         parts.append("state of " + ", ".join(names))

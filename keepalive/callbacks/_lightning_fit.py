@@ -19,9 +19,9 @@ from .torchstate import check_module
 
 
 def describe(tree: StateTree) -> str:
-    """Where a checkpoint continues, for the core's resume line (empty at an epoch's end)."""
-    c = tree.get("counters")
-    return f"inside epoch {c['epoch']} after batch {c['batch']}" if c and c["batch"] else ""
+    """Words of its own for the core's resume line: none (the line says where the checkpoint lies, in
+    epochs numbered as ``trainer.current_epoch`` numbers them, :func:`keepalive.runs.position`)."""
+    return ""
 
 
 def check_fits(tree: StateTree, pl_module: Any, where: str) -> None:

@@ -38,6 +38,17 @@ class Pass:
         self.out = False        # a batch is handed out and its end not reached yet
         self.handed_at = -1     # the optimizer steps counted when the last batch was handed out
         self.last_n = 0         # samples in the last batch handed out
+        self._length: Any = Pass  # the loader's len(), asked once (Pass itself: not asked yet)
+
+    def length(self) -> Optional[int]:
+        """The loader's length (None for a stream), asked once per pass: ``len(loader)`` calls the
+        user's ``Dataset.__len__`` (through its sampler), which every step boundary must not call again."""
+        if self._length is Pass:
+            try:
+                self._length = len(self.rl.loader)  # type: ignore[arg-type]
+            except Exception:  # noqa: BLE001 - a loader without a length (a stream)
+                self._length = None
+        return self._length
 
 
 class TrainingData:
@@ -102,8 +113,8 @@ class TrainingData:
             # an error): as a resume from disk, its prologue replays from the epoch's start
             epoch_rng, self.resume_rng = self.epoch_rng, self.left_rng
             if self.left_rng is None:
-                core.warn(f"the loop was left inside batch {core.counters['batch'] + 1} of epoch "
-                          f"{core.counters['epoch']} (an error in the batch): run again, the epoch "
+                core.warn(f"the loop was left in epoch {core.counters['epoch']} after {core.counters['batch']} "
+                          "batches, inside the next (an error in the batch): run again, the epoch "
                           "continues at that batch, but with the random state of now, so its random "
                           "draws (dropout, augmentation) differ from an uninterrupted run's.",
                           key="left-inside-batch")

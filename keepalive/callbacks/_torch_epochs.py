@@ -172,12 +172,12 @@ class EpochLoop:
         before = int(left["of"])
         if before == n or done >= n:
             core.already_complete(n, message=(
-                f"the loop was left with a break at epoch {done} of {before} (e.g. early stopping), "
+                f"the loop was left with a break after {done} of {before} epochs (e.g. early stopping), "
                 "and that was saved as the end of the run: nothing to train; the model is the one it left "
                 f"with. To train on from epoch {done}, ask for another number of epochs "
                 f"(ckpt.epochs(n) with n > {done} and n != {before}), or start a new run."))
             return True
-        core.say(f"the loop was left with a break at epoch {done} of {before}; your code now asks for "
+        core.say(f"the loop was left with a break after {done} of {before} epochs; your code now asks for "
                  f"ckpt.epochs({n}): training on from epoch {done}.")
         return False
 
@@ -198,10 +198,10 @@ class EpochLoop:
             return True
         if before > n:
             core.warn(f"epochs {before} -> {n}: this run was planned for {before} epochs (its checkpoint's "
-                      f"plan); your code's ckpt.epochs({n}) wins: it ends at epoch {n}. To train the "
+                      f"plan); your code's ckpt.epochs({n}) wins: it ends after {n} epochs. To train the "
                       f"{before} planned, run ckpt.epochs({before}).", key="plan:epochs")
         elif before < n:
-            core.say(f"epochs {before} -> {n}: the run goes on to epoch {n} (its checkpoint planned {before}).")
+            core.say(f"epochs {before} -> {n}: the run goes on to {n} epochs (its checkpoint planned {before}).")
         return False
 
     def _leave(self, n: int) -> None:
@@ -225,4 +225,4 @@ class EpochLoop:
         self.stage += 1
         if early:
             self.left_at = {"epoch": at, "of": int(n)}
-            core.say(f"left the loop at epoch {at} of {n} (a break): saved as the end of the run")
+            core.say(f"left the loop after {at} of {n} epochs (a break): saved as the end of the run")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import gc
 import weakref
-from typing import Any, Callable, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterable, Iterator, List, Sequence, Tuple
 
 from .. import rng
 from ..core import Checkpointer
@@ -184,10 +184,7 @@ class Passes:
         mid_epoch = all(q.rl.mid_epoch for q in data.passes if q.trains)
         core.trigger.mid_epoch = mid_epoch
         total = core.total_epochs
-        try:
-            length: Optional[int] = len(p.rl.loader)  # type: ignore[arg-type]
-        except Exception:  # noqa: BLE001 - a loader without a length (a stream): nothing to compare
-            length = None
+        length = p.length()  # None for a stream: nothing to compare
         at_end = length is not None and p.done >= length
         self.objects.check_schedule_end(total is None or (core.counters["epoch"] + 1 >= total and at_end))
         # not a point to resume from: the epoch's code after the pass needs its last batch's variables

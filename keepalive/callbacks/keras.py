@@ -285,7 +285,7 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
             # the run ended early (EarlyStopping or stop_training): running it again does nothing
             self._nothing_to_do = True
             start = max(epochs, epoch)
-            core.already_complete(message=f"run '{core.store.run}' ended early at epoch {epoch} (e.g. "
+            core.already_complete(message=f"run '{core.store.run}' ended early after {epoch} epoch(s) (e.g. "
                                   "EarlyStopping) and is complete; nothing to do (weights restored). Use "
                                   "another path or run= to train anew.")
         model._initial_epoch = start
