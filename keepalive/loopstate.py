@@ -37,6 +37,10 @@ MAX_ITEMS = 10_000
 _TORCH_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8",
                            "uint8", "bool"})
 _SCOPES = ("NAME", "GLOBAL", "FAST", "DEREF")
+#: methods that change a list / dict / set in place: a container the loop only appends to (a history of
+#: losses) is loop state as much as a rebound counter
+MUTATORS = frozenset({"append", "extend", "insert", "pop", "remove", "clear", "sort", "reverse", "update",
+                      "setdefault", "popitem", "add", "discard", "__setitem__", "__iadd__"})
 
 
 def caller_frame(depth: int = 1) -> Optional[FrameType]:
@@ -100,6 +104,30 @@ def _carried(instructions: Sequence[dis.Instruction], spans: List[Tuple[int, int
     return carried
 
 
+def _mutated(instructions: Sequence[dis.Instruction], span: Tuple[int, int]) -> List[Tuple[str, str]]:
+    """(scope, name) of the variables a loop body changes in place without assigning them:
+    ``history.append(x)`` (a load, then a mutating method) and ``scores[k] = v`` (the container's load
+    two instructions before ``STORE_SUBSCR``, or the first of a fused pair just before it on 3.13).
+    Scope: ``global`` (a global or module name) or ``local``."""
+    found: List[Tuple[str, str]] = []
+    for i, ins in enumerate(instructions):
+        if not span[0] < ins.offset < span[1] or i < 1:
+            continue
+        if ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and str(ins.argval) in MUTATORS:
+            target, pick = instructions[i - 1], -1
+        elif ins.opname == "STORE_SUBSCR" and isinstance(instructions[i - 1].argval, tuple):
+            target, pick = instructions[i - 1], 0  # 3.13 fuses the container's and the key's loads
+        elif ins.opname == "STORE_SUBSCR" and i >= 2:
+            target, pick = instructions[i - 2], -1
+        else:
+            continue
+        loads = [name for kind, name in _accesses(target) if kind == "load"]
+        if loads:
+            scope = "local" if "FAST" in target.opname or "DEREF" in target.opname else "global"
+            found.append((scope, loads[pick]))
+    return found
+
+
 def read_loop(code: CodeType, after: int, module_level: bool) -> Optional[LoopCode]:
     """The ``for`` loop of ``code`` whose iterator is the call at offset ``after`` (the first
     ``FOR_ITER`` after it: a call wrapped in ``tqdm()`` / ``enumerate()`` too), and what its body
@@ -124,6 +152,14 @@ def read_loop(code: CodeType, after: int, module_level: bool) -> Optional[LoopCo
                     local[name] = None
     spans = [span, *_loops(instructions, span[0], span[1])]
     carried = _carried(instructions, spans) - cleared
+    for scope, name in _mutated(instructions, span):
+        if name in cleared:
+            continue
+        if scope == "global":  # a module's name (or a function's global): written back on resume
+            glob.setdefault(name, None)
+        else:  # a function's own container: carried, and it cannot be written back
+            local.setdefault(name, None)
+            carried.add(name)
     return LoopCode(module_level, tuple(n for n in glob if n not in cleared),
                     tuple(n for n in local if n not in cleared), frozenset(carried), span)
 
@@ -265,6 +301,8 @@ class LoopVariables:
         self.told: Set[str] = set()
         self.said_saved = False
         self._read: Dict[Tuple[Any, ...], Any] = {}        # the code read so far (a loop runs many times)
+        #: inner loops in functions of their own, named at the next save that may speak
+        self._pending_functions: List[Tuple[str, LoopCode]] = []
 
     # ------------------------------------------------------------------------------ the loop's code
     def watch(self, frame: Optional[FrameType]) -> None:
@@ -278,6 +316,21 @@ class LoopVariables:
         loop = self._reading(read_loop, code, frame.f_lasti, module_level)
         if loop is not None:
             self.loop, self.namespace, self.function, self.code = loop, frame.f_globals, code.co_name, code
+
+    def inner(self, frame: Optional[FrameType]) -> None:
+        """A keepalive loop inside the watched one that runs in a function of its own (timm's
+        ``train_one_epoch()`` with the batch loop, called from a top-level ``ckpt.epochs()`` loop):
+        that function's carried variables (``num_updates += 1``) cannot be put back: named, once."""
+        if frame is None or not self.enabled or frame.f_code is self.code:
+            return
+        code = frame.f_code
+        if not code.co_flags & inspect.CO_OPTIMIZED:
+            return
+        loop = self._reading(read_loop, code, frame.f_lasti, False)
+        key = f"function:{code.co_name}:{code.co_firstlineno}"
+        if loop is not None and key not in self.told:
+            self.told.add(key)
+            self._pending_functions.append((code.co_name, loop))
 
     def _reading(self, read: Callable[..., Any], code: CodeType, *args: Any) -> Any:
         """``read(code, *args)``, once per code and call site; None where the code cannot be read."""
@@ -371,20 +424,23 @@ class LoopVariables:
                       f"loop sets): {fixes}", key="loop-unsaved:" + ",".join(unsaved))
         if loop is not None and not loop.module_level and "function" not in self.told and self.enabled:
             self.told.add("function")
-            self._tell_function(loop)
+            self._tell_function(loop, self.function)
+        pending, self._pending_functions = self._pending_functions, []
+        for function, inner in pending:
+            self._tell_function(inner, function)
 
-    def _tell_function(self, loop: LoopCode) -> None:
+    def _tell_function(self, loop: LoopCode, function: str) -> None:
         names = [n for n in loop.locals if n in loop.carried]
         if not names:
             return
         first = names[0]
-        self.warn(f"the training loop runs inside {self.function}(), whose variables cannot be put back on "
+        self.warn(f"the training loop runs inside {function}(), whose variables cannot be put back on "
                   f"resume: {', '.join(names)} carry from one step to the next and a resumed run starts them "
                   "from what the code before the loop sets. Move the loop to the top level of the script or "
                   "cell (its variables are then saved with each checkpoint), or keep them in ckpt.extras: "
                   f"`ckpt.extras['{first}'] = {first}` at the end of each step and "
                   f"`{first} = ckpt.extras.get('{first}', {first})` after `ckpt.resume()`.",
-                  key="loop-in-function")
+                  key=f"loop-in-function:{function}")
 
     # ------------------------------------------------------------------------------------ resuming
     def loaded(self, section: Optional[Dict[str, Any]]) -> None:

@@ -41,6 +41,10 @@ EXPECTED = {
                  "module_level": True},
     "postloop_function": {"globals": [], "locals": ["epoch", "x", "loss", "total", "shown"], "carried": [],
                           "module_level": False},
+    "mutated": {"globals": ["epoch", "n", "history", "scores"], "locals": [], "carried": [],
+                "module_level": True},
+    "mutated_function": {"globals": [], "locals": ["epoch", "n", "history", "scores"],
+                         "carried": ["history", "scores"], "module_level": False},
     "reads": {"postloop": ["loss"], "postloop_function": ["loss"]},
 }
 
@@ -159,6 +163,44 @@ def test_a_carried_object_is_named_once_with_its_fix(tmp_path, capsys):
 
 
 # ------------------------------------------------------------------------------ iteration loops
+TIMM = '''
+from keepalive.callbacks.torch import DriveCheckpoint
+ckpt = DriveCheckpoint(URL, model=model, optimizer=opt, every=2, quiet=False)
+updates_per_epoch = 4
+history = []
+
+
+def train_one_epoch(epoch):
+    num_updates = epoch * updates_per_epoch
+    for x in ckpt.batches(LOADER):
+        opt.zero_grad()
+        model(x).sum().backward()
+        opt.step()
+        num_updates += 1
+        lrs.append(0.1 / num_updates)
+
+
+for epoch in ckpt.epochs(2):
+    train_one_epoch(epoch)
+    history.append(epoch)
+'''
+
+
+def test_a_batch_loop_in_a_function_of_its_own_names_its_counters_once(tmp_path, capsys):
+    """timm's train.py shape: the epoch loop at the top level, the batch loop in train_one_epoch(),
+    whose ``num_updates`` feeds the schedule: it cannot be put back, so it is named (once), while the
+    top-level ``history`` the epoch loop appends to is saved."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 1)
+    ns = {"URL": str(tmp_path / "timm"), "model": model, "opt": torch.optim.SGD(model.parameters(), lr=0.1),
+          "LOADER": torch.utils.data.DataLoader(torch.ones(4, 2), batch_size=1), "lrs": []}
+    exec(compile(TIMM, "<cell>", "exec"), ns)
+    said = _said(capsys)
+    assert said.count("runs inside train_one_epoch()") == 1, said
+    assert "num_updates carry from one step to the next" in said
+    assert "put back on resume: epoch, history" in said
+
+
 def _iteration_cell(tmp_path, loop: str, n: int, **options):
     torch.manual_seed(0)
     model = torch.nn.Linear(2, 1)

@@ -60,10 +60,12 @@ from ..core import Checkpointer
 from ..loopstate import LoopVariables, caller_frame
 from ..pauses import BoundaryPart
 from ..statetree import Captured, StateTree
+from ._torch_boundary import TorchBoundary
 from ._torch_data import TrainingData
 from ._torch_epochs import EpochLoop
 from ._torch_objects import TorchObjects
 from ._torch_passes import Passes
+from ._torch_unregistered import UnregisteredWatch
 from .torchstate import without_lazy
 
 __all__ = ["DriveCheckpoint"]
@@ -103,6 +105,9 @@ class DriveCheckpoint(CheckpointAdapter):
         self.core = Checkpointer(config=cfg, framework="torch")
         self.core.fingerprint = self._fingerprint
         self._objects = TorchObjects(self.core)
+        self._boundary = TorchBoundary(self.core, self._objects)  # kept at each step for saves during an evaluation
+        #: stateful objects of the loop's variables that change and are not registered (an EMA): named
+        self._unregistered = UnregisteredWatch(self.core, self._objects.objects)
         self.objects: Dict[str, Any] = self._objects.objects
         self._data = TrainingData(self.core, self._objects, self._storable_preview)
         self._passes = Passes(self.core, self._objects, self._data, self.capture, self.resume)
@@ -155,7 +160,7 @@ class DriveCheckpoint(CheckpointAdapter):
     # ------------------------------------------------------------------------------------ loops
     def epochs(self, n: int) -> Iterator[int]:
         """``for epoch in ckpt.epochs(n)``: yields the epochs still to run, saving as configured."""
-        self._vars.watch(caller_frame())
+        self._watch(caller_frame())
         self._loop.iterating = False
         # the loop's own generator, not one delegating to it: a break is read from the frame closing it
         return self._loop.epochs(n)
@@ -166,7 +171,7 @@ class DriveCheckpoint(CheckpointAdapter):
         run's epochs for the counters; with ``every`` left at ``"epoch"`` the saves come every
         ``"auto"`` interval (what a save costs against the expected time between interruptions, at
         most 1 % of the training), not every iteration."""
-        self._vars.watch(caller_frame())
+        self._watch(caller_frame())
         self._loop.iterations(n)
         return self._loop.epochs(n)
 
@@ -179,13 +184,21 @@ class DriveCheckpoint(CheckpointAdapter):
         index in the epoch (a resumed epoch starts at the saved index, not at 0)."""
         return self._passes.enumerate(loader, self._pass_reads(caller_frame()))
 
+    def _watch(self, frame: Any) -> None:
+        """The outermost keepalive loop starts in ``frame``: its variables are kept, and the objects
+        they hold are watched for changes nobody registered."""
+        self._vars.watch(frame)
+        self._unregistered.start_at(frame)
+
     def _pass_reads(self, frame: Any) -> Tuple[str, ...]:
         """For a batch loop starting in ``frame``: what the code after it reads from its last batch
         that a resume cannot put back (an epoch's ``print(loss.item())`` in a function). A save due at
         the epoch's last batch then waits for the epoch's end (:class:`~._torch_passes.Passes`).
         Outside ``ckpt.epochs()`` the batch loop is the outermost loop, whose variables are kept."""
         if not self._data.in_epochs:
-            self._vars.watch(frame)
+            self._watch(frame)
+        else:  # a batch loop in a function of its own (timm's train_one_epoch()): its counters named
+            self._vars.inner(frame)
         if frame is None:
             return ()
         until = self._vars.loop.span[1] if self._vars.loop is not None and frame.f_globals is \
@@ -199,10 +212,11 @@ class DriveCheckpoint(CheckpointAdapter):
         out, a pass ended or begun all change it (the registered objects' state beside their tensors,
         e.g. a scheduler stepped before the evaluation, is kept at each boundary instead:
         :mod:`._torch_boundary`; the loop's variables too: :class:`LoopPart`)."""
-        return self._objects.summary(), (
+        return self._boundary.unkept(), (
             *self._data.fingerprint(), self._loop.leaving is not None, self._data.pending_now)
 
     def capture(self) -> Captured:
+        self._unregistered.check()
         self._data.tell_foreign()
         self._objects.tell_unrestored()
         data: Dict[str, Any] = {"seen_step": self._data.seen_step, "train_loader": self._data.train_key}

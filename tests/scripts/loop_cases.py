@@ -68,8 +68,19 @@ for epoch in ckpt.epochs(2):
 '''
 
 
+# containers the loop changes in place (a history, a dict of scores) are loop state too; a method
+# that reads (cfg.get) is not a change
+MUTATED = '''
+for epoch in ckpt.epochs(2):
+    history.append(epoch)
+    scores[epoch] = 1
+    n = cfg.get("k")
+'''
+
+
 def run_at_module_level(case, src):
-    ns = {"ckpt": Ckpt(case), "get_batch": lambda: (1, 2), "evaluate": lambda: 0.5}
+    ns = {"ckpt": Ckpt(case), "get_batch": lambda: (1, 2), "evaluate": lambda: 0.5,
+          "history": [], "scores": {}, "cfg": {}}
     exec(compile(src, case, "exec"), ns)
 
 
@@ -85,4 +96,6 @@ run_in_function("global", NANOGPT, head="    global best\n")
 run_in_function("wrapped", "for it in tqdm(ckpt.epochs(2)):\n    n = it\n")
 run_at_module_level("postloop", POSTLOOP)
 run_in_function("postloop_function", POSTLOOP)
+run_at_module_level("mutated", MUTATED)
+run_in_function("mutated_function", MUTATED, head="    history, scores, cfg = [], {}, {}\n")
 print(json.dumps({"python": list(sys.version_info[:2]), "said": seen}))
