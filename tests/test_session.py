@@ -221,8 +221,10 @@ _POW = {"B": 1, "KiB": 2 ** 10, "MiB": 2 ** 20, "GiB": 2 ** 30, "TiB": 2 ** 40,
 
 
 def test_human_output_states_units(tmp_path):
+    # a spool of its own: the machine's default one may hold another run's pending uploads (their sizes
+    # would be one more GiB-like figure without its GB pair)
     env = clean_env(COLAB_RELEASE_TAG="x", KEEPALIVE_BUDGET="2h", KEEPALIVE_DIR=str(tmp_path),
-                    KEEPALIVE_SESSION_START=str(time.time() - 1800))
+                    KEEPALIVE_SESSION_START=str(time.time() - 1800), KEEPALIVE_SPOOL=str(tmp_path / "spool"))
     out = run_cli(env, "status", cwd=str(tmp_path)).stdout
     assert "platform colab" in out
     assert re.search(r"budget\s+2 h 00 min: 1 h (29|30) min left", out), out
@@ -267,7 +269,7 @@ def test_status_lists_runs_and_survives_bad_dirs(tmp_path):
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", run["newest_created"])
     assert run["url"].endswith("pets")
     human = run_cli(clean_env(), "status", "--dir", str(tmp_path / "runs"), cwd=str(tmp_path)).stdout
-    assert "pets: 2 checkpoint(s), newest step 10 epoch 2" in human
+    assert "pets: 2 checkpoint(s), newest step 10, 2 epoch(s) done" in human
 
     afile = tmp_path / "not-a-dir"
     afile.write_text("x")
@@ -533,4 +535,4 @@ def test_status_shows_the_runs_recorded_elsewhere(tmp_path):
     env = clean_env(KEEPALIVE_DIR=str(default), KEEPALIVE_SPOOL=str(tmp_path / "spool"))
     text = run_cli(env, "status", cwd=str(tmp_path)).stdout
     assert "elsewhere (runs recorded in the index of runs):" in text
-    assert f"away: UNFINISHED, 1 checkpoint(s), newest step 7 epoch 1 in {tmp_path / 'drive' / 'away'}" in text
+    assert f"away: UNFINISHED, 1 checkpoint(s), newest step 7, 1 epoch(s) done in {tmp_path / 'drive' / 'away'}" in text
