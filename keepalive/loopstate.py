@@ -153,8 +153,8 @@ def read_loop(code: CodeType, after: int, module_level: bool) -> Optional[LoopCo
     spans = [span, *_loops(instructions, span[0], span[1])]
     carried = _carried(instructions, spans) - cleared
     for scope, name in _mutated(instructions, span):
-        if name in cleared:
-            continue
+        if name in cleared or name in glob or name in local:
+            continue  # assigned in the loop too (an inner loop's `param_group`): the assignment decides
         if scope == "global":  # a module's name (or a function's global): written back on resume
             glob.setdefault(name, None)
         else:  # a function's own container: carried, and it cannot be written back

@@ -151,16 +151,16 @@ def test_sigkill_in_stage_2_resumes_stage_2(tmp_path, ref):
     killed = tmp_path / "killed"
     _kill_after_commit(killed, STAGE_2_AT, "--cb", "each")
     runs = {name: _copy(killed, tmp_path / name) for name in
-            ("each", "shared", "first-skipped", "control-place", "control-plan")}
+            ("each", "shared", "first-left-out", "control-place", "control-plan")}
     outs = _parallel(
         lambda: _run(runs["each"], "--cb", "each"),
         lambda: _run(runs["shared"], "--cb", "shared"),
-        lambda: _run(runs["first-skipped"], "--cb", "each", "--first", "skip"))
+        lambda: _run(runs["first-left-out"], "--cb", "each", "--first", "skip"))
     for out in outs:
         assert "fit 2 continues: 0 of 2 epochs done, 4 of 6 batches into the next" in out
     assert "fit 1 had completed before the restart (the checkpoint is in fit 2): skipped" in outs[0]
     assert "skipped" not in outs[2]
-    for name in ("each", "shared", "first-skipped"):
+    for name in ("each", "shared", "first-left-out"):
         _assert_same(ref, runs[name])
     outs = _parallel(
         lambda: _run(runs["control-place"], "--cb", "each", "--break", "counter,plan"),
