@@ -54,6 +54,11 @@ def cli_env(location, monkeypatch):
         monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
         monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
         monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+        # fsspec keeps one S3FileSystem per set of options: one made earlier in this process without
+        # credentials (another test's) would be handed to the CLI with its credential-less client
+        import s3fs
+
+        s3fs.S3FileSystem.clear_instance_cache()
     return location
 
 
