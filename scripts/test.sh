@@ -11,7 +11,7 @@ for arg in "$@"; do
   if [ "$arg" = "--quick" ]; then quick=1; else args+=("$arg"); fi
 done
 if [ "$quick" = 1 ]; then args=(-m quick ${args[@]+"${args[@]}"}); fi
-bash scripts/setup-venv.sh test,keras,fastai,transformers,peft,lightning
+bash scripts/setup-venv.sh test,keras,fastai,transformers,peft,lightning,jax
 # tests/test_browser.py drives JupyterLab in Debian's headless chromium through chromedriver (Selenium):
 # install both when missing (about 15 s; the test is skipped, with its reason, where they cannot be).
 # The quick tier does not run it.
