@@ -665,13 +665,14 @@ def pending_summary(spool_root: Optional[str] = None) -> Optional[Dict[str, Any]
             "oldest_age_seconds": max(ages) if ages else None, "destinations": rows}
 
 
-def format_pending(pending: Optional[Mapping[str, Any]]) -> str:
-    """One line for :func:`pending_summary`'s result (``keepalive status``)."""
+def format_pending(pending: Optional[Mapping[str, Any]], size: Callable[[float], str] = format_bytes) -> str:
+    """One line for :func:`pending_summary`'s result (``keepalive status``); ``size`` writes the bytes
+    pending (the status panel passes one that gives both units)."""
     if not pending:
         return "none pending"
     if "count" not in pending:
         return f"unknown ({pending.get('error')})"
-    text = (f"{pending['count']} checkpoint(s), {format_bytes(pending['bytes'])} pending, oldest "
+    text = (f"{pending['count']} checkpoint(s), {size(pending['bytes'])} pending, oldest "
             f"{format_duration(pending.get('oldest_age_seconds'))} old")
     dests = ", ".join(r["destination"] for r in pending.get("destinations") or [])
     return f"{text} (to {dests}; `keepalive sync` uploads them)" if dests else text

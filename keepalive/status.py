@@ -315,7 +315,7 @@ def _run_lines(r: Mapping[str, Any]) -> List[str]:
         lines.append(f"            {run['run']}: {other_run_state(run)} in {run['url']}")
     pending = r.get("pending_uploads")
     if pending is not None:
-        lines.append(f"  uploads   {runs.format_pending(pending)}")
+        lines.append(f"  uploads   {runs.format_pending(pending, size=session.both_units)}")
     return lines
 
 

@@ -221,8 +221,7 @@ _POW = {"B": 1, "KiB": 2 ** 10, "MiB": 2 ** 20, "GiB": 2 ** 30, "TiB": 2 ** 40,
 
 
 def test_human_output_states_units(tmp_path):
-    # a spool of its own: the machine's default one may hold another run's pending uploads (their sizes
-    # would be one more GiB-like figure without its GB pair)
+    # a spool of its own: the panel shows only this test's machine state, not another run's pending uploads
     env = clean_env(COLAB_RELEASE_TAG="x", KEEPALIVE_BUDGET="2h", KEEPALIVE_DIR=str(tmp_path),
                     KEEPALIVE_SESSION_START=str(time.time() - 1800), KEEPALIVE_SPOOL=str(tmp_path / "spool"))
     out = run_cli(env, "status", cwd=str(tmp_path)).stdout
@@ -250,6 +249,17 @@ def test_format_status_without_budget_and_with_gpu():
     text = status.format_status(report)
     assert "budget    none" in text
     assert "Tesla T4: 1.00 GiB (1.07 GB) used of 15.00 GiB (16.11 GB), utilisation 37 %" in text
+
+
+def test_the_uploads_line_gives_the_pending_size_in_both_units():
+    report = {"platform": "local", "checkpoint_dir": "/x", "runs": [], "warnings": [], "hardware": {},
+              "pending_uploads": {"count": 2, "bytes": 1.2 * 2 ** 30, "oldest_age_seconds": 240.0,
+                                  "destinations": [{"destination": "gs://b/run"}]}}
+    [line] = [x for x in status.format_status(report).splitlines() if x.startswith("  uploads")]
+    assert line == ("  uploads   2 checkpoint(s), 1.20 GiB (1.29 GB) pending, oldest 4 min 00 s old "
+                    "(to gs://b/run; `keepalive sync` uploads them)"), line
+    [(b, bu, d, du)] = _PAIR.findall(line)
+    assert float(b) * _POW[bu] == pytest.approx(float(d) * _POW[du], rel=0.01)
 
 
 # ----------------------------------------------------------------------------------- runs
