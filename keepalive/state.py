@@ -1,8 +1,8 @@
 """The framework-neutral training state and its safe on-disk form.
 
 A training state is a tree of dicts, lists and tuples whose leaves are numbers, strings, bytes,
-``None``, torch tensors or numpy arrays (what ``state_dict()`` methods and RNG getters return). It is
-stored as two files:
+``None``, torch tensors, numpy arrays (what ``state_dict()`` methods and RNG getters return) or JAX
+arrays. It is stored as two files:
 
 * ``tensors.safetensors`` - every tensor and array, in the safetensors format (readable by the
   ``safetensors`` library too), laid out largest item size first so every tensor is aligned;
@@ -15,6 +15,17 @@ naming where in the state they sit.
 :class:`HostSnapshot` copies the tensors of a state into one reusable host buffer laid out exactly as
 the safetensors data section, so a background thread can write it while training goes on, and the
 next snapshot reuses the memory (host memory stays at about one extra copy of the state).
+
+Every dtype safetensors knows is stored bit for bit, bfloat16 and float8 included: torch's own, and
+numpy's through ``ml_dtypes`` (what ``np.asarray`` of a bf16 JAX array gives). A numpy-written one is
+read back as an ``ml_dtypes`` array, a torch-written one as a torch tensor.
+
+JAX arrays are held by reference (they never change in place): a snapshot starts their transfer to
+the host (``copy_to_host_async``) and converts them (``np.asarray``, which gathers a sharded array of
+this process's devices) when it copies them; they are read back as numpy arrays. Only a donation
+(``jax.jit(..., donate_argnums=...)``) deletes one, so a lazy snapshot's copy must be settled before
+the loop's next step can donate its buffers (:meth:`PendingCopy.wait`: the JAX adapter does so at
+each step boundary); a deleted array met anyway fails the save with one line, never reads freed memory.
 """
 from __future__ import annotations
 
@@ -34,7 +45,7 @@ STATE_FILE = "state.json"
 TENSOR_FILE = "tensors.safetensors"
 
 _MARK = "__ka_"
-# safetensors dtype code <-> numpy dtype (bf16 / fp8 exist only for torch: no numpy twin)
+# safetensors dtype code <-> numpy dtype (bf16 / fp8: see _ML_DTYPE_NAMES)
 _NP_CODES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32,
     "I16": np.int16, "I8": np.int8, "U64": np.uint64, "U32": np.uint32, "U16": np.uint16,
@@ -50,11 +61,42 @@ _TORCH_CODES = {
 _CODE_TO_TORCH = {v: k for k, v in _TORCH_CODES.items()}
 _ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8,
              "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "C64": 8, "F8_E4M3": 1, "F8_E5M2": 1}
+# the codes numpy holds only through ml_dtypes (a numpy extension that jax and tensorflow import): an
+# array of these dtypes exists only where ml_dtypes was imported, so it is looked up, never imported,
+# when writing, and imported when a numpy-written one is read
+_ML_DTYPE_NAMES = {"BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+_ML_TO_CODE: Dict[Any, str] = {}
+
+
+def _numpy_code(dtype: Any) -> Optional[str]:
+    """The safetensors code of a numpy dtype, None for one that cannot be stored."""
+    code = _NP_TO_CODE.get(dtype)
+    if code is None and not _ML_TO_CODE:
+        ml_dtypes = sys.modules.get("ml_dtypes")
+        if ml_dtypes is not None:
+            _ML_TO_CODE.update({np.dtype(getattr(ml_dtypes, name)): code
+                                for code, name in _ML_DTYPE_NAMES.items()})
+    return code if code is not None else _ML_TO_CODE.get(dtype)
+
+
+def _numpy_dtype(code: str) -> Any:
+    """The numpy dtype a numpy-written tensor of safetensors code ``code`` is read back as."""
+    if code in _NP_CODES:
+        return np.dtype(_NP_CODES[code])
+    import ml_dtypes  # only bf16 / fp8 need it; whoever wrote them as numpy arrays had it
+
+    return np.dtype(getattr(ml_dtypes, _ML_DTYPE_NAMES[code]))
 
 
 def _is_torch_tensor(x: Any) -> bool:
     torch = sys.modules.get("torch")  # never import torch here: only recognise its tensors
     return torch is not None and isinstance(x, torch.Tensor)
+
+
+def _is_jax_array(x: Any) -> bool:
+    jax = sys.modules.get("jax")  # never import jax here: only recognise its arrays
+    array = getattr(jax, "Array", None) if jax is not None else None
+    return array is not None and isinstance(x, array)
 
 
 def _is_torch_dtype(x: Any) -> bool:
@@ -66,7 +108,7 @@ def _is_torch_dtype(x: Any) -> bool:
 class TensorRef:
     key: str
     value: Any          # the live tensor / array (not copied yet)
-    kind: str           # "torch" | "numpy"
+    kind: str           # "torch" | "numpy" | "jax" (a jax.Array, written as a numpy one)
     code: str           # safetensors dtype code
     shape: Tuple[int, ...]
     nbytes: int
@@ -98,7 +140,7 @@ class _Encoder:
         enc = self.enc
         if x is None or isinstance(x, (bool, str)):
             return x
-        if isinstance(x, np.generic) and x.dtype in _NP_TO_CODE:  # before float: np.float64 is one
+        if isinstance(x, np.generic) and _numpy_code(x.dtype) is not None:  # before float: np.float64 is one
             return {_MARK + "npscalar__": self.add_numpy(np.asarray(x), self.key_for(path))}
         if isinstance(x, int):
             return int(x)
@@ -108,6 +150,8 @@ class _Encoder:
             return {_MARK + "tensor__": self.add_torch(x, self.key_for(path))}
         if isinstance(x, np.ndarray):
             return {_MARK + "tensor__": self.add_numpy(x, self.key_for(path))}
+        if _is_jax_array(x):
+            return {_MARK + "tensor__": self.add_jax(x, self.key_for(path))}
         if isinstance(x, (bytes, bytearray)):
             return {_MARK + "bytes__": base64.b64encode(bytes(x)).decode()}
         if isinstance(x, tuple):
@@ -140,11 +184,37 @@ class _Encoder:
         return key
 
     def add_numpy(self, a: np.ndarray, key: str) -> str:
-        if a.dtype not in _NP_TO_CODE:
+        code = _numpy_code(a.dtype)
+        if code is None:
             raise UnsupportedStateError(f"array {key} has dtype {a.dtype}, which cannot be stored safely")
-        self.tensors.append(TensorRef(key, a, "numpy", _NP_TO_CODE[a.dtype], tuple(a.shape), a.nbytes,
-                                      a.dtype.itemsize))
+        self.tensors.append(TensorRef(key, a, "numpy", code, tuple(a.shape), a.nbytes, a.dtype.itemsize))
         return key
+
+    def add_jax(self, a: Any, key: str) -> str:
+        """A ``jax.Array``, by reference: it is converted to a host array when the snapshot copies it."""
+        jax = sys.modules["jax"]
+        if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+            raise UnsupportedStateError(f"array {key} is a typed PRNG key ({a.dtype}): store "
+                                        "jax.random.key_data(key) and the name of jax.random.key_impl(key)")
+        if a.is_deleted():
+            raise UnsupportedStateError(deleted_message(key))
+        if not a.is_fully_addressable:
+            raise UnsupportedStateError(
+                f"array {key} is sharded over several processes (jax.distributed): this process holds only "
+                "part of it, and keepalive's own format stores whole arrays; such state is saved through Orbax")
+        code = _numpy_code(np.dtype(a.dtype))
+        if code is None:
+            raise UnsupportedStateError(f"array {key} has dtype {a.dtype}, which cannot be stored safely")
+        self.tensors.append(TensorRef(key, a, "jax", code, tuple(a.shape), int(a.nbytes), a.dtype.itemsize))
+        return key
+
+
+def deleted_message(key: str) -> str:
+    """The line for a JAX array deleted before a save could copy it (a buffer donated to a step)."""
+    return (f"array {key} was deleted before the checkpoint copied it (a buffer donated to a jitted step: "
+            "donate_argnums): the save is dropped, the previous checkpoint stays the newest. Hand keepalive "
+            "the arrays the step returned, and settle the save (Checkpointer.settle_snapshot()) before a step "
+            "that donates them, or use snapshot='blocking'")
 
 
 def layout(tensors: List[TensorRef]) -> Tuple[bytes, int]:
@@ -157,7 +227,7 @@ def layout(tensors: List[TensorRef]) -> Tuple[bytes, int]:
     for t in tensors:
         t.offset = offset
         header[t.key] = {"dtype": t.code, "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
-        kinds[t.key] = t.kind
+        kinds[t.key] = "numpy" if t.kind == "jax" else t.kind  # read back as host arrays
         offset += t.nbytes
     header["__metadata__"] = {"keepalive.kinds": json.dumps(kinds, separators=(",", ":"))}
     raw = json.dumps(header, separators=(",", ":")).encode()
@@ -216,7 +286,9 @@ class HostSnapshot:
         With ``defer``, the tensors it accepts are not copied now: :attr:`pending` holds them, with
         each one's version counter at this moment, for :meth:`PendingCopy.run` to copy later (the
         lazy snapshot: parameters and optimizer state do not change until the next optimizer step).
-        The files are complete only once that copy has run."""
+        JAX arrays never change in place, so with ``defer`` given (the caller settles the copy before
+        the loop's next step, which may donate them) every one of them is copied later, and each
+        one's transfer to the host starts here. The files are complete only once that copy has run."""
         if self._reserving is not None:
             self._reserving.join()
             self._reserving = None
@@ -226,15 +298,14 @@ class HostSnapshot:
             self._release_buffer()  # free the old buffer before allocating the bigger one
             self._buffer = _host_buffer(size)
         buf = self._buffer
+        _start_host_transfers(tensors)
         later: List[Tuple[TensorRef, np.ndarray]] = []
         for t in tensors:
             slot = buf[t.offset:t.offset + t.nbytes]
-            if defer is not None and t.kind == "torch" and t.nbytes and defer(t):
+            if defer is not None and t.nbytes and (t.kind == "jax" or t.kind == "torch" and defer(t)):
                 later.append((t, slot))
-            elif t.kind == "torch":
-                _copy_torch_into(t.value, slot)
-            elif t.nbytes:
-                np.copyto(slot.view(t.value.dtype).reshape(t.shape), t.value, casting="no")
+            else:
+                copy_into(t, slot)
         self.pending = PendingCopy(later, self) if later else None
         state_json = json.dumps(json_tree, separators=(",", ":"), allow_nan=True).encode()
         return {STATE_FILE: state_json, TENSOR_FILE: [header, memoryview(buf)[:size]]}  # type: ignore[arg-type]
@@ -253,6 +324,37 @@ class HostSnapshot:
         if not any(t.kind == "torch" and t.value.is_cuda for t in tensors):
             return
         self._pinned = _pin(self._buffer)
+
+
+def copy_into(t: TensorRef, slot: np.ndarray) -> None:
+    """Copy one tensor of a snapshot into its slot of the host buffer (bit for bit: no cast)."""
+    if t.kind == "torch":
+        _copy_torch_into(t.value, slot)
+    elif t.nbytes:
+        value = host_array(t) if t.kind == "jax" else t.value
+        np.copyto(slot.view(value.dtype).reshape(t.shape), value, casting="no")
+
+
+def host_array(t: TensorRef) -> np.ndarray:
+    """A JAX array's values on the host (a sharded one gathered from this process's devices); a
+    deleted one (donated to a step before this copy) raises :class:`UnsupportedStateError`."""
+    try:
+        return np.asarray(t.value)
+    except RuntimeError:
+        if t.value.is_deleted():
+            raise UnsupportedStateError(deleted_message(t.key)) from None
+        raise
+
+
+def _start_host_transfers(tensors: List[TensorRef]) -> None:
+    """Start every JAX array's device-to-host transfer before any is waited for (they overlap each
+    other and the training; on CPU there is nothing to transfer)."""
+    for t in tensors:
+        if t.kind == "jax" and t.nbytes:
+            try:
+                t.value.copy_to_host_async()
+            except RuntimeError:  # deleted meanwhile: its copy says so in one line
+                pass
 
 
 class PendingCopy:
@@ -282,12 +384,12 @@ class PendingCopy:
         self._done = threading.Event()
         self._lock = threading.Lock()
         self.error: Optional[BaseException] = None
-        self._cuda = any(t.value.is_cuda for t, _ in items)
+        self._cuda = any(t.kind == "torch" and t.value.is_cuda for t, _ in items)
         # CPU: (source bytes or None for a whole-tensor copy, the tensor, its slot, first, end byte)
         self._pieces: List[Tuple[Any, TensorRef, np.ndarray, int, int]] = []
         if not self._cuda:
             for t, slot in items:
-                flat = _bytes_of(t.value)
+                flat = _bytes_of(t.value) if t.kind == "torch" else None  # a JAX array: converted whole
                 if flat is None:
                     self._pieces.append((None, t, slot, 0, t.nbytes))
                     continue
@@ -317,7 +419,10 @@ class PendingCopy:
     def _run_cuda(self) -> None:
         stream, events, group = _side_stream(self.items), [], 0
         for t, slot in self.items:
-            _copy_torch_into(t.value, slot, stream=stream)
+            if t.kind == "torch":
+                _copy_torch_into(t.value, slot, stream=stream)
+            else:
+                copy_into(t, slot)
             group += t.nbytes
             if stream is not None and group >= self.GROUP_BYTES:
                 events.append(_record(stream))
@@ -336,7 +441,7 @@ class PendingCopy:
                 self._next += 1
             try:
                 if flat is None:
-                    _copy_torch_into(t.value, slot)
+                    copy_into(t, slot)
                 elif threaded:  # torch's copy spreads over its intra-op threads
                     import torch
 
@@ -406,7 +511,7 @@ def _copy_torch_into(t, slot: np.ndarray, stream: Any = None) -> None:
 def _side_stream(items: List[Tuple[TensorRef, np.ndarray]]) -> Any:
     """A CUDA stream for the device-to-host copies, ordered after the work queued so far on the
     tensors' device (the step that produced them); None on CPU."""
-    cuda = [t.value for t, _ in items if t.value.is_cuda]
+    cuda = [t.value for t, _ in items if t.kind == "torch" and t.value.is_cuda]
     if not cuda:
         return None
     import torch
@@ -456,6 +561,8 @@ def frozen_copy(tree: Any) -> Any:
     if _is_torch_tensor(tree):
         return tree.detach().clone()
     if isinstance(tree, np.ndarray):
+        return tree.copy()
+    if _is_jax_array(tree):  # never changed in place, but a step may donate (delete) it
         return tree.copy()
     if isinstance(tree, bytearray):
         return bytes(tree)
@@ -512,7 +619,7 @@ def read_safetensors(buf, where: str = "?") -> Dict[str, Tuple[str, Tuple[int, .
 
 def _materialise(code: str, shape, raw: memoryview, kind: str, copy: bool):
     if kind == "numpy" or "torch" not in sys.modules and code in _NP_CODES:
-        arr = np.frombuffer(raw, dtype=_NP_CODES[code]).reshape(shape)
+        arr = np.frombuffer(raw, dtype=_numpy_dtype(code)).reshape(shape)
         return arr.copy() if copy else arr
     import torch
 
