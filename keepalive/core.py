@@ -129,6 +129,10 @@ class Checkpointer:
         #: every checkpoint; ``saved_plan`` is the loaded checkpoint's (None: a new run, or an older one)
         self.plan: Dict[str, Any] = {}
         self.saved_plan: Optional[Dict[str, Any]] = None
+        #: the training's settings as the code set them, flat (``{"optimizer.lr": 0.001}``), from the adapter,
+        #: which records them in ``metadata["settings"]``: a finished unnamed run that recorded others is
+        #: another training (:mod:`keepalive.runidentity`); None from it: nothing to compare
+        self.training_settings: Optional[Callable[[], Optional[Dict[str, Any]]]] = None
         #: objects whose state DCP saves in pieces, one per rank (set by the torch adapter before use)
         self.dcp_objects: Any = None
         #: the adapter's cheap summary of what it captures beside tensors, as a pair: (the objects'

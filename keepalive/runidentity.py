@@ -17,6 +17,16 @@ A running trial is found without importing Optuna: only when ``optuna.trial`` is
 by looking for a ``Trial`` among the local variables of the frames that called the checkpointer
 (Optuna's own ``_run_trial`` holds one, whatever the objective calls its argument).
 
+Outside Optuna, a script or cell run again with another model or other settings (``--lr 3e-4``, another
+weight decay or optimizer) and an unnamed checkpointer finds the run the earlier training finished:
+it is another training, never handed that run's result. Another model is told by the adapter's
+``check`` (the checkpoint does not fit); other settings by what the adapter records as the code set
+them (``Checkpointer.training_settings``, in each checkpoint's ``metadata["settings"]``: for torch the
+optimizers' class, learning rate, weight decay, betas, momentum...). Both move the checkpointer to a
+run of its own, said in one line. Only a *finished* run is compared: an unfinished one resumes as
+ever (other settings are said and the checkpoint's are used, since a scheduler changes them), and a
+run the user named is the user's choice.
+
 Also here: the one line said at the first save of a run (:func:`announce_first_save`), so that a
 training that is never interrupted still shows that it is protected, and where.
 
@@ -42,7 +52,7 @@ from .trigger import Schedule
 from .units import format_duration
 
 __all__ = ["TrialRun", "announce_first_save", "another_training", "interval_words", "move_to", "newest_of_own_run",
-           "optuna_run", "running_trial", "slug"]
+           "optuna_run", "other_settings", "running_trial", "slug"]
 
 #: frames looked through for a running trial (Optuna's ``_run_trial`` is a few frames above the
 #: objective; a training helper called by the objective adds some)
@@ -184,6 +194,8 @@ def optuna_run(base: str, trial: Any = None) -> Optional[TrialRun]:
 #: how many finished runs of other trainings one checkpointer moves past (each move is to a run named
 #: after what differs: a chain is as long as the trainings that differ from each other)
 MAX_MOVES = 8
+#: settings that differ named in the line (the rest is "…")
+MAX_SHOWN = 4
 
 
 def _unnamed(ckpt: Any) -> bool:
@@ -191,13 +203,38 @@ def _unnamed(ckpt: Any) -> bool:
     return cfg.path is None and cfg.run is None
 
 
+def _shown(value: Any) -> str:
+    return str(value) if not isinstance(value, str) else repr(value)
+
+
+def other_settings(now: Optional[Mapping[str, Any]], then: Optional[Mapping[str, Any]]) -> List[str]:
+    """What the training's settings ``now`` set otherwise than a checkpoint's ``then`` (both flat, as the
+    adapter records them), in words: ``optimizer lr 0.001 → 0.0003``. A setting only one of them
+    records is not compared (a later stage's optimizer, a checkpoint of an older keepalive).
+
+    >>> other_settings({"optimizer": "AdamW", "optimizer.lr": 3e-4, "optimizer.betas": (0.9, 0.95)},
+    ...                {"optimizer": "AdamW", "optimizer.lr": 1e-3, "optimizer.betas": [0.9, 0.95]})
+    ['optimizer lr 0.001 → 0.0003']
+    >>> other_settings({"optimizer.lr": 3e-4}, None)
+    []
+    """
+    def plain(value: Any) -> Any:  # a checkpoint's JSON gives lists back
+        return list(value) if isinstance(value, tuple) else value
+
+    now, then = now or {}, then or {}
+    return [f"{key.replace('.', ' ', 1)} {_shown(then[key])} → {_shown(now[key])}"
+            for key in now if key in then and plain(then[key]) != plain(now[key])]
+
+
 def another_training(ckpt: Any, found: Optional[Tuple[Any, Any, Any]],
                      check: Optional[Callable[[Any], None]]) -> Optional[str]:
     """Why the finished run ``found`` (``(info, tree, previous)``) is another training than the one
     ``ckpt`` is about to start, in words (``another model than run 'x', which finished (...)``): its
-    checkpoint does not fit the objects (``check`` refuses it). None when it fits (the same training
-    run again: it is complete), when the run has not finished (a resume; a misfit is then refused as
-    ever), or for a run the user named (a path or ``run=``: the user chose it)."""
+    checkpoint does not fit the objects (``check`` refuses it), or it recorded other settings than the
+    code sets now (``other settings than run 'x', which finished: optimizer lr 0.001 → 0.0003``: the
+    adapter's ``training_settings``). None when it fits (the same training run again: it is
+    complete), when the run has not finished (a resume; a misfit is then refused as ever, other
+    settings said), or for a run the user named (a path or ``run=``: the user chose it)."""
     if found is None or not _unnamed(ckpt):
         return None
     info, tree, _ = found
@@ -209,6 +246,11 @@ def another_training(ckpt: Any, found: Optional[Tuple[Any, Any, Any]],
             check(tree)
         except StateMismatchError as exc:
             return f"another model than run '{ckpt.store.run}', which finished ({str(exc).split(';')[0]})"
+    now = ckpt.training_settings() if ckpt.training_settings is not None else None
+    changed = other_settings(now, then.get("settings"))
+    if changed:
+        more = ", …" if len(changed) > MAX_SHOWN else ""
+        return f"other settings than run '{ckpt.store.run}', which finished: {', '.join(changed[:MAX_SHOWN])}{more}"
     return None
 
 
@@ -224,8 +266,9 @@ def move_to(ckpt: Any, url: str) -> None:
 
 def newest_of_own_run(ckpt: Any, check: Optional[Callable[[Any], None]] = None) -> Any:
     """The newest valid checkpoint of the run ``ckpt`` writes (``(info, tree, previous)`` or None),
-    after moving an unnamed checkpointer off a finished run of another training (another model: the
-    n-th training of a cell or script whose trainings differ from one run to the next) to a run of
+    after moving an unnamed checkpointer off a finished run of another training (another model or other
+    optimizer settings: a script run again with another ``--lr``, the n-th training of a cell or script
+    whose trainings differ from one run to the next) to a run of
     its own, ``<run>-<hash of what differs>``: the same training run again finds that run (and
     resumes it, or finds it complete). Said in one line."""
     found = Run(ckpt.store, spool=ckpt.spooled.local_spool()).load_newest(quiet=ckpt.quiet)

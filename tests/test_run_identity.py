@@ -185,3 +185,134 @@ def test_control_a_named_run_of_another_model_is_refused(tmp_path, monkeypatch):
     _session(8, monkeypatch, run="mine")
     with pytest.raises(StateMismatchError):
         _session(16, monkeypatch, run="mine")
+
+
+# ------------------------------------------------- a finished run of the same model, other settings
+def _data():
+    torch.manual_seed(0)
+    x = torch.randn(16, 3)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4)
+
+
+def _train(ckpt, model, opt, epochs=2, crash_after=None):
+    """``ckpt.epochs(epochs)`` over 4 batches an epoch; the optimizer steps it ran (a crash after
+    ``crash_after`` steps stands for a kill: the run is left unfinished)."""
+    trained = 0
+    for _epoch in ckpt.epochs(epochs):
+        for xb, yb in ckpt.batches(_data()):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(xb), yb).backward()
+            opt.step()
+            trained += 1
+            if trained == crash_after:
+                raise KeyboardInterrupt
+    return trained
+
+
+def _rerun(monkeypatch, make_opt=lambda params: torch.optim.SGD(params, lr=0.1), model=None, **options):
+    """A script run again (a new process's first unnamed DriveCheckpoint()): (run, steps trained, weights)."""
+    from keepalive import notebook
+
+    monkeypatch.setattr(notebook, "_UNNAMED", {})
+    if model is None:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 1)
+    opt = make_opt(model.parameters())
+    crash = options.pop("crash_after", None)
+    ckpt = DriveCheckpoint(model=model, optimizer=opt, **options)
+    try:
+        trained = _train(ckpt, model, opt, crash_after=crash)
+    finally:
+        ckpt.close()
+    return ckpt.core.store.run, trained, [p.detach().clone() for p in model.parameters()]
+
+
+def _sgd(lr):
+    return lambda params: torch.optim.SGD(params, lr=lr)
+
+
+def test_a_finished_run_with_another_learning_rate_is_another_training(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("KEEPALIVE_DIR", str(tmp_path / "home"))
+    assert _rerun(monkeypatch, _sgd(0.1))[:2] == ("default", 8)
+    assert _rerun(monkeypatch, _sgd(0.1))[:2] == ("default", 0)  # control: the same training is complete
+    assert "run 'default' already completed 2 epoch(s)" in capsys.readouterr().out
+    run, trained, weights = _rerun(monkeypatch, _sgd(0.03))
+    out = capsys.readouterr().out
+    assert run.startswith("default-") and trained == 8, out
+    line = f"keepalive: run '{run}' (new: other settings than run 'default', which finished: optimizer lr 0.1 → 0.03;"
+    assert out.count(line) == 1 and "already completed" not in out, out
+    monkeypatch.setenv("KEEPALIVE_DIR", str(tmp_path / "alone"))
+    assert all(torch.equal(a, b) for a, b in zip(_rerun(monkeypatch, _sgd(0.03))[2], weights))  # its own start
+    monkeypatch.setenv("KEEPALIVE_DIR", str(tmp_path / "home"))
+    assert _rerun(monkeypatch, _sgd(0.03))[:2] == (run, 0)  # run again: its own run, complete
+    assert _rerun(monkeypatch, _sgd(0.1))[:2] == ("default", 0)
+    assert sorted(os.listdir(tmp_path / "home")) == sorted(["default", run])
+
+
+def test_other_weight_decay_betas_or_optimizer_are_other_settings(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("KEEPALIVE_DIR", str(tmp_path))
+
+    def adamw(**kw):
+        return lambda params: torch.optim.AdamW(params, **{"lr": 1e-3, **kw})
+
+    assert _rerun(monkeypatch, adamw(), quiet=True)[:2] == ("default", 8)
+    assert _rerun(monkeypatch, adamw(fused=False), quiet=True)[:2] == ("default", 0)  # how a step runs: the same
+    for kw, said in [({"weight_decay": 0.1}, "optimizer weight_decay 0.01 → 0.1"),
+                     ({"betas": (0.9, 0.95)}, "optimizer betas [0.9, 0.999] → [0.9, 0.95]")]:
+        run, trained, _ = _rerun(monkeypatch, adamw(**kw))
+        out = capsys.readouterr().out
+        assert run.startswith("default-") and trained == 8 and said in out, out
+    run, trained, _ = _rerun(monkeypatch, lambda params: torch.optim.SGD(params, lr=1e-3, momentum=0.9))
+    out = capsys.readouterr().out  # another optimizer: its state does not fit, told as before
+    assert run.startswith("default-") and trained == 8 and "holds a AdamW, this run has a SGD" in out, out
+
+
+def test_control_a_named_run_with_another_learning_rate_is_complete(tmp_path, monkeypatch, capsys):
+    """A run the user named, or an unfinished one, goes on as before: the checkpoint's values are used."""
+    monkeypatch.setenv("KEEPALIVE_DIR", str(tmp_path))
+    _rerun(monkeypatch, _sgd(0.1), run="mine", quiet=True)
+    assert _rerun(monkeypatch, _sgd(0.03), run="mine", quiet=True)[:2] == ("mine", 0)
+    assert "other settings" not in capsys.readouterr().out
+
+
+def test_an_unfinished_run_resumes_with_the_same_or_other_settings(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("KEEPALIVE_DIR", str(tmp_path / "ref"))
+    reference = _rerun(monkeypatch, _sgd(0.1), quiet=True)[2]
+    for home, lr in (("same", 0.1), ("other", 0.03)):
+        monkeypatch.setenv("KEEPALIVE_DIR", str(tmp_path / home))
+        with pytest.raises(KeyboardInterrupt):  # killed after 6 of 8 steps, saved at step 4
+            _rerun(monkeypatch, _sgd(0.1), every=2, quiet=True, crash_after=6)
+        run, trained, weights = _rerun(monkeypatch, _sgd(lr), every=2, quiet=True)
+        captured = capsys.readouterr()
+        assert (run, trained) == ("default", 4), captured  # resumed, not moved
+        assert all(torch.equal(a, b) for a, b in zip(weights, reference))  # the checkpoint's lr in force
+        assert ("your code now sets lr 0.1 -> 0.03" in captured.err) == (lr != 0.1), captured.err
+
+
+def test_a_stage_with_another_optimizer_is_a_stage(tmp_path, monkeypatch, capsys):
+    """One checkpointer, a second ckpt.epochs() with another optimizer (under the same name): a stage of
+    the run; the script run again finds both stages complete. A model trained to its loop's end in this
+    process and given a new DriveCheckpoint with another learning rate (a cell run again with its model)
+    goes on as before: the run is complete."""
+    from keepalive import notebook
+
+    monkeypatch.setenv("KEEPALIVE_DIR", str(tmp_path))
+
+    def script():
+        monkeypatch.setattr(notebook, "_UNNAMED", {})
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        ckpt = DriveCheckpoint(model=model, optimizer=opt, quiet=True)
+        first = _train(ckpt, model, opt, epochs=2)
+        opt2 = torch.optim.Adam(model.parameters(), lr=1e-2)
+        ckpt.register("optimizer", opt2)
+        second = _train(ckpt, model, opt2, epochs=4)
+        ckpt.close()
+        return ckpt.core.store.run, first, second, model
+
+    assert script()[:3] == ("default", 8, 8)
+    run, first, second, model = script()
+    assert (run, first, second) == ("default", 0, 0)
+    assert _rerun(monkeypatch, _sgd(0.03), model=model, quiet=True)[:2] == ("default", 0)
+    assert os.listdir(tmp_path) == ["default"] and "other settings" not in capsys.readouterr().out

@@ -13,7 +13,7 @@ then.
 from __future__ import annotations
 
 import sys
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -30,6 +30,7 @@ from .torchstate import (
     class_name,
     frozen_parameters,
     hyperparameters,
+    optimizer_settings,
     restore_gradients,
     restore_requires_grad,
     schedule_lrs,
@@ -69,6 +70,10 @@ class TorchObjects:
         self.objects: Dict[str, Any] = {}
         self.optimizers: List[torch.optim.Optimizer] = []
         self.hparams: Dict[str, List[Dict[str, Any]]] = {}  # optimizer settings as the code set them
+        #: the same, flat, per registration (a later generation of a name as ``name@2``): what tells this
+        #: training from a finished run's (recorded in each checkpoint's metadata: keepalive.runidentity)
+        self.settings: Dict[str, Any] = {}
+        core.training_settings = self.compared_settings
         #: how many times each name was registered: a stage may register a new object under a name
         #: (the saved generation tells which object a checkpoint's state belongs to)
         self.generation: Dict[str, int] = {}
@@ -110,6 +115,7 @@ class TorchObjects:
         if isinstance(obj, torch.optim.Optimizer):
             self.optimizers.append(obj)
             self.hparams[name] = hyperparameters(obj)
+            self._record_settings(name, obj)
             watch_steps(self.core, obj)  # steps are the optimizer's steps, counted by its step hook
         if isinstance(obj, SCHEDULERS):  # its settings are the code's plan (compared on a resume)
             self.schedule[name] = schedule_settings(obj)
@@ -118,6 +124,24 @@ class TorchObjects:
             self.core.plan.update({f"{name}.{k}": v for k, v in self.schedule[name].items()})
         if self.after_resume and name in self.unrestored and name in self.objects:
             self.restore_late(name, obj)
+
+    def _record_settings(self, name: str, opt: torch.optim.Optimizer) -> None:
+        """Keep the optimizer's settings as the code set them (a later generation of the name beside the
+        first: a rerun compares the first stage's), and put them in the checkpoints' metadata."""
+        generation = self.generation.get(name, 1)
+        key = name if generation == 1 else f"{name}@{generation}"
+        self.settings = {k: v for k, v in self.settings.items()
+                         if k != key and not k.startswith((f"{key}.", f"{key}["))}
+        self.settings.update(optimizer_settings(key, opt, self.hparams[name]))
+        self.core.metadata["settings"] = dict(self.settings)  # a new dict: a save in flight keeps its own
+
+    def compared_settings(self) -> Optional[Dict[str, Any]]:
+        """The settings that tell this training from a finished run's, or None while a model registered
+        here was trained to its loop's end on this run in this process (a further stage, a cell run
+        again with its model: that run goes on as before)."""
+        if any(self.core.trained_in_a_fit_here(m) for m in self.modules()):
+            return None
+        return dict(self.settings)
 
     def _plain(self, name: str, obj: Any) -> PlainObject:
         """An object without ``state_dict()`` saved by its plain attributes (``DataLoaderLite``'s

@@ -19,7 +19,8 @@ from ..errors import StateMismatchError
 __all__ = ["RandomState", "PlainObject", "class_name", "plain_value", "tensor_print", "value_print",
            "watch_steps", "gate_steps", "changed_hyperparameters", "check_module", "check_objects",
            "check_optimizer", "state_summary",
-           "frozen_parameters", "gradients", "gradients_pending", "hyperparameters", "restore_gradients",
+           "frozen_parameters", "gradients", "gradients_pending", "hyperparameters", "optimizer_settings",
+           "restore_gradients",
            "restore_requires_grad", "accelerate_wrapper", "schedule_lrs", "schedule_settings",
            "scheduler_with_settings", "unwrap_module", "unwrapped_keys", "without_lazy"]
 
@@ -188,13 +189,44 @@ def hyperparameters(opt: torch.optim.Optimizer) -> List[Dict[str, Any]]:
     whose scheduler has decayed its lr (a cell run again in the same kernel) reads as set the same."""
     out = []
     for group in opt.param_groups:
-        values = {k: v for k, v in group.items() if k != "params" and isinstance(v, (int, float, bool, str))
+        values = {k: _setting(v) for k, v in group.items() if k != "params" and _setting(v) is not None
                   and not k.startswith("initial_")}
         if isinstance(group.get("initial_lr"), (int, float)):
             values["lr"] = group["initial_lr"]
         if "max_momentum" in group:
             values.pop("momentum", None)
         out.append(values)
+    return out
+
+
+def _setting(value: Any) -> Any:
+    """A group's value as a plain setting (a number, a flag, a name; Adam's ``betas`` as a list, what a
+    checkpoint's JSON gives back), or None for what is none (a tensor learning rate, a ``foreach`` left unset)."""
+    if isinstance(value, (int, float, bool, str)):
+        return value
+    if isinstance(value, (tuple, list)) and value and all(isinstance(v, (int, float, bool)) for v in value):
+        return list(value)
+    return None
+
+
+#: optimizer options that choose how a step is computed, not what it computes: the same training
+STEP_IMPLEMENTATION = frozenset({"foreach", "fused", "capturable", "differentiable"})
+
+
+def optimizer_settings(name: str, opt: torch.optim.Optimizer, groups: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """The optimizer registered as ``name``, flat, for telling one training from another
+    (:mod:`keepalive.runidentity`): its class and each group's :func:`hyperparameters` ``groups``
+    (the code's values), a group after the first as ``name[i]``; no implementation switch.
+
+    >>> opt = torch.optim.AdamW([torch.zeros(1)], lr=1e-3)
+    >>> s = optimizer_settings("opt", opt, hyperparameters(opt))
+    >>> s["opt"], s["opt.lr"], s["opt.betas"], "opt.foreach" in s
+    ('AdamW', 0.001, [0.9, 0.999], False)
+    """
+    out: Dict[str, Any] = {name: class_name(opt)}
+    for i, group in enumerate(groups):
+        where = name if i == 0 else f"{name}[{i}]"
+        out.update({f"{where}.{k}": v for k, v in group.items() if k not in STEP_IMPLEMENTATION})
     return out
 
 
