@@ -21,6 +21,7 @@ from ..interrupts import raise_for, signal_name
 from ..runs import position
 from . import Capture
 from .messages import exit_words
+from .reach import ScheduleReach
 
 if TYPE_CHECKING:
     from ..core import Checkpointer
@@ -72,11 +73,14 @@ class BoundaryDriver:
 
     def __init__(self, ckpt: "Checkpointer"):
         self.ckpt = ckpt
+        #: tells once, at the first whole epoch's end, an every= that can never fire in this loop
+        self.reach = ScheduleReach(ckpt)
 
     def before_boundary(self, capture: Capture) -> None:
         # (no settling of a lazy snapshot here: gradient accumulation's micro-batches have boundaries
         # too, and the copy may run until the optimizer step itself)
         self.ckpt.between_steps.alive()  # a boundary acts on what is due itself (not as a pause)
+        self.reach.boundary(self.ckpt.state.counters)
         self.ckpt.saver.reserve(capture)  # the first boundary prepares the first save's host buffer
         self.drain_signals()
 
@@ -118,6 +122,8 @@ class BoundaryDriver:
         due = ckpt.trigger.after_step(steps) if steps else bd.Due()  # see the counters moved
         due = due | ckpt.trigger.after_epoch() | machine.take_owed()
         decision = machine.feed(bd.evolve(event, due=due))
+        if count:
+            self.reach.epoch_end(machine.state.counters, last)
         if not last:
             c = machine.state.counters
             decision = self.agree(decision, _distributed.Position(_distributed.EPOCH_END, c.epoch, c.batch))
