@@ -316,3 +316,48 @@ def test_a_stage_with_another_optimizer_is_a_stage(tmp_path, monkeypatch, capsys
     assert (run, first, second) == ("default", 0, 0)
     assert _rerun(monkeypatch, _sgd(0.03), model=model, quiet=True)[:2] == ("default", 0)
     assert os.listdir(tmp_path) == ["default"] and "other settings" not in capsys.readouterr().out
+
+
+def test_hf_trainer_with_another_learning_rate_is_another_training(tmp_path, monkeypatch, capsys):
+    """The same for a Hugging Face Trainer: its TrainingArguments (learning_rate, weight_decay, seed...)."""
+    for name in ("torchvision::nms", "torchvision::qnms"):  # the CUDA torchvision here (DESIGN.md)
+        try:
+            torch.library.define(name, "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+        except Exception:  # noqa: BLE001 - already defined
+            pass
+    pytest.importorskip("transformers")
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+    from transformers import logging as hf_logging
+
+    from keepalive import notebook
+    from keepalive.callbacks.transformers import DriveCheckpoint as HFCheckpoint
+
+    hf_logging.set_verbosity_error()
+    monkeypatch.setenv("KEEPALIVE_DIR", str(tmp_path / "home"))
+
+    def script(lr, trainer=None):
+        monkeypatch.setattr(notebook, "_UNNAMED", {})
+        if trainer is None:
+            torch.manual_seed(0)
+            net = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=20, n_positions=4))
+            ids = torch.randint(0, 20, (8, 4), generator=torch.Generator().manual_seed(3))
+            args = TrainingArguments(output_dir=str(tmp_path / "hf"), per_device_train_batch_size=4,
+                                     num_train_epochs=1, learning_rate=lr, report_to=[], disable_tqdm=True,
+                                     use_cpu=True, save_strategy="no")
+            trainer = Trainer(model=net, args=args, train_dataset=[{"input_ids": x, "labels": x} for x in ids])
+        ckpt = HFCheckpoint()
+        trainer.callback_handler.callbacks = [c for c in trainer.callback_handler.callbacks
+                                              if not isinstance(c, HFCheckpoint)] + [ckpt]
+        trainer.train()
+        return ckpt.core.store.run, capsys.readouterr().out, trainer
+
+    run, out, first = script(1e-2)
+    assert run == "default" and "already completed" not in out, out
+    assert "already completed" in script(1e-2)[1]  # control: the same training is complete
+    run, out, _ = script(3e-3)
+    assert run.startswith("default-") and "already completed" not in out, out
+    assert "other settings than run 'default', which finished: TrainingArguments learning_rate 0.01 → 0.003" in out
+    assert "already completed" in script(3e-3)[1]
+    first.args.learning_rate = 3e-3  # a further train() of a model trained here: its run, not compared
+    run, out, _ = script(None, trainer=first)
+    assert run == "default" and "already completed" in out, out

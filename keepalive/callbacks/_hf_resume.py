@@ -108,6 +108,23 @@ def plan_of(args: TrainingArguments, state: TrainerState) -> Dict[str, Any]:
             "learning_rate": plans.plain(args.learning_rate), "warmup_steps": plans.plain(args.warmup_steps)}
 
 
+#: the TrainingArguments that make another training of the same model (compared with a finished
+#: unnamed run's: keepalive.runidentity); not its length (more epochs train a finished run on)
+SETTINGS = ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm", "optim",
+            "lr_scheduler_type", "warmup_ratio", "warmup_steps", "label_smoothing_factor", "seed", "data_seed")
+
+
+def settings_of(args: TrainingArguments) -> Dict[str, Any]:
+    """The training's settings as the code set them (``TrainingArguments.learning_rate``: 0.001, ...)."""
+    out: Dict[str, Any] = {}
+    for name in SETTINGS:
+        value = getattr(args, name, None)
+        value = getattr(value, "value", value)  # an enum (optim, lr_scheduler_type): its name in the arguments
+        if value is None or isinstance(value, (int, float, bool, str)):
+            out[f"TrainingArguments.{name}"] = value
+    return out
+
+
 def tell_plan(core: Checkpointer, state: TrainerState) -> None:
     """Say once what changed in the plan since the checkpoint (its epochs, steps, learning rate,
     schedule) and what happens."""

@@ -164,6 +164,7 @@ class DriveCheckpoint(CheckpointAdapter, TrainerCallback):
         self._counters = SubclassCounters(trainer, core)  # noted before a checkpoint is restored
         self._position_data(args, loader)
         core.plan = hfresume.plan_of(args, state)
+        self._note_settings(args, trainer)
         self._load(trainer, state, own)
         if (self._restored or own is not None) and args.eval_on_start:
             # the run evaluated when it started: its entry is in the restored log history already
@@ -185,6 +186,15 @@ class DriveCheckpoint(CheckpointAdapter, TrainerCallback):
             self._gated.add(optimizer)
             gate_steps(core, optimizer)
         core.install_signal_handlers()
+
+    def _note_settings(self, args: TrainingArguments, trainer: Trainer) -> None:
+        """The training's settings, recorded with each checkpoint and compared with a finished unnamed run's
+        (keepalive.runidentity); not while the model's training on this run ended in this process (a
+        further train() call on it)."""
+        settings = hfresume.settings_of(args)
+        self.core.metadata["settings"] = settings
+        model = trainer.model
+        self.core.training_settings = lambda: None if self.core.trained_in_a_fit_here(model) else dict(settings)
 
     def _reset(self, trainer: Trainer, loader: Any) -> None:
         """A new ``train()`` call: nothing of the last one's position carries over."""
@@ -294,6 +304,8 @@ class DriveCheckpoint(CheckpointAdapter, TrainerCallback):
                 self._note_counters()
                 core.end_epoch(self.capture, last=True, epoch=epochs)
         finally:
+            if not core.stopped:  # trained to its end, or found complete: a further train() of it is a stage
+                core.fit_trained(core.plan, [self._trainer.model] if self._trainer is not None else [])
             self._active = False
             self._put_back_args()
             self._position.close()
