@@ -14,7 +14,10 @@ that fixes it. Inside a function (whose variables cannot be written back) it nam
 ones. Loop-carried: read in a loop's body before that body assigns it (in the code's linear order, an
 approximation): ``loss`` or ``logits``, assigned before use every step, are not; a ``+=`` counter is.
 
-Reading the values changes nothing (no random number is drawn, nothing is mutated). This module
+JAX arrays in those variables (the loop's PRNG key: ``rng, input_rng = jax.random.split(rng)``, a loss
+kept in a history) are saved as host arrays, a typed key as its key data and implementation, and put
+back as JAX arrays (:func:`_jax_host` / :func:`_jax_back`). Reading the values changes nothing (no
+random number is drawn, nothing is mutated). This module
 imports nothing but the standard library (tensors and arrays are recognised through ``sys.modules``),
 so that every adapter can use it and its analysis runs under every supported Python.
 """
@@ -104,16 +107,32 @@ def _carried(instructions: Sequence[dis.Instruction], spans: List[Tuple[int, int
     return carried
 
 
+def _statement_start(instructions: Sequence[dis.Instruction], i: int) -> dis.Instruction:
+    """The first instruction of the line instruction ``i`` belongs to (``starts_line``: the line's
+    number, or True on 3.13+; None / False inside a line)."""
+    while i > 0 and instructions[i].starts_line in (None, False):
+        i -= 1
+    return instructions[i]
+
+
+def _subscript(ins: dis.Instruction) -> bool:
+    return ins.opname == "BINARY_SUBSCR" or (ins.opname == "BINARY_OP" and ins.argrepr == "[]")
+
+
 def _mutated(instructions: Sequence[dis.Instruction], span: Tuple[int, int]) -> List[Tuple[str, str]]:
     """(scope, name) of the variables a loop body changes in place without assigning them:
-    ``history.append(x)`` (a load, then a mutating method) and ``scores[k] = v`` (the container's load
-    two instructions before ``STORE_SUBSCR``, or the first of a fused pair just before it on 3.13).
-    Scope: ``global`` (a global or module name) or ``local``."""
+    ``history.append(x)`` (a load, then a mutating method), ``history[key].append(x)`` (the load that
+    starts the statement: Flax's ``metrics_history[f'train_{metric}'].append(value)``) and
+    ``scores[k] = v`` (the container's load two instructions before ``STORE_SUBSCR``, or the first of a
+    fused pair just before it on 3.13). Scope: ``global`` (a global or module name) or ``local``."""
     found: List[Tuple[str, str]] = []
     for i, ins in enumerate(instructions):
         if not span[0] < ins.offset < span[1] or i < 1:
             continue
-        if ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and str(ins.argval) in MUTATORS:
+        if ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and str(ins.argval) in MUTATORS and \
+                _subscript(instructions[i - 1]):
+            target, pick = _statement_start(instructions, i - 1), 0
+        elif ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and str(ins.argval) in MUTATORS:
             target, pick = instructions[i - 1], -1
         elif ins.opname == "STORE_SUBSCR" and isinstance(instructions[i - 1].argval, tuple):
             target, pick = instructions[i - 1], 0  # 3.13 fuses the container's and the key's loads
@@ -192,6 +211,32 @@ def _modules() -> Tuple[Any, Any]:
     return sys.modules.get("numpy"), sys.modules.get("torch")
 
 
+#: marks a JAX array saved among the loop's variables: {JAX_MARK: host array, "key": impl or None}
+JAX_MARK = "__keepalive_jax__"
+
+
+def _jax_array(value: Any) -> Any:
+    """``jax`` when ``value`` is a JAX array (jax already imported), else None."""
+    jax = sys.modules.get("jax")
+    return jax if jax is not None and isinstance(value, jax.Array) else None
+
+
+def _jax_host(jax: Any, value: Any) -> Dict[str, Any]:
+    """A JAX array as host data: a typed PRNG key as its key data (reading it draws nothing)."""
+    np = sys.modules["numpy"]
+    if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
+        return {JAX_MARK: np.array(jax.random.key_data(value)), "key": str(jax.random.key_impl(value))}
+    return {JAX_MARK: np.array(value), "key": None}
+
+
+def _jax_back(saved: Dict[str, Any]) -> Any:
+    """:func:`_jax_host`'s value as the JAX array the loop had (on the default device)."""
+    import jax  # a checkpoint holding a JAX array was written by a loop that had it imported
+
+    data = jax.device_put(saved[JAX_MARK])
+    return jax.random.wrap_key_data(data, impl=saved["key"]) if saved.get("key") else data
+
+
 def _is_tensor(value: Any) -> bool:
     torch = sys.modules.get("torch")
     return torch is not None and type(value) is torch.Tensor
@@ -208,6 +253,11 @@ def plain_size(value: Any, depth: int = 0) -> Optional[int]:
     if kind in (str, bytes):
         return len(value)
     np, torch = _modules()
+    jax = _jax_array(value)
+    if jax is not None:
+        key = jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key)
+        return 16 if key else (int(value.nbytes) if value.dtype.kind in "biuf" and value.dtype.itemsize <= 8
+                               else None)
     if np is not None and (isinstance(value, np.generic) or kind is np.ndarray):
         return int(value.nbytes) if value.dtype.kind in "biuf" and value.dtype.itemsize <= 8 else None
     if torch is not None and kind is torch.Tensor:  # not a Parameter: the model's own state
@@ -236,7 +286,8 @@ def _snapshot(value: Any, devices: List[str]) -> Any:
     if _is_tensor(value):
         devices.append(str(value.device))
         return value.detach().contiguous()
-    return value
+    jax = _jax_array(value)
+    return _jax_host(jax, value) if jax is not None else value
 
 
 def _containers(value: Any, depth: int = 0) -> Any:
@@ -255,6 +306,8 @@ def _put_back(value: Any, devices: List[str]) -> Any:
     kind = type(value)
     if kind in (list, tuple):
         return kind(_put_back(v, devices) for v in value)
+    if kind is dict and JAX_MARK in value:
+        return _jax_back(value)
     if kind is dict:
         return {k: _put_back(v, devices) for k, v in value.items()}
     np = sys.modules.get("numpy")
@@ -303,6 +356,9 @@ class LoopVariables:
         self._read: Dict[Tuple[Any, ...], Any] = {}        # the code read so far (a loop runs many times)
         #: inner loops in functions of their own, named at the next save that may speak
         self._pending_functions: List[Tuple[str, LoopCode]] = []
+        #: values the adapter saves itself (a JAX train state handed to ckpt.update()): neither kept
+        #: among the loop's variables nor named as missing
+        self.owned: Callable[[Any], bool] = lambda value: False
 
     # ------------------------------------------------------------------------------ the loop's code
     def watch(self, frame: Optional[FrameType]) -> None:
@@ -392,8 +448,8 @@ class LoopVariables:
         skipped: Dict[str, Tuple[Any, Optional[int]]] = {}
         used = 0
         for name, value in now.items():
-            if inspect.ismodule(value) or inspect.isroutine(value) or inspect.isclass(value):
-                continue  # code, not state
+            if inspect.ismodule(value) or inspect.isroutine(value) or inspect.isclass(value) or self.owned(value):
+                continue  # code, not state; or state the adapter saves
             size = plain_size(value)
             if size is None or used + size > self.max_bytes:
                 skipped[name] = (value, size)

@@ -40,7 +40,7 @@ class CountersTree(TypedDict):
 
 class Captured(TypedDict, total=False):
     """What an adapter's ``capture()`` returns: its objects, its data position, and its framework's
-    own section (one of ``torch``, ``keras``, ``fastai``, ``hf``, ``lightning``), and the loop's variables."""
+    own section (one of ``torch``, ``keras``, ``fastai``, ``hf``, ``lightning``, ``jax``), and the loop's variables."""
 
     objects: Dict[str, Any]
     data: Dict[str, Any]
@@ -49,6 +49,8 @@ class Captured(TypedDict, total=False):
     fastai: Dict[str, Any]
     hf: Dict[str, Any]
     lightning: Dict[str, Any]
+    #: JAX: the PRNG settings, device count and meshes (:mod:`keepalive.callbacks._jax_objects`)
+    jax: Dict[str, Any]
     #: the loop's own variables (plain values it assigns), put back on resume: :mod:`keepalive.loopstate`
     loop: Dict[str, Any]
 

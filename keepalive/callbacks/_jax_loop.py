@@ -1,0 +1,119 @@
+"""The loops of a JAX ``DriveCheckpoint``: ``ckpt.epochs(n)``, ``ckpt.batches(iterable)`` and the steps.
+
+JAX has no optimizer object with a hook: a step is what the loop says is one. :class:`JaxLoop` counts
+one optimizer step per ``ckpt.update(...)`` call; a loop that never calls it (an NNX loop that updates its
+objects in place) counts one per batch of its training pass. Each training batch ends at the core
+(``core.advance``: a save, a stop or a signal acted on as due), each epoch at ``core.end_epoch``.
+
+This is a smaller loop than the torch adapter's ``EpochLoop`` (which is built on torch's objects: the
+registered optimizers' step hooks, gradient accumulation, loader keys, stages of optimizers): one
+training pass per epoch, no gradient accumulation to wait for (a JAX step applies its update in one
+call), a ``break`` out of ``ckpt.epochs()`` ends the run as an interruption does (the next run
+continues from the last checkpoint).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Iterator, Optional, Tuple
+
+from ..core import Checkpointer
+from ..statetree import Captured
+from ._jax_data import TrainingData
+
+__all__ = ["JaxLoop"]
+
+
+class JaxLoop:
+    """``ckpt.epochs()`` / ``ckpt.batches()`` of one JAX ``DriveCheckpoint``."""
+
+    def __init__(self, core: Checkpointer, data: TrainingData, capture: Callable[[], Captured],
+                 resume: Callable[[], bool], started: Callable[[], None]):
+        self.core, self.data = core, data
+        self.capture, self.resume, self.started = capture, resume, started
+        self.explicit = False   # the loop calls ckpt.update(): steps are its calls, not batches
+        self.steps = 0          # ckpt.update() calls since the last boundary
+
+    # ------------------------------------------------------------------------------------ steps
+    def stepped(self) -> None:
+        """``ckpt.update(...)``: one optimizer step. Outside a training pass it is a boundary itself
+        (a loop without ``ckpt.batches()``: saves at epoch ends)."""
+        self.explicit = True
+        self.steps += 1
+        self.core.optimizer_steps += 1
+        if self.data.in_epochs and self.data.feed is None:
+            self._boundary(can_save=False)
+
+    def _boundary(self, can_save: bool, length: Optional[int] = None) -> Any:
+        steps = self.steps if self.explicit else 1
+        self.steps = 0
+        data = self.data
+        data.out = False
+        self.core.trigger.mid_epoch = can_save
+        return self.core.advance(self.capture, steps=steps, batch=data.done if data.feed is not None else None,
+                                 can_save=can_save, requested=data.take_request(), length=length)
+
+    # ---------------------------------------------------------------------------------- epochs
+    def epochs(self, n: int) -> Iterator[int]:
+        """See :meth:`keepalive.callbacks.jax.DriveCheckpoint.epochs`."""
+        self.resume()
+        self.started()
+        core, data = self.core, self.data
+        core.total_epochs = n
+        core.plan.update(epochs=int(n))
+        if core.counters["epoch"] >= n:
+            core.already_complete(n)
+            return
+        core.check_storable(self.capture)  # a value that cannot be stored fails now, not at the first save
+        core.install_signal_handlers()
+        data.in_epochs = True
+        if core.finished:
+            core.finished = False
+        try:
+            while core.counters["epoch"] < n:
+                core.start_epoch()
+                data.begin_epoch()
+                yield core.counters["epoch"]
+                if data.out:  # the pass was left after its last batch (zip(range(k), ...)): its boundary
+                    self._boundary(can_save=data.feed is not None and data.feed.mid_epoch)
+                if core.stopped:
+                    return
+                last = core.counters["epoch"] + 1 >= n
+                data.feed = None
+                if core.end_epoch(self.capture, last=last, requested=data.take_request()).stop:
+                    return
+        finally:
+            data.in_epochs = False
+            core.uninstall_signal_handlers()
+            core.flush()
+
+    # --------------------------------------------------------------------------------- batches
+    def batches(self, source: Iterable) -> Iterator[Any]:
+        """See :meth:`keepalive.callbacks.jax.DriveCheckpoint.batches`."""
+        for _, batch in self.enumerate(source):
+            yield batch
+
+    def enumerate(self, source: Iterable) -> Iterator[Tuple[int, Any]]:
+        self.resume()
+        data = self.data
+        if not data.in_epochs or data.feed is not None:
+            # outside ckpt.epochs(), or a second pass in the epoch (an evaluation): iterated as it is
+            yield from enumerate(source)
+            return
+        feed = data.training_feed(source)
+        start = data.start(feed)
+        it = feed.open(start, data.positioned)
+        self.core.mid_epoch_obstacle = feed.why_not or None  # said when an interrupt waits for the epoch's end
+        length = _length(source)
+        for batch in it:
+            data.done += 1
+            data.out = True
+            yield data.done - 1, batch
+            if self._boundary(can_save=feed.mid_epoch, length=length).stop:
+                return
+
+
+
+def _length(source: Any) -> Optional[int]:
+    try:
+        return len(source)
+    except Exception:  # noqa: BLE001 - an unsized iterable (TypeError), or one that cannot tell (Grain's)
+        return None
