@@ -9,12 +9,26 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import crashkit
 from crashkit import run_to_completion
+from forkserver import ForkingSubprocess, ServerPool
 from keepalive import CheckpointStore
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "torch_train.py")
+#: what torch_train.py imports before keepalive: its 30 children fork from a server that has imported it
+PRELOAD = ["numpy", "torch", "torch._dynamo", "torch.nn.functional", "torch.utils.data", "safetensors.torch"]
 EPOCHS, SAMPLES, BATCH = 3, 300, 16
 STEPS = EPOCHS * -(-SAMPLES // BATCH)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def forked_children():
+    pool = ServerPool(lambda argv, env: ("torch", PRELOAD, "") if argv[0] == SCRIPT else None)
+    try:
+        with ForkingSubprocess(pool).installed_in(crashkit):
+            yield pool
+    finally:
+        pool.close()
 
 
 def _cmd(run, out, *extra):
