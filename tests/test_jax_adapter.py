@@ -1,0 +1,139 @@
+"""The JAX adapter in one process: what it refuses (another model, other PRNG settings) in one line with
+nothing changed, how it counts steps for any loop, a functional state restored on its template, and the
+loop's PRNG key kept among the loop's variables. The kill-and-resume tests are in test_jax_crash.py."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from keepalive.callbacks.jax import DriveCheckpoint
+from keepalive.errors import StateMismatchError
+from keepalive.loopstate import JAX_MARK, _put_back, _snapshot
+
+
+def _nnx(width: int = 3):
+    model = nnx.Sequential(nnx.Linear(4, width, rngs=nnx.Rngs(0)), nnx.Dropout(0.5, rngs=nnx.Rngs(dropout=1)))
+    return model, nnx.Optimizer(model, optax.adam(0.01), wrt=nnx.Param)
+
+
+@nnx.jit
+def _step(model, optimizer, x):
+    optimizer.update(model, nnx.grad(lambda m: (m(x) ** 2).mean())(model))
+
+
+def _train(ckpt, model, optimizer, epochs: int, batches):
+    for _ in ckpt.epochs(epochs):
+        for x in ckpt.batches(batches):
+            _step(model, optimizer, x)
+
+
+def _leaves(obj):
+    return [np.array(jax.random.key_data(v) if jnp.issubdtype(v.dtype, jax.dtypes.prng_key) else v)
+            for v in jax.tree_util.tree_leaves(nnx.to_pure_dict(nnx.state(obj)))]
+
+
+BATCHES = [jnp.full((2, 4), float(i)) for i in range(3)]
+
+
+def test_nnx_objects_resume_in_place_and_a_list_saves_at_epoch_ends(tmp_path, capsys):
+    """Steps counted per batch of ckpt.batches() (no ckpt.update() call): every=2 asks for saves inside
+    epochs, which a list cannot resume: one line says so at the first save, saves land at epoch ends.
+    A new process's objects (built anew) get the saved state in place, dropout's key and count too."""
+    model, opt = _nnx()
+    ckpt = DriveCheckpoint(tmp_path / "run", model=model, optimizer=opt, every=2)
+    _train(ckpt, model, opt, 2, BATCHES)
+    ckpt.close()
+    err = capsys.readouterr().err
+    assert ckpt.step == 6 and err.count("has no state keepalive can save") == 1, err
+    assert sorted(i.step for i in ckpt.core.store.list()) == [3, 6]  # the epoch ends: none inside
+    model2, opt2 = _nnx()
+    _step(model2, opt2, BATCHES[0])  # not the saved state
+    ckpt2 = DriveCheckpoint(tmp_path / "run", model=model2, optimizer=opt2, quiet=True)
+    assert ckpt2.resume() and ckpt2.step == 6 and ckpt2.epoch == 2
+    for a, b in zip(_leaves(model) + _leaves(opt), _leaves(model2) + _leaves(opt2)):
+        assert a.dtype == b.dtype and np.array_equal(a, b)
+    ckpt2.close()
+
+
+def test_a_model_of_other_shapes_is_refused_in_one_line_and_nothing_changes(tmp_path):
+    model, opt = _nnx()
+    ckpt = DriveCheckpoint(tmp_path / "run", model=model, optimizer=opt, quiet=True)
+    _train(ckpt, model, opt, 1, BATCHES)
+    ckpt.close()
+    wider, wider_opt = _nnx(width=5)
+    before = _leaves(wider) + _leaves(wider_opt)
+    ckpt2 = DriveCheckpoint(tmp_path / "run", model=wider, optimizer=wider_opt, quiet=True)
+    with pytest.raises(StateMismatchError) as err:
+        ckpt2.resume()
+    message = str(err.value)
+    assert "\n" not in message and "shape (3,) in the checkpoint" in message and "(5,) here" in message, message
+    assert "Nothing was loaded" in message
+    assert all(np.array_equal(a, b) for a, b in zip(before, _leaves(wider) + _leaves(wider_opt)))
+    assert ckpt2.step == 0
+    ckpt2.close()
+
+
+def test_another_prng_implementation_is_refused_in_one_line(tmp_path):
+    model, opt = _nnx()
+    ckpt = DriveCheckpoint(tmp_path / "run", model=model, optimizer=opt, quiet=True)
+    _train(ckpt, model, opt, 1, BATCHES)
+    ckpt.close()
+    partitionable = jax.config.jax_threefry_partitionable
+    jax.config.update("jax_threefry_partitionable", not partitionable)
+    try:
+        ckpt2 = DriveCheckpoint(tmp_path / "run", model=model, optimizer=opt, quiet=True)
+        with pytest.raises(StateMismatchError) as err:
+            ckpt2.resume()
+    finally:
+        jax.config.update("jax_threefry_partitionable", partitionable)
+    message = str(err.value)
+    assert "\n" not in message and f"jax_threefry_partitionable={partitionable!r}" in message, message
+    assert f"jax.config.update('jax_threefry_partitionable', {partitionable!r})" in message
+    ckpt2.close()
+
+
+def test_a_functional_state_is_handed_over_and_given_back_on_its_template(tmp_path):
+    """ckpt.update(state) counts the steps (two per batch here) and keeps the newest state; a resume's
+    ckpt.state has the saved values with the template's structure and dtypes (a step count built as a
+    Python 0 comes back as the saved array)."""
+    from flax.training import train_state
+
+    def make():
+        params = {"w": jnp.ones((4,), jnp.float32), "b": jnp.zeros((), jnp.float32)}
+        return train_state.TrainState.create(apply_fn=None, params=params, tx=optax.sgd(0.1))
+
+    @jax.jit
+    def step(state, x):
+        return state.apply_gradients(grads=jax.grad(lambda p: ((x @ p["w"]).sum() * 0.01 + p["b"]) ** 2)(state.params))
+
+    state = make()
+    ckpt = DriveCheckpoint(tmp_path / "run", state=state, quiet=True, every=4)
+    state = ckpt.state
+    for _ in ckpt.epochs(2):
+        for x in ckpt.batches(BATCHES):
+            state = ckpt.update(step(state, x))
+            ckpt.update(state=step(state, x))
+            state = ckpt.state
+    ckpt.close()
+    assert ckpt.step == 12 and int(state.step) == 12
+    ckpt2 = DriveCheckpoint(tmp_path / "run", state=make(), quiet=True)
+    restored = ckpt2.state
+    assert isinstance(restored, train_state.TrainState) and restored.tx is not None
+    for a, b in zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(restored)):
+        assert np.asarray(a).dtype == np.asarray(b).dtype and np.array_equal(np.asarray(a), np.asarray(b))
+    ckpt2.close()
+
+
+def test_the_loops_prng_key_is_kept_as_key_data_and_put_back_typed():
+    key = jax.random.split(jax.random.key(3))[0]
+    saved = _snapshot([key, jnp.float32(2.5)], [])
+    assert saved[0][JAX_MARK].dtype == np.uint32 and saved[0]["key"] == "threefry2x32"
+    back = _put_back(saved, [])
+    assert jnp.issubdtype(back[0].dtype, jax.dtypes.prng_key)
+    assert np.array_equal(jax.random.key_data(back[0]), jax.random.key_data(key))
+    assert np.array_equal(jax.random.uniform(back[0], (3,)), jax.random.uniform(key, (3,)))
+    assert float(back[1]) == 2.5
