@@ -203,10 +203,6 @@ def _unnamed(ckpt: Any) -> bool:
     return cfg.path is None and cfg.run is None
 
 
-def _shown(value: Any) -> str:
-    return str(value) if not isinstance(value, str) else repr(value)
-
-
 def other_settings(now: Optional[Mapping[str, Any]], then: Optional[Mapping[str, Any]]) -> List[str]:
     """What the training's settings ``now`` set otherwise than a checkpoint's ``then`` (both flat, as the
     adapter records them), in words: ``optimizer lr 0.001 → 0.0003``. A setting only one of them
@@ -222,7 +218,7 @@ def other_settings(now: Optional[Mapping[str, Any]], then: Optional[Mapping[str,
         return list(value) if isinstance(value, tuple) else value
 
     now, then = now or {}, then or {}
-    return [f"{key.replace('.', ' ', 1)} {_shown(then[key])} → {_shown(now[key])}"
+    return [f"{key.replace('.', ' ', 1)} {then[key]} → {now[key]}"
             for key in now if key in then and plain(then[key]) != plain(now[key])]
 
 
@@ -241,16 +237,17 @@ def another_training(ckpt: Any, found: Optional[Tuple[Any, Any, Any]],
     then = (info.manifest or {}).get("metadata") or {}
     if not then.get("finished"):
         return None
-    if check is not None:
-        try:
-            check(tree)
-        except StateMismatchError as exc:
-            return f"another model than run '{ckpt.store.run}', which finished ({str(exc).split(';')[0]})"
+    # the settings first: another optimizer class is said as such, not as the misfit of its state
     now = ckpt.training_settings() if ckpt.training_settings is not None else None
     changed = other_settings(now, then.get("settings"))
     if changed:
         more = ", …" if len(changed) > MAX_SHOWN else ""
         return f"other settings than run '{ckpt.store.run}', which finished: {', '.join(changed[:MAX_SHOWN])}{more}"
+    if check is not None:
+        try:
+            check(tree)
+        except StateMismatchError as exc:
+            return f"another model than run '{ckpt.store.run}', which finished ({str(exc).split(';')[0]})"
     return None
 
 
