@@ -9,6 +9,8 @@ a small U-Net, 8x8 images, random flips and noise in 2 workers, dropout, a valid
 persistent workers and random test-time noise; SIGKILLed in epoch 2's middle (the resumed epoch starts
 on the other worker), inside a validation, and after an epoch boundary; each re-run until done equals the
 uninterrupted run, weights and every logged loss. Control: keepalive's former behaviour differs.
+Loaders built anew inside each epoch start new workers each epoch (a new base seed): a resume after an
+epoch's end starts them anew as well (``keepalive.callbacks._torch_replay.LoaderBirths``).
 Loaders whose workers a resume cannot carry are told once.
 """
 from __future__ import annotations
@@ -99,6 +101,30 @@ def test_killed_after_an_epoch_boundary_resumes_exactly_and_the_control_differs(
     assert_differs(reference["weights"], old["weights"])
     delta = max((reference["weights"][k] - old["weights"][k]).abs().max().item() for k in old["weights"])
     print(f"\ncontrol (workers started anew): weights max |delta| {delta:.3g}")
+
+
+def test_loaders_built_anew_each_epoch_resume_exactly_after_an_epoch_end(forks, tmp_path):
+    """The loaders are built inside ``for epoch in ckpt.epochs(n)``: each epoch's loader starts new
+    persistent workers, seeded by a new draw of torch's generator. Killed right after epoch 0's end
+    (its checkpoint, the first at an epoch's end) and after epoch 1's: each re-run equals the
+    uninterrupted run. Control: keepalive not seeing that epoch 0 built its loaders carries their
+    workers' seed and states into epoch 1's new ones, as before the fix (it differed, silently)."""
+    _run(forks, tmp_path, "plain", "--plain", "--rebuild")
+    reference = _result(tmp_path, "plain")
+    for name, extra in (("rebuilt", []), ("blind", ["--blind"])):
+        kills = ("train:1:2", "train:2:3") if not extra else ("train:1:2",)
+        outs = [_run(forks, tmp_path, name, "--rebuild", "--every", "epoch", "--kill", k, *extra, killed=True)
+                for k in kills]
+        outs.append(_run(forks, tmp_path, name, "--rebuild", "--every", "epoch", *extra))
+        assert "at the end of epoch 0" in outs[1], outs[1]
+        if not extra:
+            assert "at the end of epoch 1" in outs[2], outs[2]
+            assert "warning" not in "".join(outs)
+    assert_same(reference, _result(tmp_path, "rebuilt"), "loaders built each epoch, killed after epoch ends")
+    blind = _result(tmp_path, "blind")
+    assert_differs(reference["weights"], blind["weights"])
+    delta = max((reference["weights"][k] - blind["weights"][k]).abs().max().item() for k in blind["weights"])
+    print(f"\ncontrol (epoch 0's workers carried into epoch 1's new loader): weights max |delta| {delta:.3g}")
 
 
 class _Stream(torch.utils.data.IterableDataset):

@@ -20,7 +20,7 @@ from .. import rng
 from ..core import Checkpointer
 from ..statetree import Captured, StateTree
 from ._torch_objects import TorchObjects
-from ._torch_replay import DatasetKeys, ForeignIterators, LoaderReplay, fabric_loader
+from ._torch_replay import DatasetKeys, ForeignIterators, LoaderBirths, LoaderReplay, fabric_loader
 from .torchstate import gradients
 
 __all__ = ["Pass", "TrainingData"]
@@ -60,6 +60,7 @@ class TrainingData:
         self.loaders: Dict[str, LoaderReplay] = {}
         self.main: Optional[LoaderReplay] = None  # the training data's (first) loader
         self.datasets = DatasetKeys()
+        self.births = LoaderBirths()  # the loaders the loop builds in its running epoch
         self.train_key: Optional[str] = None  # which dataset is the training data (saved)
         self.unclaimed: Optional[Tuple[LoaderReplay, str, int, int]] = None
         self.passes: List[Pass] = []    # the running epoch's open passes (ckpt.batches() loops)
@@ -107,6 +108,8 @@ class TrainingData:
         self.unclaimed = None
         self.samples_out = 0  # a batch handed out but never used by the last epoch: not counted
         self.datasets.new_epoch()
+        self.births.install()
+        self.births.new_epoch()
         epoch_rng = self.saved.pop("epoch_rng", None) if core.counters["batch"] else None
         if epoch_rng is None and core.counters["batch"] and self.left and self.epoch_rng is not None:
             # the loop run again in this process after it was left inside this epoch (Ctrl-C,
@@ -123,6 +126,7 @@ class TrainingData:
         self.epoch_rng = rng.capture()
 
     def close_loaders(self) -> None:
+        self.births.uninstall()
         for rl in self.loaders.values():
             rl.close()
 
@@ -151,13 +155,17 @@ class TrainingData:
 
     def _persistent_from(self, rl: LoaderReplay, key: str, replaced: Optional[LoaderReplay]) -> None:
         """A loader with persistent workers: what the checkpoint's workers carried (its ``persistent``
-        part), or, for a loader the training builds anew each epoch, that its workers start anew."""
+        part), or, for a loader the training builds anew each epoch, that its workers start anew:
+        seen as it replaces the last epoch's loader, or, in the epoch that built the first one (the
+        next epoch's loader is not built yet at that epoch's end), as it was built in the epoch."""
         saved = (self.saved.get("persistent") or {}).pop(key, None)
         if rl.persistence is None:
             return
         if replaced is not None and replaced.persistence is not None:
             rl.persistence.rebuilt = True
-        elif saved:
+            return
+        rl.persistence.rebuilt = self.births.built_this_epoch(rl.loader, rl.base)
+        if saved:
             rl.persistence.load(saved)
 
     def promote(self, p: Pass) -> None:

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import functools
 import itertools
 import random
 import sys
@@ -61,7 +62,7 @@ from .. import rng
 from .replay import WorkerStates
 from .torchstate import FABRIC_MODULES, RandomState
 
-__all__ = ["LoaderReplay", "ForeignIterators", "DatasetKeys", "batch_len", "samples_in"]
+__all__ = ["LoaderReplay", "ForeignIterators", "LoaderBirths", "DatasetKeys", "batch_len", "samples_in"]
 
 _GENERATOR_TYPES = (torch.Generator, np.random.Generator, np.random.RandomState, random.Random)
 _KNOWN_SAMPLERS = frozenset({
@@ -1085,6 +1086,65 @@ class ForeignIterators:
         for n in names:
             flagged[n] = True
         return names
+
+
+class LoaderBirths:
+    """Which DataLoaders the training loop built in its running epoch (``DataLoader(...)`` inside
+    ``for epoch in ckpt.epochs(n):``). Such a loader is built anew in every epoch: its persistent
+    workers live one epoch and the next epoch's loader starts new ones, seeded by a new draw of the
+    global generator. A loader built before the loop is reused: its workers go on across epochs.
+    A checkpoint at an epoch's end carries the workers of the second kind only.
+
+    While a training runs, ``DataLoader.__init__`` is wrapped (it notes the loader and the epoch);
+    :meth:`uninstall` puts it back, or, when another library wrapped it meanwhile (Lightning wraps
+    loaders' ``__init__`` to rebuild them), leaves a wrapper that notes nothing."""
+
+    _active: List["LoaderBirths"] = []
+    _original: Optional[Callable[..., None]] = None
+    _wrapper: Optional[Callable[..., None]] = None
+
+    def __init__(self) -> None:
+        self.epoch = 0
+        self._born: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
+
+    def install(self) -> None:
+        cls = LoaderBirths
+        if cls._original is None:
+            original = DataLoader.__init__
+            cls._original = original
+
+            @functools.wraps(original)
+            def __init__(loader: Any, *args: Any, **kwargs: Any) -> None:
+                original(loader, *args, **kwargs)
+                for watcher in cls._active:
+                    watcher._born[loader] = watcher.epoch
+
+            cls._wrapper = __init__
+            DataLoader.__init__ = __init__  # type: ignore[method-assign,assignment]
+        if self not in cls._active:
+            cls._active.append(self)
+
+    def uninstall(self) -> None:
+        cls = LoaderBirths
+        if self in cls._active:
+            cls._active.remove(self)
+        if not cls._active and cls._original is not None and DataLoader.__init__ is cls._wrapper:
+            DataLoader.__init__ = cls._original  # type: ignore[method-assign]
+            cls._original = cls._wrapper = None
+
+    def new_epoch(self) -> None:
+        self.epoch += 1
+
+    def built_this_epoch(self, *loaders: Any) -> bool:
+        """Whether one of ``loaders`` (a wrapper and the DataLoader it iterates) was built in the
+        running epoch."""
+        for loader in loaders:
+            try:
+                if self._born.get(loader) == self.epoch:
+                    return True
+            except TypeError:  # not weakly referable: not a DataLoader built while installed
+                continue
+        return False
 
 
 def _name_of(it: Any, frame: Any) -> str:

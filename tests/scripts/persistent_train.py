@@ -69,6 +69,9 @@ def main():
     ap.add_argument("--generator", action="store_true", help="the training loader shuffles with its own generator=")
     ap.add_argument("--collate", action="store_true", help="a collator that draws random numbers too")
     ap.add_argument("--workers", type=int, default=WORKERS)
+    ap.add_argument("--rebuild", action="store_true", help="the loaders are built anew inside each epoch")
+    ap.add_argument("--blind", action="store_true",
+                    help="keepalive does not see which loaders an epoch built (the control of --rebuild)")
     args = ap.parse_args()
     torch.manual_seed(0)
     model = TinyUNet()
@@ -77,8 +80,13 @@ def main():
     if args.collate:
         kw["collate_fn"] = noisy_collate
     gen = torch.Generator().manual_seed(5) if args.generator else None
-    train = torch.utils.data.DataLoader(Augmented(TRAIN, 1), shuffle=True, generator=gen, **kw)
-    val = torch.utils.data.DataLoader(Augmented(VAL, 2), **kw)
+    train_set, val_set = Augmented(TRAIN, 1), Augmented(VAL, 2)
+
+    def loaders():
+        return (torch.utils.data.DataLoader(train_set, shuffle=True, generator=gen, **kw),
+                torch.utils.data.DataLoader(val_set, **kw))
+
+    train, val = loaders()
     where, kill_epoch, kill_batch = (args.kill.split(":") + ["", "", ""])[:3] if args.kill else ("", -1, -1)
     kill_epoch, kill_batch = int(kill_epoch), int(kill_batch)
     log = {}
@@ -98,6 +106,8 @@ def main():
         from keepalive.callbacks.torch import DriveCheckpoint
 
         replay.CARRY_PERSISTENT = not args.old
+        if args.blind:
+            replay.LoaderBirths.built_this_epoch = lambda self, *loaders: False
         ckpt = DriveCheckpoint(args.run, model=model, optimizer=opt, every=int(args.every)
                                if args.every.isdigit() else args.every)
         epochs, batches = ckpt.epochs(EPOCHS), ckpt.enumerate
@@ -108,6 +118,8 @@ def main():
         os.kill(os.getpid(), signal.SIGKILL)
 
     for epoch in epochs:
+        if args.rebuild:  # new loaders (and new persistent workers) each epoch
+            train, val = loaders()
         model.train()
         for i, (x, y) in batches(train):
             loss = nn.functional.binary_cross_entropy_with_logits(model(x), y)
