@@ -54,9 +54,12 @@ FRAMEWORKS = {
                                                             "_lightning_data.py", "_lightning_attach.py",
                                                             "_lightning_fit.py", "_lightning_validation.py",
                                                             "_lightning_messages.py")),
+    "jax": ("keepalive.callbacks._compat_jax", ("jax.py", "_jax_objects.py", "_jax_arrays.py", "_jax_data.py",
+                                                "_jax_loop.py")),
 }
 #: the framework module to import first (skip the framework's tests where it is not installed)
-_NEEDS = {"keras": "keras", "fastai": "fastai", "transformers": "transformers", "lightning": "lightning.pytorch"}
+_NEEDS = {"keras": "keras", "fastai": "fastai", "transformers": "transformers", "lightning": "lightning.pytorch",
+          "jax": "flax.nnx"}
 
 
 def _compat(name: str) -> Framework:
