@@ -119,19 +119,47 @@ def test_jax_leaves_are_copied_in_the_background_and_read_back_bit_exact(tmp_pat
     assert_same(want, back["objects"])
 
 
-def test_a_save_settled_before_the_donating_step_is_committed(tmp_path):
+def hold_copies(monkeypatch) -> threading.Event:
+    """Make the writer's copy of the next saves wait until the returned event is set (until the loop
+    has run its donating step)."""
+    release = threading.Event()
+    original = PendingCopy.run
+
+    def held(self):
+        assert release.wait(30)
+        original(self)
+
+    monkeypatch.setattr(PendingCopy, "run", held)
+    return release
+
+
+@pytest.mark.parametrize("where", ["cpu", "accelerator"])
+def test_a_save_settled_before_the_donating_step_is_committed(tmp_path, monkeypatch, where):
+    """The writer's copy is held until the donating step has run. On CPU the settle copies the arrays
+    itself and the step donates their buffers; on an accelerator (the same path, its arrays taken as
+    not in host memory) the settle holds their host values and the copy runs after the step. Both
+    commit the values of the saved step."""
+    if where == "accelerator":
+        monkeypatch.setattr(state_mod, "_in_host_memory", lambda a: False)
     run = str(tmp_path / "run")
     tree = {k: v for k, v in jax_tree().items() if k != "plain"}
     want = expected(tree)
     ckpt = lazy_checkpointer(run)
+    release = hold_copies(monkeypatch)
     save(ckpt, 1, tree)
     ckpt.settle_snapshot()          # the adapter's step boundary, before the next step runs
-    after = donating_step()(tree)
-    assert tree["f32"].is_deleted()  # the step did take the buffers
+    step = donating_step()
+    after = step(tree)
+    # on CPU the buffers were copied and donated; a held host value (a view on this CPU stand-in)
+    # keeps JAX from donating its buffer until the copy let it go
+    assert tree["f32"].is_deleted() == (where == "cpu")
+    release.set()
     ckpt.writer.wait()
     ckpt.close()
     assert_same(want, newest(run)["objects"])
     assert bits(after["int"]) != want["int"][2]
+    step(after)                     # nothing held any more: donated again
+    assert after["f32"].is_deleted()
 
 
 def test_control_a_buffer_donated_before_its_copy_drops_the_save_in_one_line(tmp_path, monkeypatch, capsys):
@@ -142,14 +170,7 @@ def test_control_a_buffer_donated_before_its_copy_drops_the_save_in_one_line(tmp
     ckpt.settle_snapshot()
     ckpt.writer.wait()
 
-    release = threading.Event()
-    original = PendingCopy.run
-
-    def held(self):  # the writer's copy waits until the loop has run its donating step
-        assert release.wait(30)
-        original(self)
-
-    monkeypatch.setattr(PendingCopy, "run", held)
+    release = hold_copies(monkeypatch)
     save(ckpt, 2, tree)
     donating_step()({k: v for k, v in tree.items() if k != "plain"})  # no settle first: the misuse
     release.set()
