@@ -27,6 +27,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from typing import Dict, List
 
 import pytest
@@ -67,6 +68,21 @@ def run_job(tmp, name: str, **kwargs) -> Job:
     finally:
         job.stop()
     return job
+
+
+def until_torn_down(job: Job, timeout: float = 150.0) -> None:
+    """Until the job ends, or until rank 0 has said that the save its peer died in failed (so nothing
+    it does later can commit that save) and torchrun has begun to stop the job for the dead rank: the
+    survivor may then wait in keepalive's check-in for the dead peer, ignoring torchrun's SIGTERM (a
+    preemption notice, deferred to a save), until torchrun SIGKILLs it 30 s later; that wait tells
+    nothing here, the caller stops the job at once."""
+    deadline = time.monotonic() + timeout
+    while job.proc.poll() is None:
+        text = job.text()
+        if "sharded checkpoint write to" in text and "closing signal SIGTERM" in text:
+            return
+        assert time.monotonic() < deadline, f"the job did not end in {timeout} s:\n{text}"
+        time.sleep(0.05)
 
 
 def same_weights(a: Dict[str, "torch.Tensor"], b: Dict[str, "torch.Tensor"]) -> bool:
@@ -129,7 +145,11 @@ def test_negative_control_without_the_sharded_state_differs(tmp_path, reference)
 
 def test_rank_killed_while_writing_its_shard_leaves_no_valid_checkpoint_without_it(tmp_path):
     # rank 1 SIGKILLs itself inside its 3rd shard file (the save at step 9), no restart
-    job = run_job(tmp_path, "inshard", env={"FSDP_KILL_IN_SHARD": "1:3", "FSDP_SLOW_SHARD": "0.05"})
+    job = Job(tmp_path, "inshard", env={"FSDP_KILL_IN_SHARD": "1:3", "FSDP_SLOW_SHARD": "0.05"})
+    try:
+        until_torn_down(job)
+    finally:
+        job.stop()
     text = job.text()
     assert job.proc.returncode != 0 and "COMMITTED 6" in text and "COMMITTED 9" not in text, text
     names = sorted(n for n in os.listdir(job.run_dir) if n.startswith("ckpt-"))
