@@ -39,16 +39,22 @@ def _leaves(obj):
 BATCHES = [jnp.full((2, 4), float(i)) for i in range(3)]
 
 
-def test_nnx_objects_resume_in_place_and_a_list_saves_at_epoch_ends(tmp_path, capsys):
+def _generated():
+    yield from BATCHES
+
+
+def test_nnx_objects_resume_in_place_and_a_generator_saves_at_epoch_ends(tmp_path, capsys):
     """Steps counted per batch of ckpt.batches() (no ckpt.update() call): every=2 asks for saves inside
-    epochs, which a list cannot resume: one line says so at the first save, saves land at epoch ends.
+    epochs, which a generator cannot resume: one line says so at the first save, saves land at epoch ends.
     A new process's objects (built anew) get the saved state in place, dropout's key and count too."""
     model, opt = _nnx()
     ckpt = DriveCheckpoint(tmp_path / "run", model=model, optimizer=opt, every=2)
-    _train(ckpt, model, opt, 2, BATCHES)
+    for _ in ckpt.epochs(2):
+        for x in ckpt.batches(_generated()):
+            _step(model, opt, x)
     ckpt.close()
     err = capsys.readouterr().err
-    assert ckpt.step == 6 and err.count("has no state keepalive can save") == 1, err
+    assert ckpt.step == 6 and err.count("a generator has no state keepalive can save") == 1, err
     assert sorted(i.step for i in ckpt.core.store.list()) == [3, 6]  # the epoch ends: none inside
     model2, opt2 = _nnx()
     _step(model2, opt2, BATCHES[0])  # not the saved state
@@ -56,6 +62,24 @@ def test_nnx_objects_resume_in_place_and_a_list_saves_at_epoch_ends(tmp_path, ca
     assert ckpt2.resume() and ckpt2.step == 6 and ckpt2.epoch == 2
     for a, b in zip(_leaves(model) + _leaves(opt), _leaves(model2) + _leaves(opt2)):
         assert a.dtype == b.dtype and np.array_equal(a, b)
+    ckpt2.close()
+
+
+def test_a_list_of_batches_resumes_inside_its_epoch(tmp_path):
+    model, opt = _nnx()
+    ckpt = DriveCheckpoint(tmp_path / "run", model=model, optimizer=opt, every=2, quiet=True)
+    with pytest.raises(KeyError):  # the process dies in the third batch
+        for _ in ckpt.epochs(1):
+            for i, x in enumerate(ckpt.batches(BATCHES)):
+                if i == 2:
+                    raise KeyError("killed")
+                _step(model, opt, x)
+    ckpt.close()
+    ckpt2 = DriveCheckpoint(tmp_path / "run", model=model, optimizer=opt, quiet=True)
+    seen = []
+    for _ in ckpt2.epochs(1):
+        seen += [float(x[0, 0]) for x in ckpt2.batches(BATCHES)]
+    assert seen == [2.0] and ckpt2.step == 3
     ckpt2.close()
 
 

@@ -8,6 +8,7 @@
   checkpoint; a resume inside an epoch continues at the saved element (nothing is read twice);
 * a torch ``DataLoader``: keepalive's replay of its order (:class:`._torch_replay.LoaderReplay`, as the
   torch and Lightning adapters do): the skipped batches are never loaded;
+* a list or tuple of batches (its order is the code's): continued at the saved index;
 * anything else (a numpy generator, a list, tf.data's iterator): checkpoints at epoch ends only, said
   once at the first save.
 
@@ -74,6 +75,9 @@ class Feed:
             self.replay = LoaderReplay(source)
             self.kind = "torch" if self.replay.mid_epoch else "epoch"
             self.why_not = self.replay.why_not
+        elif isinstance(source, (list, tuple)):
+            self.kind = "sequence"
+            self.why_not = ""
         else:
             self.kind = "grain" if _stateful(source) else "probe"  # "probe": known once its iterator is made
             self.why_not = ""
@@ -84,13 +88,18 @@ class Feed:
 
     @property
     def mid_epoch(self) -> bool:
-        return self.kind in ("grain", "torch")
+        return self.kind in ("grain", "torch", "sequence")
 
     def open(self, start: Optional[Dict[str, Any]], positioned: Callable[[], None]) -> Iterator[Any]:
         """The pass's batches, from ``start`` (a saved :meth:`position`) when given."""
         if self.replay is not None:
             self.samples = int(start["samples"]) if start else 0
             return self._replayed(start if self.kind == "torch" else None, positioned)
+        if self.kind == "sequence":
+            skip = int(start["batches"]) if start else 0
+            if start is not None:
+                positioned()
+            return iter(self.source[skip:])
         it = iter(self.source)
         self.iterator = it
         if self.kind == "probe":
