@@ -47,6 +47,9 @@ from ._torch_replay import LoaderReplay, samples_in
 
 __all__ = ["TrainData", "install", "uninstall"]
 
+#: the part of a loader's saved position (or epoch-end generators) that its persistent workers carry
+PERSISTENT = "persistent"
+
 
 class _Replay(LoaderReplay):
     """A :class:`LoaderReplay` whose iterator is created when asked (``begin``), not at its first batch:
@@ -101,6 +104,21 @@ class _Replay(LoaderReplay):
     @property
     def _persistent(self) -> bool:
         return bool(self.loader.persistent_workers and self.loader.num_workers > 0)
+
+    def persistent_now(self, consumed: Optional[int]) -> Optional[Dict[str, Any]]:
+        """What this loader's persistent workers carry into their next batches (their base seed's
+        generator, each worker's random state), for a checkpoint: inside an epoch after ``consumed``
+        batches, or (None) at its end; None when there are no such workers."""
+        kept, pos = self.persistence, self.positioner
+        if kept is None or pos is None:
+            return None
+        return kept.state(pos, consumed, running_pass=consumed is not None)
+
+    def load_persistent(self, saved: Optional[Dict[str, Any]]) -> None:
+        """A checkpoint's :meth:`persistent_now`, before the resumed fit's first ``iter()``: the new
+        workers start from the seed and states the uninterrupted run's workers had."""
+        if saved and self.persistence is not None:
+            self.persistence.load(saved)
 
     def _iter_now(self, pos: Any, resume: Optional[Dict[int, Any]], state: Optional[Dict[str, Any]]
                   ) -> Tuple[Iterator[Any], Any]:
@@ -194,6 +212,7 @@ class Stream:
             rp.load_generators(generators)  # an epoch-end checkpoint: where this epoch starts
         if start:
             self.samples, self.batches = int(start["samples"]), int(start["batches"])
+        rp.load_persistent((start or generators or {}).get(PERSISTENT))
         return rp.begin(start, resumed=resumed)
 
     def __iter__(self) -> "Stream":
@@ -216,7 +235,11 @@ class Stream:
     def position(self) -> Optional[Dict[str, Any]]:
         if self.replay is None or not self.replay.mid_epoch:
             return None
-        return self.replay.position(self.samples, self.batches)
+        out = self.replay.position(self.samples, self.batches)
+        persistent = self.replay.persistent_now(self.batches)
+        if persistent is not None:
+            out[PERSISTENT] = persistent
+        return out
 
 
 class TrainData:
@@ -304,10 +327,18 @@ class TrainData:
         return [s.position() if (s := self.streams.get(i)) is not None else None for i in range(n)]
 
     def generators_now(self) -> List[Optional[Dict[str, Any]]]:
-        """The loaders' generators and counters now (an epoch-end checkpoint)."""
+        """The loaders' generators and counters now, and what their persistent workers carry into the
+        next epoch (an epoch-end checkpoint)."""
         n = max(self.replays) + 1 if self.replays else 0
-        return [rp.generators_now() if (rp := self.replays.get(i, (None, None))[1]) is not None else None
-                for i in range(n)]
+        out: List[Optional[Dict[str, Any]]] = []
+        for i in range(n):
+            rp = self.replays.get(i, (None, None))[1]
+            now = rp.generators_now() if rp is not None else None
+            persistent = rp.persistent_now(None) if rp is not None else None
+            if now is not None and persistent is not None:
+                now[PERSISTENT] = persistent
+            out.append(now)
+        return out
 
     def workers_untold(self, positions: List[Optional[Dict[str, Any]]]) -> Optional[int]:
         """The number of workers of a loader whose workers draw random numbers but whose states this
@@ -319,11 +350,16 @@ class TrainData:
         return None
 
     def persistent_draws(self) -> Optional[int]:
-        """The number of workers of a loader with persistent workers that draw random numbers (their
-        streams do not continue across a resume), or None."""
+        """The number of workers of a loader with persistent workers that draw random numbers and that a
+        checkpoint does not carry (their streams do not continue across a resume), or None. Those it
+        carries but could not take every state of for this checkpoint are said here, once."""
         for loader, rp in self.replays.values():
-            if rp is not None and rp._persistent and rp.workers_draw():
+            if rp is None or not rp._persistent or not rp.workers_draw():
+                continue
+            if rp.persistence is None:
                 return int(loader.num_workers)
+            if rp.persistence.inexact:
+                self.warn(rp.persistence.inexact, f"inexact:{rp.persistence.inexact}")
         return None
 
     def take_samples(self) -> int:
