@@ -8,18 +8,14 @@ position; without registering the loader the resumed run differs.
 """
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 import torch
 
 from crashkit import assert_differs, assert_same
-from forkserver import ForkServer
 from keepalive.callbacks import torchstate
 from keepalive.callbacks.torch import DriveCheckpoint
-
-SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "objects_train.py")
+from objectskit import forks_fixture, run_script
 
 
 class Position:
@@ -132,22 +128,7 @@ def test_a_checkpoint_of_a_plain_object_is_not_loaded_into_one_with_its_own_stat
 
 
 # ---------------------------------------------------------------------------------- SIGKILL
-@pytest.fixture(scope="module")
-def forks():
-    server = ForkServer(["torch", "torch.utils.data"], dict(os.environ, PYTHONUNBUFFERED="1"))
-    try:
-        yield server
-    finally:
-        server.close()
-
-
-def run_script(forks, *argv: str) -> str:
-    child = forks.spawn([SCRIPT, *argv], dict(os.environ, PYTHONUNBUFFERED="1"))
-    out = child.stdout.read()
-    child.stdout.close()
-    code = child.wait(timeout=240)
-    assert ("KILL" in out and code == -9) or (code == 0 and "DONE" in out), f"exit {code}:\n{out[-3000:]}"
-    return out
+forks = forks_fixture()
 
 
 def test_build_nanogpt_dataloaderlite_registered_resumes_exact_after_sigkill(tmp_path, forks):

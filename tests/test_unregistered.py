@@ -9,20 +9,16 @@ mid-training and run again: bit-exact; the EMA left unregistered: the resumed EM
 from __future__ import annotations
 
 import copy
-import os
 import random
 import sys
 
 import numpy as np
-import pytest
 import torch
 
 from crashkit import assert_differs, assert_same
-from forkserver import ForkServer
 from keepalive.callbacks._torch_unregistered import UnregisteredWatch
 from keepalive.callbacks.torch import DriveCheckpoint
-
-SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "objects_train.py")
+from objectskit import forks_fixture, run_script
 
 
 class ModelEmaV3(torch.nn.Module):
@@ -226,22 +222,7 @@ def test_a_plain_object_of_the_loops_code_that_moves_is_named_with_its_attribute
 
 
 # ---------------------------------------------------------------------------------- SIGKILL
-@pytest.fixture(scope="module")
-def forks():
-    server = ForkServer(["torch", "torch.utils.data"], dict(os.environ, PYTHONUNBUFFERED="1"))
-    try:
-        yield server
-    finally:
-        server.close()
-
-
-def run_script(forks, *argv: str) -> str:
-    child = forks.spawn([SCRIPT, *argv], dict(os.environ, PYTHONUNBUFFERED="1"))
-    out = child.stdout.read()
-    child.stdout.close()
-    code = child.wait(timeout=240)
-    assert ("KILL" in out and code == -9) or (code == 0 and "DONE" in out), f"exit {code}:\n{out[-3000:]}"
-    return out
+forks = forks_fixture()
 
 
 def test_a_registered_ema_resumes_exact_after_sigkill_and_an_unregistered_one_does_not(tmp_path, forks):
