@@ -7,7 +7,12 @@
   frames, also from a helper the objective calls), a second checkpointer in one trial ``...-2``, a
   retried trial its original's run, a new trial never a finished run (a study made again under its
   name starts ``.2``);
-* the first save says ``protecting run 'x' → <folder>, every ...`` once; ``quiet=True`` silences it.
+* the first save says ``protecting run 'x' → <folder>, every ...`` once; ``quiet=True`` silences it;
+* the same model with other settings (a script run again with another lr, weight decay, betas or
+  optimizer; a Trainer's TrainingArguments) after its run finished: a run of its own, trained from its
+  start, said in one line; controls: the same settings find the run complete, a named run keeps its
+  checkpoint, an unfinished run resumes (the checkpoint's values in force), a further stage of a model
+  trained here is no other training.
 """
 from __future__ import annotations
 
