@@ -83,6 +83,51 @@ def test_a_list_of_batches_resumes_inside_its_epoch(tmp_path):
     ckpt2.close()
 
 
+def test_a_step_loop_over_a_grain_dataset_without_epochs_saves_and_resumes_inside_it(tmp_path):
+    """Flax's tutorial loop: ``for step, batch in enumerate(ckpt.batches(ds))`` with no ckpt.epochs():
+    every=2 saves inside the pass (steps counted per batch), a resume continues at the saved element of
+    the Grain dataset's order (its iterator's get_state / set_state): nothing read twice or skipped."""
+    import grain
+
+    ds = grain.MapDataset.source(np.arange(12, dtype=np.float32)).shuffle(seed=1).batch(2)
+    order = [b.tolist() for b in ds]
+    model, opt = _nnx()
+    ckpt = DriveCheckpoint(tmp_path / "run", model=model, optimizer=opt, every=2, quiet=True)
+    seen = []
+    with pytest.raises(KeyError):  # the process dies in the fourth batch, after the save of step 2
+        for step, batch in enumerate(ckpt.batches(ds)):
+            if step == 3:
+                raise KeyError("killed")
+            seen.append(batch.tolist())
+            _step(model, opt, jnp.ones((2, 4)) * batch[:, None])
+    ckpt.close()
+    assert [i.step for i in ckpt.core.store.list()] == [2]
+    ckpt2 = DriveCheckpoint(tmp_path / "run", model=model, optimizer=opt, quiet=True)
+    resumed = [batch.tolist() for batch in ckpt2.batches(ds)]
+    assert ckpt2.step == 6 and seen[:2] + resumed == order, (seen, resumed, order)
+    ckpt2.close()
+
+
+def test_bfloat16_parameters_resume_bit_for_bit(tmp_path):
+    """What TPU users train in: bf16 parameters and optimizer moments, stored as bf16 and put back
+    with their dtype."""
+    def build():
+        model = nnx.Linear(4, 3, param_dtype=jnp.bfloat16, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+        return model, nnx.Optimizer(model, optax.adam(0.01, mu_dtype=jnp.bfloat16), wrt=nnx.Param)
+
+    model, opt = build()
+    ckpt = DriveCheckpoint(tmp_path / "run", model=model, optimizer=opt, quiet=True)
+    _train(ckpt, model, opt, 1, BATCHES)
+    ckpt.close()
+    model2, opt2 = build()
+    ckpt2 = DriveCheckpoint(tmp_path / "run", model=model2, optimizer=opt2, quiet=True)
+    assert ckpt2.resume()
+    assert model2.kernel[...].dtype == jnp.bfloat16
+    for a, b in zip(_leaves(model) + _leaves(opt), _leaves(model2) + _leaves(opt2)):
+        assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
+    ckpt2.close()
+
+
 def test_a_model_of_other_shapes_is_refused_in_one_line_and_nothing_changes(tmp_path):
     model, opt = _nnx()
     ckpt = DriveCheckpoint(tmp_path / "run", model=model, optimizer=opt, quiet=True)

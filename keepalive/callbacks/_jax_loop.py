@@ -94,10 +94,15 @@ class JaxLoop:
     def enumerate(self, source: Iterable) -> Iterator[Tuple[int, Any]]:
         self.resume()
         data = self.data
-        if not data.in_epochs or data.feed is not None:
-            # outside ckpt.epochs(), or a second pass in the epoch (an evaluation): iterated as it is
-            yield from enumerate(source)
-            return
+        if not data.in_epochs:
+            return (yield from self._outside_epochs(source))
+        if data.feed is not None:  # a second pass in the epoch (an evaluation): iterated as it is
+            return (yield from enumerate(source))
+        return (yield from self._training(source))
+
+    def _training(self, source: Iterable) -> Iterator[Tuple[int, Any]]:
+        """The epoch's training pass: positioned on a resume, each batch ending at the core."""
+        data = self.data
         feed = data.training_feed(source)
         start = data.start(feed)
         it = feed.open(start, data.positioned)
@@ -110,6 +115,35 @@ class JaxLoop:
             if self._boundary(can_save=feed.mid_epoch, length=length).stop:
                 return
 
+    def _outside_epochs(self, source: Iterable) -> Iterator[Tuple[int, Any]]:
+        """``ckpt.batches()`` without ``ckpt.epochs()`` (a loop of steps over one long iterator, as
+        Flax's MNIST tutorial has it, or a plain ``for epoch in range(n)``): each pass is an epoch of
+        the run, saved and resumed like one."""
+        core, data = self.core, self.data
+        self.started()
+        if core.resumed_from is not None and core.counters["epoch"]:
+            core.warn(f"ckpt.batches() is used without ckpt.epochs(): this resume continues after epoch "
+                      f"{core.counters['epoch']}, but a loop of your own around it starts over from its first "
+                      "pass, so the run trains more than asked. Write `for epoch in ckpt.epochs(n):` to skip "
+                      "the finished ones.", key="outside-epochs")
+        core.check_storable(self.capture)
+        core.install_signal_handlers()
+        data.in_epochs = True
+        completed = False
+        try:
+            core.start_epoch()
+            data.begin_epoch()
+            yield from self._training(source)
+            completed = not core.stopped
+        finally:
+            data.in_epochs = False
+            if completed:
+                if data.out:
+                    self._boundary(can_save=False)
+                data.feed = None
+                core.end_epoch(self.capture, requested=data.take_request())
+            core.uninstall_signal_handlers()
+            core.flush()
 
 
 def _length(source: Any) -> Optional[int]:

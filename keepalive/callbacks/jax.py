@@ -140,12 +140,18 @@ class DriveCheckpoint(CheckpointAdapter):
 
     def batches(self, iterable: Iterable) -> Iterator[Any]:
         """``for batch in ckpt.batches(iterable)``: the epoch's training batches from the saved position
-        (any iterable: a Grain loader or iterator, a torch ``DataLoader``, a list, a generator)."""
+        (any iterable: a Grain loader or iterator, a torch ``DataLoader``, a list, a generator). Without
+        ``ckpt.epochs()`` around it, each pass is an epoch of the run (a loop of steps over one long
+        iterator resumes inside it)."""
+        if not self._data.in_epochs:
+            self._vars.watch(caller_frame())
         return self._loop.batches(iterable)
 
     def enumerate(self, iterable: Iterable) -> Iterator[Tuple[int, Any]]:
         """Like :meth:`batches`, with the batch's true index in the epoch (a resumed epoch starts at
         the saved index)."""
+        if not self._data.in_epochs:
+            self._vars.watch(caller_frame())
         return self._loop.enumerate(iterable)
 
     def update(self, *state: Any, **states: Any) -> Any:
