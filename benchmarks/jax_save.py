@@ -9,7 +9,9 @@ the next step). A save is made between two steps, side by side in one run, alter
   ``jax.Array``\\ s (a lazy snapshot: each leaf's host transfer starts in the save, the copy into the
   host buffer runs in the writer's thread, and the loop settles it before the next step, as the JAX
   adapter does at each step boundary); also with ``snapshot="blocking"`` (the copy inside ``save()``);
-* Orbax: ``CheckpointManager`` with async checkpointing, ``save(step, args=ocp.args.StandardSave(state))``.
+* Orbax: ``CheckpointManager`` with async checkpointing, ``save(step, args=ocp.args.StandardSave(state))``;
+* keepalive's JAX adapter (``keepalive.callbacks.jax.DriveCheckpoint``, the state registered as a
+  functional state, ``ckpt.update(state)`` then ``ckpt.save()``), where it exists.
 
 Per save: ``save()`` = the time inside the save call; ``stall`` = that + the excess of the next step
 (its settle included) over the median clean step; ``x step`` = stall / clean step. The write to disk
@@ -133,6 +135,40 @@ class Keepalive:
         return jax.block_until_ready(jax.tree.unflatten(self.loop.treedef, leaves))
 
 
+class Adapter:
+    """``keepalive.callbacks.jax.DriveCheckpoint`` with the state registered as a functional state
+    (``ckpt.update(state)`` after each step, ``ckpt.save()`` by hand): whatever its capture hands the
+    store (host copies or ``jax.Array`` leaves)."""
+
+    def __init__(self, root: str, loop: Loop):
+        from keepalive.callbacks.jax import DriveCheckpoint
+
+        self.cls, self.loop, self.name = DriveCheckpoint, loop, "keepalive jax adapter"
+        self.run = os.path.join(root, "adapter")
+        self.ckpt = DriveCheckpoint(self.run, state=loop.state, every=10**9, keep=2, quiet=True)
+        self.ckpt.resume()
+
+    def save(self, step: int) -> None:
+        self.ckpt.update(self.loop.state)
+        self.ckpt.save()
+
+    def before_step(self) -> None:
+        self.ckpt.core.settle_snapshot()
+
+    def finish(self) -> None:
+        self.ckpt.core.writer.wait()
+
+    def close(self) -> None:
+        self.ckpt.close()
+
+    def restore(self) -> Tuple[Any, Any]:
+        fresh = self.cls(self.run, state=self.loop.state, keep=2, quiet=True)
+        fresh.resume()
+        state = jax.block_until_ready(fresh.state)
+        fresh.close()
+        return state
+
+
 class Orbax:
     """Orbax's CheckpointManager, async, as Flax's guide uses it."""
 
@@ -231,14 +267,18 @@ def main() -> int:
     print(f"state: {nbytes / 1e6:.0f} MB in {len(jax.tree.leaves(loop.state))} arrays on "
           f"{jax.devices()[0].platform} ({jax.device_count()} device(s)), batch {args.batch}, "
           f"jax {jax.__version__}, load average {os.getloadavg()[0]:.2f}", flush=True)
-    savers = [Keepalive(root, loop, "lazy"), Keepalive(root, loop, "blocking"), Orbax(root, loop)]
+    savers: List[Any] = [Keepalive(root, loop, "lazy"), Keepalive(root, loop, "blocking"), Orbax(root, loop)]
+    try:
+        savers.append(Adapter(root, loop))
+    except ImportError:  # an older keepalive without the JAX adapter
+        pass
     res = measure(loop, savers, args.repeat)
     med = statistics.median
     print(f"\nper save (median of {args.repeat}, range in brackets)")
-    print(f"{'':20s} {'step ms':>8s} {'save() ms':>10s} {'stall ms':>18s} {'x step':>7s} {'left ms':>8s}")
+    print(f"{'':22s} {'step ms':>8s} {'save() ms':>10s} {'stall ms':>18s} {'x step':>7s} {'left ms':>8s}")
     for name, r in res.items():
         st = r["stall"]
-        print(f"{name:20s} {1000 * med(r['clean']):8.1f} {1000 * med(r['save']):10.1f} "
+        print(f"{name:22s} {1000 * med(r['clean']):8.1f} {1000 * med(r['save']):10.1f} "
               f"{1000 * med(st):7.1f} ({1000 * min(st):4.0f}-{1000 * max(st):4.0f}) "
               f"{med(st) / med(r['clean']):7.2f} {1000 * med(r['write']):8.0f}", flush=True)
     print("stall = save() + (the next step, its settle included - clean step); left = the write still "
@@ -251,7 +291,7 @@ def main() -> int:
     resumes = resume_times(loop, savers, max(2, args.repeat // 2))
     print(f"\nresume (median of {max(2, args.repeat // 2)}): newest checkpoint -> the state on the device")
     for name, seconds in resumes.items():
-        print(f"{name:20s} {1000 * seconds:8.1f} ms  {nbytes / 1e9 / seconds:6.2f} GB/s")
+        print(f"{name:22s} {1000 * seconds:8.1f} ms  {nbytes / 1e9 / seconds:6.2f} GB/s")
     lazy, orbax = res[savers[0].name], res[savers[2].name]
     print(f"\nratio stall keepalive (lazy) / orbax (async) = {med(lazy['stall']) / med(orbax['stall']):.2f}; "
           f"keepalive (lazy) stall / step = {med(lazy['stall']) / med(lazy['clean']):.2f}")
