@@ -35,9 +35,12 @@ import pytest
 import torch
 
 from crashkit import assert_differs, assert_same
+from forkserver import ForkingSubprocess, ServerPool
 from keepalive import CheckpointStore
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "step_loops.py")
+#: what step_loops.py imports before keepalive: its 17 children fork from a server that has imported it
+PRELOAD = ["numpy", "torch", "torch._dynamo", "torch.nn.functional", "torch.utils.data"]
 
 # tests/scripts/step_loops.py's sizes
 ZIP_EPOCHS, ZIP_STEPS_PER_EPOCH, ZIP_EVERY = 3, 6, 4  # labeled: 48 samples / 8, unlabeled: 100 / 10
@@ -49,6 +52,16 @@ pytestmark = pytest.mark.slow  # ~17 short training processes
 
 
 # ------------------------------------------------------------------------------------- helpers
+@pytest.fixture(scope="module", autouse=True)
+def forked_children():
+    pool = ServerPool(lambda argv, env: ("torch", PRELOAD, "") if argv[0] == SCRIPT else None)
+    try:
+        with ForkingSubprocess(pool).installed_in(sys.modules[__name__]):
+            yield pool
+    finally:
+        pool.close()
+
+
 @dataclass
 class Event:
     session: int  # 0 for the first process that trained this run, 1 for the next, ...
