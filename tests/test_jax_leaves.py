@@ -6,10 +6,13 @@ and leaves their copy to the background (nothing is copied in the loop), a fresh
 them back as numpy arrays with the same bits. An array sharded over 8 host devices (a child process:
 the device count is fixed when JAX starts) is gathered to one array.
 
-Donation (``jax.jit(..., donate_argnums=0)`` deletes the step's input buffers): a save settled before
-the donating step is committed with the values of its step; the control, a buffer donated before its
-copy ran (the copy is held until the step has run), drops that save with one line, no JAX traceback,
-and the previous checkpoint stays the newest. A deleted array at capture, a typed key and an array of
+Donation (``jax.jit(..., donate_argnums=0)`` deletes the step's input buffers), the writer's copy held
+until the donating step has run: a save settled before that step is committed with the values of its
+step, on CPU (the settle copies the arrays, the step donates them) and on the accelerator path (taken
+on CPU: the settle holds the host values, the copy runs after the step, the buffers are donated again
+once it let them go); ``frozen_copy`` of arrays survives their donation. The control, a buffer donated
+before its copy ran (no settle), drops that save with one line, no JAX traceback, and the previous
+checkpoint stays the newest. A deleted array at capture, a typed key and an array of
 several processes are refused with one line each. ``import keepalive`` imports neither JAX nor
 ml_dtypes.
 """
@@ -158,8 +161,11 @@ def test_a_save_settled_before_the_donating_step_is_committed(tmp_path, monkeypa
     ckpt.close()
     assert_same(want, newest(run)["objects"])
     assert bits(after["int"]) != want["int"][2]
+    frozen = state_mod.frozen_copy(after)  # a copy of its own: the next donation leaves it alone
     step(after)                     # nothing held any more: donated again
     assert after["f32"].is_deleted()
+    stepped_once = np.frombuffer(want["int"][2], np.int32).reshape(2, 3) + 1
+    assert not frozen["f32"].is_deleted() and bits(frozen["int"]) == bits(stepped_once)
 
 
 def test_control_a_buffer_donated_before_its_copy_drops_the_save_in_one_line(tmp_path, monkeypatch, capsys):
