@@ -28,7 +28,7 @@ import inspect
 import sys
 from dataclasses import dataclass
 from types import CodeType, FrameType
-from typing import Any, Callable, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Collection, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
 
 __all__ = ["LoopCode", "LoopVariables", "MAX_BYTES", "caller_frame", "plain_size", "read_loop",
            "reads_after"]
@@ -359,6 +359,9 @@ class LoopVariables:
         #: values the adapter saves itself (a JAX train state handed to ckpt.update()): neither kept
         #: among the loop's variables nor named as missing
         self.owned: Callable[[Any], bool] = lambda value: False
+        #: names of variables holding such values where they cannot be read (a loop in a function):
+        #: not named as missing either
+        self.managed_names: Collection[str] = ()
 
     # ------------------------------------------------------------------------------ the loop's code
     def watch(self, frame: Optional[FrameType]) -> None:
@@ -471,7 +474,7 @@ class LoopVariables:
             self.say(f"the loop's variables are saved with each checkpoint and put back on resume: "
                      f"{', '.join(values)}")
         carried = loop.carried if loop is not None and self.track is None else frozenset()
-        unsaved = [n for n in skipped if n in carried and n not in self.told]
+        unsaved = [n for n in skipped if n in carried and n not in self.told and n not in self.managed_names]
         if unsaved:
             self.told.update(unsaved)
             fixes = "; ".join(_fix_for(n, *skipped[n]) for n in unsaved)
@@ -486,7 +489,7 @@ class LoopVariables:
             self._tell_function(inner, function)
 
     def _tell_function(self, loop: LoopCode, function: str) -> None:
-        names = [n for n in loop.locals if n in loop.carried]
+        names = [n for n in loop.locals if n in loop.carried and n not in self.managed_names]
         if not names:
             return
         first = names[0]

@@ -3,6 +3,8 @@ nothing changed, how it counts steps for any loop, a functional state restored o
 loop's PRNG key kept among the loop's variables. The kill-and-resume tests are in test_jax_crash.py."""
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -165,10 +167,10 @@ def test_another_prng_implementation_is_refused_in_one_line(tmp_path):
     ckpt2.close()
 
 
-def test_a_functional_state_is_handed_over_and_given_back_on_its_template(tmp_path):
+def test_a_functional_state_is_handed_over_and_given_back_on_its_template(tmp_path, capsys):
     """ckpt.update(state) counts the steps (two per batch here) and keeps the newest state; a resume's
     ckpt.state has the saved values with the template's structure and dtypes (a step count built as a
-    Python 0 comes back as the saved array)."""
+    Python 0 comes back as the saved array). A loop that never takes the restored state is told."""
     from flax.training import train_state
 
     def make():
@@ -195,6 +197,16 @@ def test_a_functional_state_is_handed_over_and_given_back_on_its_template(tmp_pa
     for a, b in zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(restored)):
         assert np.asarray(a).dtype == np.asarray(b).dtype and np.array_equal(np.asarray(a), np.asarray(b))
     ckpt2.close()
+    forgot = DriveCheckpoint(tmp_path / "run", state=make(), quiet=True)
+    for _ in forgot.epochs(3):  # the restored state never taken: said once, with the line that fixes it
+        for x in forgot.batches(BATCHES):
+            forgot.update(step(make(), x))
+    forgot.close()
+    err = capsys.readouterr().err
+    # `state` is handed over with ckpt.update(): not named among a function's variables nobody keeps
+    assert not re.search(r"cannot be put back on resume: [^.]*\bstate\b", err), err
+    assert err.count("the loop never took the restored state (ckpt.state)") == 1, err
+    assert "Write `state = ckpt.state`" in err
 
 
 def test_the_loops_prng_key_is_kept_as_key_data_and_put_back_typed():

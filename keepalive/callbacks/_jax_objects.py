@@ -62,6 +62,8 @@ class JaxObjects:
         #: each functional state as the loop last handed it over (the restored one after a resume)
         self.trees: Dict[str, Any] = {}
         self.after_resume = False
+        #: functional states restored by a resume and not yet taken by the loop (``ckpt.state``)
+        self.untaken: Dict[str, Any] = {}
 
     # ---------------------------------------------------------------------------- registration
     def register(self, name: str, obj: Any) -> None:
@@ -84,7 +86,25 @@ class JaxObjects:
             known = ", ".join(sorted(self.trees)) or "none"
             raise KeyError(f"ckpt.update({name}=...): no functional state is registered as '{name}' (registered: "
                            f"{known}); pass it to DriveCheckpoint({name}=...) or ckpt.register('{name}', ...)")
+        if name in self.untaken:
+            self._tell_untaken(name)
         self.trees[name] = tree
+
+    def take(self, name: str) -> Any:
+        """The functional state ``name`` for the loop (the restored one after a resume)."""
+        self.untaken.pop(name, None)
+        return self.trees[name]
+
+    def _tell_untaken(self, name: str) -> None:
+        """A state handed over after a resume although the loop never took the restored one: it trains
+        on from the state its code built, under the checkpoint's counters. Said once."""
+        del self.untaken[name]
+        getter = "ckpt.state" if name == "state" else f"ckpt.get('{name}')"
+        self.core.warn(
+            f"ckpt.update({name}=...) after a resume, but the loop never took the restored {name} ({getter}): "
+            f"it trains on from the {name} your code built, not the checkpoint's, while the counters say "
+            f"epoch {self.core.counters['epoch']}. Write `{name} = {getter}` after creating the DriveCheckpoint, "
+            "before the loop.", key=f"jax-untaken:{name}")
 
     def owns(self, value: Any) -> bool:
         """``value`` is one of the registered objects or states (a loop variable keepalive saves itself)."""
@@ -134,7 +154,7 @@ class JaxObjects:
             nnx.replace_by_pure_dict(state, from_host(nnx.to_pure_dict(state), objects[name]))
             nnx.update(obj, state)
         for name, template in list(self.trees.items()):
-            self.trees[name] = from_host(template, objects[name])
+            self.trees[name] = self.untaken[name] = from_host(template, objects[name])
         self._tell_layout(tree.get("jax") or {})
 
     def _tell_layout(self, saved: Dict[str, Any]) -> None:

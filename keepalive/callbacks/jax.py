@@ -86,6 +86,7 @@ class DriveCheckpoint(CheckpointAdapter):
         self._data = TrainingData(self.core)
         self._vars = LoopVariables(self.core.say, self.core.warn, enabled=cfg.track_globals, track=cfg.track)
         self._vars.owned = self._objects.owns
+        self._vars.managed_names = self._objects.trees.keys()  # `state = train_step(state, ...)` in a function
         self._loop = JaxLoop(self.core, self._data, self.capture, self.resume, self._vars.put_back)
         for name, obj in (("model", model), ("optimizer", optimizer), ("metrics", metrics), ("state", state),
                           *objects.items()):
@@ -130,7 +131,7 @@ class DriveCheckpoint(CheckpointAdapter):
     def get(self, name: str) -> Any:
         """The functional state registered as ``name`` (restored first, if a checkpoint exists)."""
         self.resume()
-        return self._objects.trees[name]
+        return self._objects.take(name)
 
     # ------------------------------------------------------------------------------------ loops
     def epochs(self, n: int) -> Iterator[int]:
