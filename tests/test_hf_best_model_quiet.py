@@ -9,15 +9,9 @@ before its copy) stays covered by ``tests/test_lazy_transformers.py``.
 """
 from __future__ import annotations
 
-import pytest
+import hfkit
 
-torch = pytest.importorskip("torch")
-for _name in ("torchvision::nms", "torchvision::qnms"):  # the CUDA torchvision here (DESIGN.md)
-    try:
-        torch.library.define(_name, "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-    except Exception:  # noqa: BLE001 - already defined
-        pass
-pytest.importorskip("transformers")
+torch = hfkit.importorskip("transformers")
 
 from lazykit import CHANGED  # noqa: E402
 

@@ -16,74 +16,28 @@ plain ones with each checkpoint (their values at the step's boundary) and puts t
 """
 from __future__ import annotations
 
-import json
 import os
-import random
-import sys
 
 import pytest
 
-torch = pytest.importorskip("torch")
-for _name in ("torchvision::nms", "torchvision::qnms"):  # the CUDA torchvision here (DESIGN.md)
-    try:
-        torch.library.define(_name, "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-    except Exception:  # noqa: BLE001 - already defined
-        pass
-pytest.importorskip("transformers")
-pytest.importorskip("trl")
-pytest.importorskip("datasets")
+import hfkit
+from crashkit import assert_same
 
-import crashkit  # noqa: E402
-from crashkit import assert_same, run_to_completion  # noqa: E402
-from forkserver import ForkingSubprocess, ServerPool  # noqa: E402
+torch = hfkit.importorskip("transformers", "trl", "datasets")
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-SCRIPTS = os.path.join(HERE, "scripts")
-SCRIPT = os.path.join(SCRIPTS, "hf_sft_train.py")
-ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([SCRIPTS, os.path.dirname(HERE)]),
-           OMP_NUM_THREADS="1", KEEPALIVE_PROGRESS="0", TOKENIZERS_PARALLELISM="false", HF_DATASETS_OFFLINE="1",
-           HF_HUB_OFFLINE="1")
+SCRIPT = os.path.join(hfkit.SCRIPTS, "hf_sft_train.py")
 TOTAL = 20
 
-PRELOAD = ["torch", "transformers.trainer", "datasets", "trl.trainer.sft_trainer"]
-_SHIM = ("import torch\n"
-         "for n in ('torchvision::nms', 'torchvision::qnms'):\n"
-         "    try:\n"
-         "        torch.library.define(n, '(Tensor dets, Tensor scores, float iou_threshold) -> Tensor')\n"
-         "    except Exception:\n"
-         "        pass\n")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def forked_children():
-    """The children fork from a server that has imported torch, transformers' Trainer and TRL (most of
-    a child's CPU time)."""
-    pool = ServerPool(lambda argv, env: ("hf", PRELOAD, _SHIM))
-    try:
-        with ForkingSubprocess(pool).installed_in(crashkit):
-            yield pool
-    finally:
-        pool.close()
+#: the children fork from a server that has imported torch, transformers' Trainer and TRL (most of a
+#: child's CPU time)
+forked_children = hfkit.forked_children_fixture(["torch", "transformers.trainer", "datasets",
+                                                 "trl.trainer.sft_trainer"])
 
 
 def _run(tmp_path, name, *extra, kills=0, seed=0):
-    d = tmp_path / name
-    d.mkdir()
-    out = d / "w.st"
-    cmd = [sys.executable, SCRIPT, str(d / "run"), "--out", str(out), *extra]
-    if kills:
-        report = run_to_completion(cmd + ["--sleep", "0.05"], total_steps=TOTAL, kills=kills,
-                                   rng=random.Random(seed), run_dir=str(d / "run"), env=ENV,
-                                   max_substep_delay=0.05, timeout=240, kill_after_commit=4)
-        assert report.kills == kills and "DONE" in report.final_output
-        assert all(t.resumed_step is not None for t in report.trials[1:]), report.trials
-    else:
-        report = run_to_completion(cmd, total_steps=TOTAL, kills=0, rng=random.Random(0), env=ENV, timeout=240)
-        assert "DONE" in report.final_output, report.final_output[-2000:]
-    from safetensors.torch import load_file
-
-    with open(str(out) + ".json") as f:
-        return {"weights": load_file(str(out)), **json.load(f)}
+    result, _ = hfkit.run_script(SCRIPT, tmp_path / name, *extra, total=TOTAL, kills=kills, seed=seed,
+                                 kill_after_commit=4)
+    return result
 
 
 def _max_delta(a, b):

@@ -17,71 +17,23 @@ deadline stops the run inside an epoch and the same cell runs again.
 """
 from __future__ import annotations
 
-import os
 import shutil
-import sys
-import threading
 
-import pytest
+import hfkit
+from crashkit import assert_differs, assert_same
+from hfkit import stop_after, train, trainer_state
 
-torch = pytest.importorskip("torch")
-for _name in ("torchvision::nms", "torchvision::qnms"):  # the CUDA torchvision here (DESIGN.md)
-    try:
-        torch.library.define(_name, "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-    except Exception:  # noqa: BLE001 - already defined
-        pass
-pytest.importorskip("transformers")
-pytest.importorskip("tokenizers")
-
-from crashkit import assert_differs, assert_same  # noqa: E402
-
-SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts")
-sys.path.insert(0, SCRIPTS)
-import hf_setup  # noqa: E402
+hfkit.importorskip("transformers", "tokenizers")
 
 TOTAL = 12
 
 
-def _state(trainer):
-    weights = {k: v.detach().clone() for k, v in trainer.model.named_parameters()}
-    logs = [{k: v for k, v in e.items() if not k.endswith(("_runtime", "_per_second"))}
-            for e in trainer.state.log_history if "train_runtime" not in e]
-    return {"weights": weights, "optimizer": trainer.optimizer.state_dict()["state"], "logs": logs}
-
-
-def _train(out, cb=None, **kw):
-    t = hf_setup.trainer(str(out), cb, **kw)
-    t.train()
-    return t
-
-
-def _stop_after(steps):
-    calls = {"n": 0}
-
-    def remaining():
-        if threading.current_thread() is threading.main_thread():
-            calls["n"] += 1
-        return 1000.0 if calls["n"] < steps else 1.0
-
-    return remaining
-
-
 def _stop(tmp_path, stop_at, **kw):
-    from keepalive.callbacks.transformers import DriveCheckpoint
-
-    cb = DriveCheckpoint(tmp_path / "run", every=100, quiet=True, remaining_fn=_stop_after(stop_at),
-                         deadline_margin="5s")
-    _train(tmp_path / "a", cb, **kw)
-    assert cb.stopped and cb.step == stop_at
+    assert hfkit.stopped(tmp_path, stop_at, **kw).step == stop_at
 
 
 def _resume(tmp_path, **kw):
-    from keepalive.callbacks.transformers import DriveCheckpoint
-
-    cb = DriveCheckpoint(tmp_path / "run", every=100, quiet=True)
-    t = _train(tmp_path / "b", cb, **kw)
-    assert cb.finished and t.state.global_step == TOTAL
-    return _state(t)
+    return hfkit.resumed(tmp_path, TOTAL, **kw)
 
 
 def _old_format(monkeypatch, workers):
@@ -103,7 +55,7 @@ def _old_format(monkeypatch, workers):
 def test_a_checkpoint_in_the_per_worker_format_resumes_exactly(tmp_path, monkeypatch):
     from keepalive.callbacks import _hf_data
 
-    plain = _state(_train(tmp_path / "plain", workers=2))
+    plain = trainer_state(train(tmp_path / "plain", workers=2))
     with monkeypatch.context() as m:
         _old_format(m, 2)
         _stop(tmp_path / "old", 3, workers=2)  # batch 6 of 11: worker 0's batch next
@@ -128,7 +80,7 @@ def test_persistent_workers_stopped_at_an_epochs_last_batches_resume_exactly(tmp
     """3 persistent workers, stopped at step 5 (batch 10 of 11): the resumed pass makes one batch; two of
     epoch 1's workers take over states saved in the checkpoint, one the state the resumed pass left."""
     kw = dict(workers=3, dataloader_persistent_workers=True)
-    plain = _state(_train(tmp_path / "plain", **kw))
+    plain = trainer_state(train(tmp_path / "plain", **kw))
     _stop(tmp_path, 5, **kw)
     assert_same(plain, _resume(tmp_path, **kw))
 
@@ -142,10 +94,10 @@ def test_persistent_workers_resumed_at_an_epochs_end_go_on_as_the_uninterrupted_
     from keepalive.callbacks.transformers import DriveCheckpoint
 
     kw = dict(workers=2, dataloader_persistent_workers=True)
-    plain = _state(_train(tmp_path / "plain", **kw))
-    cb = DriveCheckpoint(tmp_path / "run", every="epoch", quiet=True, remaining_fn=_stop_after(7),
+    plain = trainer_state(train(tmp_path / "plain", **kw))
+    cb = DriveCheckpoint(tmp_path / "run", every="epoch", quiet=True, remaining_fn=stop_after(7),
                          deadline_margin="5s")
-    _train(tmp_path / "a", cb, **kw)
+    train(tmp_path / "a", cb, **kw)
     assert cb.stopped and dict(cb.core.counters, samples=0) == {"epoch": 1, "step": 6, "batch": 0, "samples": 0}
     shutil.copytree(tmp_path / "run", tmp_path / "control" / "run")
     assert_same(plain, _resume(tmp_path, **kw))

@@ -17,57 +17,26 @@ BERT from a config, an in-memory tokenizer, accumulation 2, dropout; no download
 """
 from __future__ import annotations
 
-import json
 import os
-import random
-import subprocess
-import sys
-import threading
 
 import pytest
 
-torch = pytest.importorskip("torch")
-for _name in ("torchvision::nms", "torchvision::qnms"):  # the CUDA torchvision here (DESIGN.md)
-    try:
-        torch.library.define(_name, "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-    except Exception:  # noqa: BLE001 - already defined
-        pass
-pytest.importorskip("transformers")
-pytest.importorskip("tokenizers")
+import hfkit
+from crashkit import assert_differs, assert_same
+from hfkit import train, trainer_state
 
-import crashkit  # noqa: E402
-from crashkit import assert_differs, assert_same, run_to_completion  # noqa: E402
-from forkserver import ForkingSubprocess, ServerPool  # noqa: E402
+torch = hfkit.importorskip("transformers", "tokenizers")
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-SCRIPTS = os.path.join(HERE, "scripts")
-sys.path.insert(0, SCRIPTS)
-import hf_setup  # noqa: E402
+import hf_setup  # noqa: E402 - tests/scripts, on the path through hfkit
 
-SCRIPT = os.path.join(SCRIPTS, "hf_data_train.py")
-ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([SCRIPTS, os.path.dirname(HERE)]),
-           OMP_NUM_THREADS="1", KEEPALIVE_PROGRESS="0", TOKENIZERS_PARALLELISM="false")
-#: what hf_data_train.py has imported once keepalive's Trainer callback is (and the model's module): the
-#: children fork from a server that has imported it, some 4 s of CPU each of the 11 children here
-PRELOAD = ["torch", "numpy", "safetensors.torch", "transformers", "transformers.trainer_callback",
-           "transformers.trainer", "transformers.training_args", "transformers.models.bert.modeling_bert"]
-SETUP = """
-import torch
-for name in ("torchvision::nms", "torchvision::qnms"):
-    torch.library.define(name, "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-"""
+SCRIPT = os.path.join(hfkit.SCRIPTS, "hf_data_train.py")
 TOTAL = 12  # map: 44 samples / batch 4 = 11 batches, accumulation 2: 6 steps per epoch, 2 epochs; streams: max_steps
 
-
-@pytest.fixture(scope="module", autouse=True)
-def forked_children():
-    pool = ServerPool(lambda argv, env: ("hf", PRELOAD, SETUP) if argv[0] == SCRIPT else None)
-    forking = ForkingSubprocess(pool)
-    try:
-        with forking.installed_in(crashkit), forking.installed_in(sys.modules[__name__]):
-            yield pool
-    finally:
-        pool.close()
+#: what hf_data_train.py has imported once keepalive's Trainer callback is (and the model's module): the
+#: children fork from a server that has imported it, some 4 s of CPU each of the 11 children here
+forked_children = hfkit.forked_children_fixture(
+    ["torch", "numpy", "safetensors.torch", "transformers", "transformers.trainer_callback", "transformers.trainer",
+     "transformers.training_args", "transformers.models.bert.modeling_bert"], only=SCRIPT)
 
 
 def _has(module):
@@ -78,44 +47,11 @@ def _has(module):
         return False
 
 
-def _state(trainer):
-    weights = {k: v.detach().clone() for k, v in trainer.model.named_parameters()}
-    logs = [{k: v for k, v in e.items() if not k.endswith(("_runtime", "_per_second"))}
-            for e in trainer.state.log_history if "train_runtime" not in e]
-    return {"weights": weights, "optimizer": trainer.optimizer.state_dict()["state"], "logs": logs}
-
-
-def _train(out, cb=None, **kw):
-    t = hf_setup.trainer(str(out), cb, **kw)
-    t.train()
-    return t
-
-
-def _stop_after(steps):
-    """A session clock whose deadline comes at the ``steps``-th boundary (the save-and-stop path)."""
-    calls = {"n": 0}
-
-    def remaining():
-        # boundaries only: keepalive's pause guard also asks, from its thread, when a step is slow
-        if threading.current_thread() is threading.main_thread():
-            calls["n"] += 1
-        return 1000.0 if calls["n"] < steps else 1.0
-
-    return remaining
-
-
 def _stopped_and_resumed(tmp_path, stop_at, **kw):
     """Train until the deadline saves and stops inside an epoch, then run the same cell again."""
-    from keepalive.callbacks.transformers import DriveCheckpoint
-
-    run = tmp_path / "run"
-    cb = DriveCheckpoint(run, every=100, quiet=True, remaining_fn=_stop_after(stop_at), deadline_margin="5s")
-    _train(tmp_path / "a", cb, **kw)
-    assert cb.stopped and 0 < cb.step < TOTAL
-    cb2 = DriveCheckpoint(run, every=100, quiet=True)
-    t = _train(tmp_path / "b", cb2, **kw)
-    assert cb2.finished and t.state.global_step == TOTAL
-    return cb.step, _state(t)
+    cb = hfkit.stopped(tmp_path, stop_at, **kw)
+    assert 0 < cb.step < TOTAL
+    return cb.step, hfkit.resumed(tmp_path, TOTAL, **kw)
 
 
 # ------------------------------------------------------------------------------- transparency
@@ -125,36 +61,21 @@ def test_with_keepalive_equals_without_mlm_two_workers(tmp_path):
 
     from keepalive.callbacks.transformers import DriveCheckpoint
 
-    plain = _state(_train(tmp_path / "plain", workers=2))
+    plain = trainer_state(train(tmp_path / "plain", workers=2))
     cb = DriveCheckpoint(tmp_path / "run", every=1, quiet=True)
-    assert_same(plain, _state(_train(tmp_path / "ka", cb, workers=2)))
+    assert_same(plain, trainer_state(train(tmp_path / "ka", cb, workers=2)))
     assert cb.finished and cb.step == TOTAL
 
     class Draws(TrainerCallback):  # the control: what a leaky adapter would do at its save points
         def on_step_end(self, *a, **kw):
             torch.rand(1)
 
-    assert_differs(plain, _state(_train(tmp_path / "leaky", workers=2, extra_callbacks=[Draws()])))
+    assert_differs(plain, trainer_state(train(tmp_path / "leaky", workers=2, extra_callbacks=[Draws()])))
 
 
 # ----------------------------------------------------------------------------- crash tests
 def _run(tmp_path, name, *extra, kills=0, seed=0):
-    d = tmp_path / name
-    d.mkdir()
-    out = d / "w.st"
-    cmd = [sys.executable, SCRIPT, str(d / "run"), "--out", str(out), *extra]
-    if kills:
-        report = run_to_completion(cmd + ["--sleep", "0.02"], total_steps=TOTAL, kills=kills,
-                                   rng=random.Random(seed), run_dir=str(d / "run"), env=ENV,
-                                   max_substep_delay=0.05, timeout=240)
-        assert report.kills == kills and "DONE" in report.final_output
-        assert all(t.resumed_step is not None for t in report.trials[1:]), report.trials
-    else:
-        subprocess.run(cmd, check=True, env=ENV, capture_output=True, text=True, timeout=300)
-    from safetensors.torch import load_file
-
-    with open(str(out) + ".json") as f:
-        return {"weights": load_file(str(out)), **json.load(f)}
+    return hfkit.run_script(SCRIPT, tmp_path / name, *extra, total=TOTAL, kills=kills, seed=seed, sleep=0.02)[0]
 
 
 @pytest.mark.slow
@@ -178,7 +99,7 @@ def test_resume_mid_epoch_is_exact_and_the_replay_is_what_makes_it(tmp_path, mon
     (the step's state put back after the fetch, as before; workers seeded afresh) the masks differ."""
     from keepalive.callbacks import _hf_data
 
-    plain = _state(_train(tmp_path / "plain", workers=workers))
+    plain = trainer_state(train(tmp_path / "plain", workers=workers))
     stopped, resumed = _stopped_and_resumed(tmp_path / "exact", 5, workers=workers)
     assert stopped == 5
     assert_same(plain, resumed)
@@ -194,7 +115,7 @@ def test_persistent_workers_resume_on_another_worker_count_boundary(tmp_path):
     """3 persistent workers, stopped at batch 4 of epoch 0: an empty batch puts batch 4 on worker 1 again,
     and epoch 1's new workers (accelerate's resumed loader took the old ones with it) take over the states."""
     kw = dict(workers=3, dataloader_persistent_workers=True)
-    plain = _state(_train(tmp_path / "plain", **kw))
+    plain = trainer_state(train(tmp_path / "plain", **kw))
     stopped, resumed = _stopped_and_resumed(tmp_path, 2, **kw)
     assert stopped == 2
     assert_same(plain, resumed)
@@ -206,11 +127,11 @@ def test_persistent_workers_resume_on_another_worker_count_boundary(tmp_path):
 def test_a_stream_checkpoints_every_n_steps_and_resumes_exactly(tmp_path, capsys, data):
     from keepalive.callbacks.transformers import DriveCheckpoint
 
-    plain = _state(_train(tmp_path / "plain", data=data))
+    plain = trainer_state(train(tmp_path / "plain", data=data))
     cb = DriveCheckpoint(tmp_path / "every", every=5, quiet=True)
     steps = []
     cb.core.on_commit.append(lambda r: steps.append(r.info.step))
-    assert_same(plain, _state(_train(tmp_path / "ka", cb, data=data)))
+    assert_same(plain, trainer_state(train(tmp_path / "ka", cb, data=data)))
     cb.core.close()
     assert steps[:2] == [5, 10] and steps[-1] == TOTAL  # step saves land; no epoch end in this run
     err = capsys.readouterr().err

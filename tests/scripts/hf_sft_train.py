@@ -8,26 +8,12 @@ writes the weights and the log history (the final summary's counters included, w
 ``--out``. ``--plain``: no callback (the reference run); ``--no-counters``: keepalive saves none of the
 trainer's own counters (the control).
 """
-import argparse
-import json
 import os
-import time
 
+import hf_script
 import torch
 
-for _name in ("torchvision::nms", "torchvision::qnms"):  # the CUDA torchvision here (DESIGN.md); tests only
-    try:
-        torch.library.define(_name, "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-    except Exception:  # noqa: BLE001 - already defined
-        pass
-from childio import emit
-from transformers import TrainerCallback
-
-p = argparse.ArgumentParser()
-p.add_argument("run")
-p.add_argument("--out", required=True)
-p.add_argument("--sleep", type=float, default=0.0)
-p.add_argument("--plain", action="store_true")
+p = hf_script.arguments()
 p.add_argument("--no-counters", action="store_true")
 args = p.parse_args()
 torch.set_num_threads(1)
@@ -55,13 +41,6 @@ def texts(n=40):
     return out
 
 
-class Steps(TrainerCallback):
-    def on_step_end(self, a, state, control, **kw):
-        emit(f"STEP {state.global_step}")
-        if args.sleep:
-            time.sleep(args.sleep)
-
-
 def main():
     import datasets
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -78,29 +57,17 @@ def main():
                     num_train_epochs=2, learning_rate=5e-3, logging_steps=3, report_to=[], disable_tqdm=True,
                     use_cpu=True, seed=42, save_strategy="no", max_length=16, dataset_text_field="text",
                     packing=False, dataset_num_proc=None, bf16=False, fp16=False)
-    callbacks = [Steps()]
+    callbacks = [hf_script.Steps(args.sleep)]
     if not args.plain:
-        from keepalive.callbacks.transformers import DriveCheckpoint
-
         if args.no_counters:
             from keepalive.callbacks import _hf_counters
 
             _hf_counters.SubclassCounters.capture = lambda self: {}  # the control: none saved
-        ckpt = DriveCheckpoint(args.run, every=1)
-        ckpt.core.on_commit.append(lambda r: emit(f"COMMITTED {r.info.step}"))
-        callbacks.append(ckpt)
+        callbacks.append(hf_script.drive_checkpoint(args.run))
     trainer = SFTTrainer(model=model, args=cfg, train_dataset=datasets.Dataset.from_dict({"text": texts()}),
                          processing_class=tok, callbacks=callbacks)
     trainer.train()
-
-    from safetensors.torch import save_file
-
-    save_file({k: v.detach().contiguous() for k, v in trainer.model.named_parameters()}, args.out)
-    logs = [{k: v for k, v in e.items() if not k.endswith(("_runtime", "_per_second"))}
-            for e in trainer.state.log_history]
-    with open(args.out + ".json", "w") as f:
-        json.dump({"log_history": logs, "global_step": trainer.state.global_step}, f)
-    print("DONE", flush=True)
+    hf_script.write_results(trainer, args.out, summary=True)
 
 
 main()

@@ -10,27 +10,13 @@ writes the weights and the log history (without timings) to ``--out``. ``--plain
 reference run); ``--from-epoch-start``: the control, a resumed epoch runs the library's iteration from its
 first batch again instead of from the saved one (the position is not what keepalive saved).
 """
-import argparse
-import json
 import os
-import time
 
+import hf_script
 import torch
 
-for _name in ("torchvision::nms", "torchvision::qnms"):  # the CUDA torchvision here (DESIGN.md); tests only
-    try:
-        torch.library.define(_name, "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-    except Exception:  # noqa: BLE001 - already defined
-        pass
-from childio import emit
-from transformers import TrainerCallback
-
-p = argparse.ArgumentParser()
-p.add_argument("run")
-p.add_argument("--out", required=True)
+p = hf_script.arguments()
 p.add_argument("--sampler", default="default", choices=["default", "no_duplicates"])
-p.add_argument("--sleep", type=float, default=0.0)
-p.add_argument("--plain", action="store_true")
 p.add_argument("--from-epoch-start", action="store_true")
 args = p.parse_args()
 torch.set_num_threads(1)
@@ -69,13 +55,6 @@ def pairs(n=50):
     return {"anchor": anchors, "positive": [text() for _ in range(n)]}
 
 
-class Steps(TrainerCallback):
-    def on_step_end(self, a, state, control, **kw):
-        emit(f"STEP {state.global_step}")
-        if args.sleep:
-            time.sleep(args.sleep)
-
-
 def main():
     import datasets
     from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments, losses
@@ -91,30 +70,18 @@ def main():
         output_dir=os.path.join(here, "hf-unused"), num_train_epochs=1, per_device_train_batch_size=4,
         learning_rate=5e-3, warmup_steps=2, logging_steps=1, report_to=[], disable_tqdm=True, use_cpu=True, seed=42,
         save_strategy="no", batch_sampler=sampler)
-    callbacks = [Steps()]
+    callbacks = [hf_script.Steps(args.sleep)]
     if not args.plain:
-        from keepalive.callbacks.transformers import DriveCheckpoint
-
         if args.from_epoch_start:
             from keepalive.callbacks import _hf_samplers
 
             batches = _hf_samplers.LibraryBatchSampler._batches
             _hf_samplers.LibraryBatchSampler._batches = lambda self, idx, start: batches(self, idx, 0)  # the control
-        ckpt = DriveCheckpoint(args.run, every=1)
-        ckpt.core.on_commit.append(lambda r: emit(f"COMMITTED {r.info.step}"))
-        callbacks.append(ckpt)
+        callbacks.append(hf_script.drive_checkpoint(args.run))
     trainer = SentenceTransformerTrainer(model=model, args=targs, train_dataset=datasets.Dataset.from_dict(pairs()),
                                          loss=losses.MultipleNegativesRankingLoss(model), callbacks=callbacks)
     trainer.train()
-
-    from safetensors.torch import save_file
-
-    save_file({k: v.detach().contiguous() for k, v in trainer.model.named_parameters()}, args.out)
-    logs = [{k: v for k, v in e.items() if not k.endswith(("_runtime", "_per_second"))}
-            for e in trainer.state.log_history if "train_runtime" not in e]
-    with open(args.out + ".json", "w") as f:
-        json.dump({"log_history": logs, "global_step": trainer.state.global_step}, f)
-    print("DONE", flush=True)
+    hf_script.write_results(trainer, args.out)
 
 
 main()
