@@ -36,12 +36,33 @@ pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402
 
 from crashkit import assert_differs, assert_same  # noqa: E402
+from forkserver import ForkingSubprocess, ServerPool  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "scripts", "hf_stages.py")
+#: what hf_stages.py imports before keepalive (the GPT-2 model and the Trainer too): its children fork
+#: from a server that has imported it, some 4 s of CPU each of the 12 children here
+PRELOAD = ["torch", "numpy", "safetensors.torch", "transformers", "transformers.trainer",
+           "transformers.trainer_callback", "transformers.trainer_utils", "transformers.training_args",
+           "transformers.models.gpt2.modeling_gpt2"]
+SETUP = """
+import torch
+for name in ("torchvision::nms", "torchvision::qnms"):
+    torch.library.define(name, "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+"""
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(HERE, "scripts"), os.path.dirname(HERE)]),
            OMP_NUM_THREADS="1", KEEPALIVE_PROGRESS="0", TOKENIZERS_PARALLELISM="false")
 TOTAL = 18  # 44 samples / batch 4 = 11 batches an epoch, accumulation 2: 6 steps, 3 epochs
+
+
+@pytest.fixture(scope="module", autouse=True)
+def forked_children():
+    pool = ServerPool(lambda argv, env: ("hf", PRELOAD, SETUP) if argv[0] == SCRIPT else None)
+    try:
+        with ForkingSubprocess(pool).installed_in(sys.modules[__name__]):
+            yield pool
+    finally:
+        pool.close()
 
 
 def _run(root, *extra, killed=False):
