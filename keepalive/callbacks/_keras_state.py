@@ -343,8 +343,20 @@ def weights_checksum(model: Any) -> Tuple[str, ...]:
     the weights in place (``SwapEMAWeights`` puts the EMA weights into the model for the validation).
     Costs one small reduction per variable: taken once per epoch (after its last batch) and when a
     save during the validation is about to be made, not at every step."""
-    return tuple(repr(float(keras.ops.convert_to_numpy(keras.ops.sum(keras.ops.cast(v.value, "float64")))))
+    dtype = _widest_float()
+    return tuple(repr(float(keras.ops.convert_to_numpy(keras.ops.sum(keras.ops.cast(v.value, dtype)))))
                  for v in model.variables)
+
+
+def _widest_float() -> str:
+    """The sums' dtype: float64, except on JAX without ``jax_enable_x64`` (its default), which would
+    cast to float32 anyway and print a UserWarning about it on the user's screen."""
+    if keras.backend.backend() == "jax":
+        import jax
+
+        if not jax.config.read("jax_enable_x64"):
+            return "float32"
+    return "float64"
 
 
 def state_fingerprint(model: Any, callbacks: Sequence[Any]) -> Tuple[Any, ...]:
