@@ -4,6 +4,7 @@ loop's PRNG key kept among the loop's variables. The kill-and-resume tests are i
 from __future__ import annotations
 
 import re
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -108,6 +109,47 @@ def test_a_step_loop_over_a_grain_dataset_without_epochs_saves_and_resumes_insid
     resumed = [batch.tolist() for batch in ckpt2.batches(ds)]
     assert ckpt2.step == 6 and seen[:2] + resumed == order, (seen, resumed, order)
     ckpt2.close()
+
+
+def test_an_iterator_kept_across_epochs_continues_where_it_was(tmp_path, capsys):
+    """One Grain iterator for the whole run, ``ckpt.batches(it, steps=3)`` per epoch: a resume
+    continues the iterator at the saved element and the resumed epoch ends after its 3 batches. The same
+    with ``zip(range(3), ckpt.batches(it))``, whose count restarts at 0 after a resume: told, with the fix."""
+    import grain
+
+    def make():
+        return iter(grain.MapDataset.source(np.arange(40, dtype=np.float32)).shuffle(seed=2).batch(2)
+                    .to_iter_dataset())
+
+    order = [b.tolist() for _, b in zip(range(9), make())]
+    model, opt = _nnx()
+    ckpt = DriveCheckpoint(tmp_path / "run", model=model, optimizer=opt, every=2, quiet=True)
+    seen = []
+    with pytest.raises(KeyError):
+        it = make()
+        for epoch in ckpt.epochs(3):
+            for i, batch in zip(range(3), ckpt.batches(it)):
+                if (epoch, i) == (1, 2):
+                    raise KeyError("killed")  # after the save of step 4 (epoch 1, its first batch)
+                seen.append(batch.tolist())
+    ckpt.close()
+    shutil.copytree(tmp_path / "run", tmp_path / "zipped")
+    ckpt2 = DriveCheckpoint(tmp_path / "run", model=model, optimizer=opt, quiet=True)
+    it = make()
+    for epoch in ckpt2.epochs(3):
+        for batch in ckpt2.batches(it, steps=3):
+            seen.append(batch.tolist())
+    assert ckpt.step == 5 and ckpt2.step == 9
+    assert seen[:4] + seen[5:] == order, (seen, order)
+    ckpt2.close()
+    assert "ckpt.batches(it, steps=k)" not in capsys.readouterr().err
+    zipped = DriveCheckpoint(tmp_path / "zipped", model=model, optimizer=opt, quiet=True)
+    it = make()
+    for epoch in zipped.epochs(3):
+        for _, batch in zip(range(3), zipped.batches(it)):
+            pass
+    zipped.close()
+    assert zipped.step == 10 and "Write ckpt.batches(it, steps=k)" in capsys.readouterr().err
 
 
 def test_bfloat16_parameters_resume_bit_for_bit(tmp_path):

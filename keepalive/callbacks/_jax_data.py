@@ -145,6 +145,7 @@ class TrainingData:
         self.save_requested = False
         self.feeds: Dict[int, Feed] = {}      # by id of the iterable: a loader keeps its feed
         self.persistent_state: Any = None     # a kept iterator's state at an epoch end
+        self.resumed_at = 0                   # the batch a resumed epoch's pass continued at (0: none)
 
     def restore(self, tree: Dict[str, Any]) -> None:
         self.saved = dict(tree.get("data") or {})
@@ -155,7 +156,7 @@ class TrainingData:
 
     def begin_epoch(self) -> None:
         """An epoch begins: a resumed one with the random state its start had."""
-        self.feed, self.done, self.out = None, 0, False
+        self.feed, self.done, self.out, self.resumed_at = None, 0, False, 0
         epoch_rng = self.saved.pop("epoch_rng", None) if self.core.counters["batch"] else None
         if epoch_rng is not None:
             rng.restore(epoch_rng)
@@ -180,7 +181,7 @@ class TrainingData:
         the state a kept iterator had at the saved epoch end."""
         position = self.saved.pop("position", None)
         if self.core.counters["batch"] and position is not None:
-            self.done = int(position.get("batches", 0))
+            self.done = self.resumed_at = int(position.get("batches", 0))
             return dict(position)
         kept, self.persistent_state = self.persistent_state, None
         if feed.persistent and kept is not None:

@@ -73,6 +73,7 @@ class JaxLoop:
                 data.begin_epoch()
                 yield core.counters["epoch"]
                 if data.out:  # the pass was left after its last batch (zip(range(k), ...)): its boundary
+                    self._tell_counted_pass()
                     self._boundary(can_save=data.feed is not None and data.feed.mid_epoch)
                 if core.stopped:
                     return
@@ -86,36 +87,53 @@ class JaxLoop:
             core.flush()
 
     # --------------------------------------------------------------------------------- batches
-    def batches(self, source: Iterable) -> Iterator[Any]:
+    def _tell_counted_pass(self) -> None:
+        """A resumed epoch's pass over a kept iterator left by the loop after a count of its own
+        (``zip(range(k), ckpt.batches(it))``): that count restarts at 0 in the resumed epoch, so the
+        epoch takes more batches than an uninterrupted run's. Said once."""
+        data = self.data
+        if data.resumed_at and data.feed is not None and data.feed.persistent:
+            self.core.warn(
+                f"this resumed epoch continued at batch {data.resumed_at} of a pass your loop ends itself "
+                "(zip(range(k), ckpt.batches(it))?): a count of the loop's own restarts at 0 after a resume, so "
+                "the epoch took more batches than an uninterrupted run's. Write ckpt.batches(it, steps=k): "
+                "it ends the epoch's pass after k batches, counting those done before the resume.",
+                key="jax-counted-pass")
+
+    def batches(self, source: Iterable, steps: Optional[int] = None) -> Iterator[Any]:
         """See :meth:`keepalive.callbacks.jax.DriveCheckpoint.batches`."""
-        for _, batch in self.enumerate(source):
+        for _, batch in self.enumerate(source, steps):
             yield batch
 
-    def enumerate(self, source: Iterable) -> Iterator[Tuple[int, Any]]:
+    def enumerate(self, source: Iterable, steps: Optional[int] = None) -> Iterator[Tuple[int, Any]]:
         self.resume()
         data = self.data
         if not data.in_epochs:
-            return (yield from self._outside_epochs(source))
+            return (yield from self._outside_epochs(source, steps))
         if data.feed is not None:  # a second pass in the epoch (an evaluation): iterated as it is
             return (yield from enumerate(source))
-        return (yield from self._training(source))
+        return (yield from self._training(source, steps))
 
-    def _training(self, source: Iterable) -> Iterator[Tuple[int, Any]]:
-        """The epoch's training pass: positioned on a resume, each batch ending at the core."""
+    def _training(self, source: Iterable, steps: Optional[int] = None) -> Iterator[Tuple[int, Any]]:
+        """The epoch's training pass: positioned on a resume, each batch ending at the core; with
+        ``steps``, it ends after that many batches of the epoch (those before a resume included)."""
         data = self.data
         feed = data.training_feed(source)
         start = data.start(feed)
         it = feed.open(start, data.positioned)
         self.core.mid_epoch_obstacle = feed.why_not or None  # said when an interrupt waits for the epoch's end
-        length = _length(source)
+        length = _length(source) if steps is None else steps
+        if steps is not None and data.done >= steps:
+            return
         for batch in it:
             data.done += 1
             data.out = True
             yield data.done - 1, batch
-            if self._boundary(can_save=feed.mid_epoch, length=length).stop:
+            if self._boundary(can_save=feed.mid_epoch, length=length).stop or \
+                    (steps is not None and data.done >= steps):
                 return
 
-    def _outside_epochs(self, source: Iterable) -> Iterator[Tuple[int, Any]]:
+    def _outside_epochs(self, source: Iterable, steps: Optional[int]) -> Iterator[Tuple[int, Any]]:
         """``ckpt.batches()`` without ``ckpt.epochs()`` (a loop of steps over one long iterator, as
         Flax's MNIST tutorial has it, or a plain ``for epoch in range(n)``): each pass is an epoch of
         the run, saved and resumed like one."""
@@ -133,7 +151,7 @@ class JaxLoop:
         try:
             core.start_epoch()
             data.begin_epoch()
-            yield from self._training(source)
+            yield from self._training(source, steps)
             completed = not core.stopped
         finally:
             data.in_epochs = False

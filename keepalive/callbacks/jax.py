@@ -139,21 +139,23 @@ class DriveCheckpoint(CheckpointAdapter):
         self._vars.watch(caller_frame())
         return self._loop.epochs(n)
 
-    def batches(self, iterable: Iterable) -> Iterator[Any]:
+    def batches(self, iterable: Iterable, steps: Optional[int] = None) -> Iterator[Any]:
         """``for batch in ckpt.batches(iterable)``: the epoch's training batches from the saved position
         (any iterable: a Grain loader or iterator, a torch ``DataLoader``, a list, a generator). Without
         ``ckpt.epochs()`` around it, each pass is an epoch of the run (a loop of steps over one long
-        iterator resumes inside it)."""
+        iterator resumes inside it). ``steps``: the epoch's pass ends after that many batches, those
+        done before a resume included (one iterator kept across epochs: ``ckpt.batches(it,
+        steps=steps_per_epoch)``, where ``zip(range(k), ...)`` would count again from 0 after a resume)."""
         if not self._data.in_epochs:
             self._vars.watch(caller_frame())
-        return self._loop.batches(iterable)
+        return self._loop.batches(iterable, steps)
 
-    def enumerate(self, iterable: Iterable) -> Iterator[Tuple[int, Any]]:
+    def enumerate(self, iterable: Iterable, steps: Optional[int] = None) -> Iterator[Tuple[int, Any]]:
         """Like :meth:`batches`, with the batch's true index in the epoch (a resumed epoch starts at
         the saved index)."""
         if not self._data.in_epochs:
             self._vars.watch(caller_frame())
-        return self._loop.enumerate(iterable)
+        return self._loop.enumerate(iterable, steps)
 
     def update(self, *state: Any, **states: Any) -> Any:
         """After a training step: count one optimizer step and hand keepalive the new functional
