@@ -68,9 +68,19 @@ def _host(leaf: Any) -> Any:
     return leaf
 
 
-def to_host(tree: Any) -> Dict[str, Any]:
-    """The tree's leaves as host values, flat by path (see the module docstring)."""
-    return {path: _host(leaf) for path, leaf in flatten(tree)[0]}
+def _empty(leaf: Any) -> Any:
+    """A leaf's stand-in of its stored dtype and no element (what a check of the state's dtypes reads)."""
+    if is_key(leaf):
+        return {KEY_DATA: np.empty((0,), np.uint32), KEY_IMPL: key_impl(leaf)}
+    if isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
+        return np.empty((0,), np.dtype(leaf.dtype))
+    return leaf
+
+
+def to_host(tree: Any, *, preview: bool = False) -> Dict[str, Any]:
+    """The tree's leaves as host values, flat by path (see the module docstring); ``preview``: empty
+    arrays of the leaves' dtypes (nothing copied: the check at the loop's start that all can be stored)."""
+    return {path: (_empty if preview else _host)(leaf) for path, leaf in flatten(tree)[0]}
 
 
 def _spec(leaf: Any) -> Tuple[Any, Any]:

@@ -26,9 +26,10 @@ class JaxLoop:
     """``ckpt.epochs()`` / ``ckpt.batches()`` of one JAX ``DriveCheckpoint``."""
 
     def __init__(self, core: Checkpointer, data: TrainingData, capture: Callable[[], Captured],
-                 resume: Callable[[], bool], started: Callable[[], None]):
+                 resume: Callable[[], bool], started: Callable[[], None], preview: Callable[[], Captured]):
         self.core, self.data = core, data
         self.capture, self.resume, self.started = capture, resume, started
+        self.preview = preview  # capture()'s shape and dtypes, nothing copied: checked at the loop's start
         self.explicit = False   # the loop calls ckpt.update(): steps are its calls, not batches
         self.steps = 0          # ckpt.update() calls since the last boundary
 
@@ -62,7 +63,7 @@ class JaxLoop:
         if core.counters["epoch"] >= n:
             core.already_complete(n)
             return
-        core.check_storable(self.capture)  # a value that cannot be stored fails now, not at the first save
+        core.check_storable(self.preview)  # a value that cannot be stored fails now, not at the first save
         core.install_signal_handlers()
         data.in_epochs = True
         if core.finished:
@@ -144,7 +145,7 @@ class JaxLoop:
                       f"{core.counters['epoch']}, but a loop of your own around it starts over from its first "
                       "pass, so the run trains more than asked. Write `for epoch in ckpt.epochs(n):` to skip "
                       "the finished ones.", key="outside-epochs")
-        core.check_storable(self.capture)
+        core.check_storable(self.preview)
         core.install_signal_handlers()
         data.in_epochs = True
         completed = False

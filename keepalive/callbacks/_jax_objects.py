@@ -114,9 +114,10 @@ class JaxObjects:
         return nnx.to_pure_dict(nnx.state(self.nnx[name])) if name in self.nnx else self.trees[name]
 
     # ---------------------------------------------------------------------------- the checkpoint
-    def states(self) -> Dict[str, Any]:
-        """The ``objects`` part of a checkpoint: each object's state as host arrays, flat by path."""
-        return {name: to_host(self._live(name)) for name in (*self.nnx, *self.trees)}
+    def states(self, preview: bool = False) -> Dict[str, Any]:
+        """The ``objects`` part of a checkpoint: each object's state as host arrays, flat by path
+        (``preview``: empty arrays of their dtypes, nothing copied)."""
+        return {name: to_host(self._live(name), preview=preview) for name in (*self.nnx, *self.trees)}
 
     def section(self) -> Dict[str, Any]:
         """The ``jax`` part: the PRNG settings, the devices, each object's kind and mesh."""

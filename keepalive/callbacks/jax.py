@@ -87,7 +87,8 @@ class DriveCheckpoint(CheckpointAdapter):
         self._vars = LoopVariables(self.core.say, self.core.warn, enabled=cfg.track_globals, track=cfg.track)
         self._vars.owned = self._objects.owns
         self._vars.managed_names = self._objects.trees.keys()  # `state = train_step(state, ...)` in a function
-        self._loop = JaxLoop(self.core, self._data, self.capture, self.resume, self._vars.put_back)
+        self._loop = JaxLoop(self.core, self._data, self.capture, self.resume, self._vars.put_back,
+                             lambda: self._capture(preview=True))
         for name, obj in (("model", model), ("optimizer", optimizer), ("metrics", metrics), ("state", state),
                           *objects.items()):
             if obj is not None:
@@ -177,9 +178,13 @@ class DriveCheckpoint(CheckpointAdapter):
 
     # ------------------------------------------------------------------------------- save/state
     def capture(self) -> Captured:
-        captured: Captured = {"objects": self._objects.states(), "data": self._data.section(),
+        return self._capture()
+
+    def _capture(self, preview: bool = False) -> Captured:
+        captured: Captured = {"objects": self._objects.states(preview), "data": self._data.section(),
                               "jax": self._objects.section()}
-        loop = self._vars.capture(tell=self.core.optimizer_steps > 0 or self.core.counters["step"] > 0)
+        stepped = self.core.optimizer_steps > 0 or self.core.counters["step"] > 0
+        loop = self._vars.capture(tell=stepped and not preview)
         if loop is not None:
             captured["loop"] = loop
         return captured
