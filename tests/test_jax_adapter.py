@@ -3,6 +3,7 @@ nothing changed, how it counts steps for any loop, a functional state restored o
 loop's PRNG key kept among the loop's variables. The kill-and-resume tests are in test_jax_crash.py."""
 from __future__ import annotations
 
+import random
 import re
 import shutil
 
@@ -68,21 +69,39 @@ def test_nnx_objects_resume_in_place_and_a_generator_saves_at_epoch_ends(tmp_pat
     ckpt2.close()
 
 
-def test_a_list_of_batches_resumes_inside_its_epoch(tmp_path):
+def test_a_list_of_batches_resumes_inside_its_epoch_with_the_host_rngs(tmp_path):
+    """A list continues at the saved index; Python's and NumPy's global generators (drawn in the loop:
+    an augmentation) continue from the saved step's state, the epoch's prologue from the epoch's."""
+    def draws():
+        return (random.random(), float(np.random.rand()))
+
+    random.seed(5)
+    np.random.seed(5)
+    expected = [draws() for _ in range(4)]  # the prologue's, then one per batch
+    random.seed(5)
+    np.random.seed(5)
     model, opt = _nnx()
     ckpt = DriveCheckpoint(tmp_path / "run", model=model, optimizer=opt, every=2, quiet=True)
+    seen = []
     with pytest.raises(KeyError):  # the process dies in the third batch
         for _ in ckpt.epochs(1):
+            seen.append(draws())
             for i, x in enumerate(ckpt.batches(BATCHES)):
                 if i == 2:
                     raise KeyError("killed")
+                seen.append(draws())
                 _step(model, opt, x)
     ckpt.close()
+    draws()  # the generators move on before the resume
     ckpt2 = DriveCheckpoint(tmp_path / "run", model=model, optimizer=opt, quiet=True)
-    seen = []
+    batches = []
     for _ in ckpt2.epochs(1):
-        seen += [float(x[0, 0]) for x in ckpt2.batches(BATCHES)]
-    assert seen == [2.0] and ckpt2.step == 3
+        prologue = draws()
+        for x in ckpt2.batches(BATCHES):
+            batches.append(float(x[0, 0]))
+            resumed = draws()
+    assert batches == [2.0] and ckpt2.step == 3
+    assert seen == expected[:3] and prologue == expected[0] and resumed == expected[3]
     ckpt2.close()
 
 
