@@ -256,8 +256,8 @@ def plain_size(value: Any, depth: int = 0) -> Optional[int]:
     jax = _jax_array(value)
     if jax is not None:
         key = jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key)
-        return 16 if key else (int(value.nbytes) if value.dtype.kind in "biuf" and value.dtype.itemsize <= 8
-                               else None)
+        return 8 * int(value.size) + 8 if key else (int(value.nbytes) if value.dtype.kind in "biuf" and
+                                                     value.dtype.itemsize <= 8 else None)
     if np is not None and (isinstance(value, np.generic) or kind is np.ndarray):
         return int(value.nbytes) if value.dtype.kind in "biuf" and value.dtype.itemsize <= 8 else None
     if torch is not None and kind is torch.Tensor:  # not a Parameter: the model's own state
