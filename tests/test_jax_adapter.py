@@ -279,3 +279,12 @@ def test_the_loops_prng_key_is_kept_as_key_data_and_put_back_typed():
     assert np.array_equal(jax.random.key_data(back[0]), jax.random.key_data(key))
     assert np.array_equal(jax.random.uniform(back[0], (3,)), jax.random.uniform(key, (3,)))
     assert float(back[1]) == 2.5
+
+
+def test_what_holds_no_state_is_refused_with_what_to_pass(tmp_path):
+    import flax.linen as nn
+
+    with pytest.raises(TypeError, match="a Linen module holds no weights: pass its TrainState"):
+        DriveCheckpoint(tmp_path / "run", model=nn.Dense(3))
+    with pytest.raises(TypeError, match="did you mean every="):
+        DriveCheckpoint(tmp_path / "run", evry=3)

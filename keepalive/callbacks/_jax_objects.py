@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional
 
 import jax
+import numpy as np
 from flax import nnx
 
 from ..config import CheckpointConfig
@@ -72,12 +73,13 @@ class JaxObjects:
             self.nnx[name] = obj
             return
         leaves = flatten(obj)[0]
-        if not any(isinstance(leaf, jax.Array) or hasattr(leaf, "dtype") for _, leaf in leaves):
+        if not any(isinstance(leaf, (jax.Array, np.ndarray, np.generic)) for _, leaf in leaves):
             if CheckpointConfig.closest(name) is not None:  # a misspelled option, not a state
                 raise CheckpointConfig.unexpected("DriveCheckpoint", name)
             raise TypeError(f"{name}: a {type(obj).__name__} with no array in it is neither an NNX object nor a "
                             "train state; pass an nnx.Module / nnx.Optimizer / nnx.MultiMetric, or a pytree of "
-                            "arrays (a TrainState), or keep plain values in ckpt.extras")
+                            "arrays (a TrainState; a Linen module holds no weights: pass its TrainState or "
+                            "variables), or keep plain values in ckpt.extras")
         self.trees[name] = obj
 
     def hand_over(self, name: str, tree: Any) -> None:
