@@ -4,7 +4,7 @@ resumes bit-exactly after a SIGKILL (``keepalive.callbacks._lightning_data``).
 Such workers start once and go on across epochs: their random states carry over, and no new base seed is
 drawn after the first epoch. A resumed fit starts new workers; its checkpoint carries what the running
 ones had (the generator their base seed was drawn from, each worker's state for its next batch, as the
-torch adapter's does: ``keepalive.callbacks._torch_replay.PersistentWorkers``), and the new workers start
+torch adapter's does: ``keepalive.callbacks._torch_workers.PersistentWorkers``), and the new workers start
 from it. The fit (tests/scripts/lightning_persistent.py): a real ``lightning.Trainer``, random flips and
 noise in 2 workers, dropout, 6 batches an epoch, 4 epochs. Killed in epoch 1 after its 5th batch's
 checkpoint (one batch left: one worker makes none before the next epoch, so its state comes from the

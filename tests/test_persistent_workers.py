@@ -4,13 +4,13 @@ Such workers start once and go on across epochs: their random states carry over,
 drawn from torch's generator after the first epoch. A resumed process starts new workers; keepalive
 draws their base seed from a copy of the generator as it was when the uninterrupted run started its
 workers (the global generator is left as that run has it) and hands each worker the state it had
-(``keepalive.callbacks._torch_replay.PersistentWorkers``). The training (tests/scripts/persistent_train.py):
+(``keepalive.callbacks._torch_workers.PersistentWorkers``). The training (tests/scripts/persistent_train.py):
 a small U-Net, 8x8 images, random flips and noise in 2 workers, dropout, a validation pass with its own
 persistent workers and random test-time noise; SIGKILLed in epoch 2's middle (the resumed epoch starts
 on the other worker), inside a validation, and after an epoch boundary; each re-run until done equals the
 uninterrupted run, weights and every logged loss. Control: keepalive's former behaviour differs.
 Loaders built anew inside each epoch start new workers each epoch (a new base seed): a resume after an
-epoch's end starts them anew as well (``keepalive.callbacks._torch_replay.LoaderBirths``).
+epoch's end starts them anew as well (``keepalive.callbacks._torch_loaders.LoaderBirths``).
 Loaders whose workers a resume cannot carry are told once.
 """
 from __future__ import annotations

@@ -312,7 +312,7 @@ ACCELERATE_INTERNALS = (
              token='"_drop_last"'),
     Internal("accelerate.data_loader.DataLoaderShard.iteration", "the prepared loader's epoch count "
              "(its sampler's set_epoch): saved with a checkpoint as a counter of the loader",
-             "_torch_replay.py: _counters", uses(_SHARD, "iteration", "set_epoch"), token="_counters"),
+             "_torch_order.py: OrderSources.counters", uses(_SHARD, "iteration", "set_epoch"), token="def counters"),
 )
 
 #: Accelerate's objects as the torch adapter takes them (checked when a prepared object is registered)
@@ -338,8 +338,8 @@ FABRIC_INTERNALS = (
              uses(f"{_WRAPPERS}:_FabricDataLoader", "_dataloader"), token='"_dataloader"'),
     Internal("lightning.fabric.wrappers._FabricDataLoader._num_iter_calls", "the loader's count of "
              "iter() calls, the epoch Fabric sets on its sampler: saved with a checkpoint as a counter",
-             "_torch_replay.py: _counters", uses(f"{_WRAPPERS}:_FabricDataLoader", "_num_iter_calls"),
-             token="_counters"),
+             "_torch_order.py: OrderSources.counters", uses(f"{_WRAPPERS}:_FabricDataLoader", "_num_iter_calls"),
+             token="def counters"),
 )
 
 #: Lightning Fabric's objects as the torch adapter takes them (checked when a Fabric object is registered)

@@ -24,7 +24,7 @@ user's objects). Each ``iter()`` of a training ``DataLoader`` goes through a
   random states replay too. An epoch-end checkpoint puts back the loaders' generators and counters.
   With ``persistent_workers=True`` an epoch after the first resets the running iterator (no workers'
   base seed drawn); the iterator a resume creates starts new workers. The checkpoint carries what the
-  running ones had (:class:`~keepalive.callbacks._torch_replay.PersistentWorkers`: the generator their
+  running ones had (:class:`~keepalive.callbacks._torch_workers.PersistentWorkers`: the generator their
   base seed was drawn from, each worker's random state for its next batch, under ``"persistent"`` in a
   loader's position or epoch-end generators): the new workers get the same seed, drawn from a copy (the
   global generator is left as the uninterrupted fit has it), and start from those states.

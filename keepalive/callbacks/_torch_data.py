@@ -7,7 +7,7 @@ stepped), the running epoch's open passes and their positions, where passes left
 continue, and the random states a resumed epoch replays: the epoch's start (its prologue, the code
 between ``for epoch`` and ``for batch``) and the saved step (once the pass is positioned), and what the
 loaders' persistent workers carry from one epoch to the next (``persistent_workers=True``: their
-base seed's generator and random states, :class:`~keepalive.callbacks._torch_replay.PersistentWorkers`).
+base seed's generator and random states, :class:`~keepalive.callbacks._torch_workers.PersistentWorkers`).
 Its part of a checkpoint is the ``data`` section.
 """
 from __future__ import annotations
