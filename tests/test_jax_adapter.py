@@ -3,6 +3,7 @@ nothing changed, how it counts steps for any loop, a functional state restored o
 loop's PRNG key kept among the loop's variables. The kill-and-resume tests are in test_jax_crash.py."""
 from __future__ import annotations
 
+import functools
 import random
 import re
 import shutil
@@ -231,14 +232,15 @@ def test_another_prng_implementation_is_refused_in_one_line(tmp_path):
 def test_a_functional_state_is_handed_over_and_given_back_on_its_template(tmp_path, capsys):
     """ckpt.update(state) counts the steps (two per batch here) and keeps the newest state; a resume's
     ckpt.state has the saved values with the template's structure and dtypes (a step count built as a
-    Python 0 comes back as the saved array). A loop that never takes the restored state is told."""
+    Python 0 comes back as the saved array), also when each step donates the state it is given. A loop
+    that never takes the restored state is told."""
     from flax.training import train_state
 
     def make():
         params = {"w": jnp.ones((4,), jnp.float32), "b": jnp.zeros((), jnp.float32)}
         return train_state.TrainState.create(apply_fn=None, params=params, tx=optax.sgd(0.1))
 
-    @jax.jit
+    @functools.partial(jax.jit, donate_argnums=0)  # the old state's buffers are given to the new one
     def step(state, x):
         return state.apply_gradients(grads=jax.grad(lambda p: ((x @ p["w"]).sum() * 0.01 + p["b"]) ** 2)(state.params))
 
