@@ -255,6 +255,8 @@ def plain_size(value: Any, depth: int = 0) -> Optional[int]:
     np, torch = _modules()
     jax = _jax_array(value)
     if jax is not None:
+        if value.is_deleted():  # donated to a jitted step: nothing left to save
+            return None
         key = jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key)
         return 8 * int(value.size) + 8 if key else (int(value.nbytes) if value.dtype.kind in "biuf" and
                                                      value.dtype.itemsize <= 8 else None)

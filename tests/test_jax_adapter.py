@@ -17,7 +17,7 @@ from flax import nnx
 
 from keepalive.callbacks.jax import DriveCheckpoint
 from keepalive.errors import StateMismatchError
-from keepalive.loopstate import JAX_MARK, _put_back, _snapshot
+from keepalive.loopstate import JAX_MARK, _put_back, _snapshot, plain_size
 
 
 def _nnx(width: int = 3):
@@ -281,6 +281,9 @@ def test_the_loops_prng_key_is_kept_as_key_data_and_put_back_typed():
     assert np.array_equal(jax.random.key_data(back[0]), jax.random.key_data(key))
     assert np.array_equal(jax.random.uniform(back[0], (3,)), jax.random.uniform(key, (3,)))
     assert float(back[1]) == 2.5
+    donated = jnp.ones(3)
+    functools.partial(jax.jit, donate_argnums=0)(lambda a: a * 2)(donated)
+    assert plain_size([key, donated]) is None  # a buffer given to a step: not kept (named if carried)
 
 
 def test_what_holds_no_state_is_refused_with_what_to_pass(tmp_path):
