@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 
 from keepalive.callbacks.jax import DriveCheckpoint
-from keepalive.errors import StateMismatchError
+from keepalive.errors import StateMismatchError, UnsupportedStateError
 from keepalive.loopstate import JAX_MARK, _put_back, _snapshot, plain_size
 
 
@@ -260,6 +260,11 @@ def test_a_functional_state_is_handed_over_and_given_back_on_its_template(tmp_pa
     for a, b in zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(restored)):
         assert np.asarray(a).dtype == np.asarray(b).dtype and np.array_equal(np.asarray(a), np.asarray(b))
     ckpt2.close()
+    stale = DriveCheckpoint(tmp_path / "stale", state=state, quiet=True)
+    step(stale.state, BATCHES[0])  # its buffers donated, and the new state never handed over
+    with pytest.raises(UnsupportedStateError, match=r"donated to a jitted step .* ckpt.update\(state=...\)"):
+        stale.save(sync=True)
+    stale.close()
     forgot = DriveCheckpoint(tmp_path / "run", state=make(), quiet=True)
     for _ in forgot.epochs(3):  # the restored state never taken: said once, with the line that fixes it
         for x in forgot.batches(BATCHES):

@@ -25,7 +25,7 @@ from flax import nnx
 
 from ..config import CheckpointConfig
 from ..core import Checkpointer
-from ..errors import StateMismatchError
+from ..errors import StateMismatchError, UnsupportedStateError
 from ..statetree import StateTree
 from ._jax_arrays import check_tree, flatten, from_host, to_host
 
@@ -119,7 +119,22 @@ class JaxObjects:
     def states(self, preview: bool = False) -> Dict[str, Any]:
         """The ``objects`` part of a checkpoint: each object's state as host arrays, flat by path
         (``preview``: empty arrays of their dtypes, nothing copied)."""
-        return {name: to_host(self._live(name), preview=preview) for name in (*self.nnx, *self.trees)}
+        out = {}
+        for name in (*self.nnx, *self.trees):
+            live = self._live(name)
+            self._check_alive(name, live)
+            out[name] = to_host(live, preview=preview)
+        return out
+
+    def _check_alive(self, name: str, tree: Any) -> None:
+        """Raise (one line) when an array of ``tree`` was donated to a jitted step: the state handed
+        over is not the newest (``ckpt.update()`` was not called with the state the step returned)."""
+        dead = [path for path, leaf in flatten(tree)[0] if isinstance(leaf, jax.Array) and leaf.is_deleted()]
+        if dead:
+            raise UnsupportedStateError(
+                f"{name}: '{dead[0]}' ({len(dead)} array(s) in all) was donated to a jitted step (donate_argnums) "
+                f"before this save, so the {name} keepalive holds is not the newest: hand it over with "
+                f"ckpt.update({name}=...) right after each step that returns it")
 
     def section(self) -> Dict[str, Any]:
         """The ``jax`` part: the PRNG settings, the devices, each object's kind and mesh."""
