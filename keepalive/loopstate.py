@@ -107,12 +107,14 @@ def _carried(instructions: Sequence[dis.Instruction], spans: List[Tuple[int, int
     return carried
 
 
-def _statement_start(instructions: Sequence[dis.Instruction], i: int) -> dis.Instruction:
-    """The first instruction of the line instruction ``i`` belongs to (``starts_line``: the line's
-    number, or True on 3.13+; None / False inside a line)."""
+def _subscripted(instructions: Sequence[dis.Instruction], i: int) -> Optional[dis.Instruction]:
+    """The load of the container in ``name[key].append(...)`` whose subscript is instruction ``i``:
+    the first instruction of its line (``starts_line``: the line's number, or True on 3.13+; None /
+    False inside a line), when it loads a plain name (not ``self.history[key]``: an attribute)."""
     while i > 0 and instructions[i].starts_line in (None, False):
         i -= 1
-    return instructions[i]
+    after = instructions[i + 1] if i + 1 < len(instructions) else None
+    return None if after is None or after.opname in ("LOAD_ATTR", "LOAD_METHOD") else instructions[i]
 
 
 def _subscript(ins: dis.Instruction) -> bool:
@@ -131,7 +133,10 @@ def _mutated(instructions: Sequence[dis.Instruction], span: Tuple[int, int]) -> 
             continue
         if ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and str(ins.argval) in MUTATORS and \
                 _subscript(instructions[i - 1]):
-            target, pick = _statement_start(instructions, i - 1), 0
+            container = _subscripted(instructions, i - 1)
+            if container is None:
+                continue
+            target, pick = container, 0
         elif ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and str(ins.argval) in MUTATORS:
             target, pick = instructions[i - 1], -1
         elif ins.opname == "STORE_SUBSCR" and isinstance(instructions[i - 1].argval, tuple):

@@ -298,3 +298,20 @@ def test_what_holds_no_state_is_refused_with_what_to_pass(tmp_path):
         DriveCheckpoint(tmp_path / "run", model=nn.Dense(3))
     with pytest.raises(TypeError, match="did you mean every="):
         DriveCheckpoint(tmp_path / "run", evry=3)
+
+
+def test_a_history_appended_by_key_is_one_of_the_loops_variables():
+    """Flax's ``metrics_history[f'train_{metric}'].append(value)``: the dict is kept with the loop's
+    variables (at the top level); ``self.history[k].append(v)`` names no variable."""
+    from keepalive.loopstate import read_loop
+
+    top = compile("for e in r:\n    for metric, value in m.items():\n"
+                  "        metrics_history[f'train_{metric}'].append(value)\n", "<cell>", "exec")
+    assert "metrics_history" in read_loop(top, 0, True).globals
+
+    def method(self, r):
+        for _ in r:
+            self.history["loss"].append(1)
+
+    loop = read_loop(method.__code__, 0, False)
+    assert "self" not in loop.locals and "self" not in loop.carried
