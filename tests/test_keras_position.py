@@ -11,9 +11,11 @@ In-process: which inputs are told (once, at the first save) that they cannot res
 are not."""
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 
 import numpy as np
 import pytest
@@ -26,7 +28,12 @@ from crashkit import run_to_completion  # noqa: E402
 from forkserver import ForkingSubprocess, ServerPool  # noqa: E402
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "keras_position_train.py")
-ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", TF_ENABLE_ONEDNN_OPTS="0", KEEPALIVE_PROGRESS="0")
+#: the JAX children compile the same functions (the fashion CNN's train step: ~8 s of CPU each): XLA's
+#: persistent compilation cache, shared by this module's children, compiles each once. The cached
+#: executable is the one a compile makes (its results bit-identical), so every comparison stands.
+JAX_CACHE = tempfile.mkdtemp(prefix="keepalive-tests-jax-cache-")
+ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", TF_ENABLE_ONEDNN_OPTS="0", KEEPALIVE_PROGRESS="0",
+           JAX_COMPILATION_CACHE_DIR=JAX_CACHE, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
 #: the checkpoint the resume starts from: the end of epoch 1 of steps_per_epoch=3, six batches into a pass
 #: of 10 (fashion: 8) batches; the resumed epoch 2 trains batches 6-8 of the pass (fashion: 6-7, where
 #: Keras ends the epoch early as the pass runs out)
@@ -38,7 +45,9 @@ def _preload(argv, env):
     of a child's CPU time, 17 children here); the backend's runtime starts in the child. A fork that
     SIGKILLs itself ends by that signal as an interpreter does."""
     backend = env.get("KERAS_BACKEND", "tensorflow")
-    return backend, ["numpy", backend, "keras"], ""
+    # keras.utils.set_random_seed, which each child calls, imports TensorFlow when it is installed, on
+    # every backend: about 1 s of CPU a child (a third of a small JAX one), paid once in the server
+    return backend, ["numpy", backend, "keras", "tensorflow"], ""
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -50,6 +59,7 @@ def forked_children():
             yield pool
     finally:
         pool.close()
+        shutil.rmtree(JAX_CACHE, ignore_errors=True)
 
 
 def _env(backend):
