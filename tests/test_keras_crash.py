@@ -9,6 +9,7 @@ import os
 import random
 import shutil
 import sys
+import tempfile
 
 import numpy as np
 import pytest
@@ -24,8 +25,13 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "keras_train.py")
 EPOCHS, SAMPLES, BATCH = 4, 320, 16
 STEPS_PER_EPOCH = -(-SAMPLES // BATCH)
 STEPS = EPOCHS * STEPS_PER_EPOCH
+#: the JAX children compile the same functions: XLA's persistent compilation cache, shared by this
+#: module's children, compiles each once. The cached executable is the one a compile makes (its results
+#: bit-identical), so every comparison stands.
+JAX_CACHE = tempfile.mkdtemp(prefix="keepalive-tests-jax-cache-")
 ENV = dict(os.environ, KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="3",
-           TF_ENABLE_ONEDNN_OPTS="0", KEEPALIVE_PROGRESS="0")
+           TF_ENABLE_ONEDNN_OPTS="0", KEEPALIVE_PROGRESS="0",
+           JAX_COMPILATION_CACHE_DIR=JAX_CACHE, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
 
 
 def _cmd(run, out, *extra):
@@ -66,7 +72,9 @@ def _preload(argv, env):
     """The children fork from a server per Keras backend that has imported Keras and its backend (most
     of a child's CPU time, some 30 children here); the backend's runtime starts in the child."""
     backend = env.get("KERAS_BACKEND", "tensorflow")
-    return backend, ["numpy", backend, "keras"], ""
+    # keras.utils.set_random_seed, which each child calls, imports TensorFlow when it is installed, on
+    # every backend: about 1 s of CPU a child (a third of a small JAX one), paid once in the server
+    return backend, ["numpy", backend, "keras", "tensorflow"], ""
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -77,6 +85,7 @@ def forked_children():
             yield pool
     finally:
         pool.close()
+        shutil.rmtree(JAX_CACHE, ignore_errors=True)
 
 
 def _env(backend):
