@@ -28,7 +28,9 @@ if keras.backend.backend() != "tensorflow":  # pragma: no cover - this module ru
     pytest.skip("the in-process tests need KERAS_BACKEND=tensorflow", allow_module_level=True)
 tf.config.experimental.enable_op_determinism()
 
+import crashkit  # noqa: E402
 from crashkit import run_to_completion  # noqa: E402
+from forkserver import ForkingSubprocess, ServerPool  # noqa: E402
 from keepalive.callbacks.keras import DriveCheckpoint  # noqa: E402
 
 N, BATCH = 60, 10
@@ -288,6 +290,20 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "keras_stages_train.
 ENV = dict(os.environ, KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="3", TF_ENABLE_ONEDNN_OPTS="0",
            KEEPALIVE_PROGRESS="0")
 CHILD_SPE = 12  # the script: 120 samples, batches of 10
+#: what keras_stages_train.py imports before keepalive: its 6 children fork from a server that has
+#: imported it (most of a child's CPU time); TensorFlow's runtime starts in the child
+PRELOAD = ["numpy", "tensorflow", "keras"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def forked_children():
+    pool = ServerPool(lambda argv, env: ("tensorflow", PRELOAD, "") if argv[0] == SCRIPT else None)
+    forking = ForkingSubprocess(pool)
+    try:
+        with forking.installed_in(crashkit), forking.installed_in(sys.modules[__name__]):
+            yield pool
+    finally:
+        pool.close()
 
 
 def _cmd(run, out, *extra):
