@@ -20,7 +20,9 @@ import sys
 import numpy as np
 import pytest
 
+import crashkit
 from crashkit import run_to_completion
+from forkserver import ForkingSubprocess, ServerPool
 from keepalive import workloads
 from keepalive.cli import main
 from keepalive.workloads import common
@@ -277,6 +279,28 @@ def test_completed_run_is_not_trained_again(tmp_path, keras_backend, capsys):
 
 
 # ----------------------------------------------------------------------------- crash tests
+#: what each crash test's workload imports (keepalive.workloads loads its framework lazily): the 4
+#: children of each fork from a server that has imported it (most of a child's CPU time)
+PRELOAD = {"mnist_mlp": ["numpy", "tensorflow", "keras"],
+           "dogs_cats_resnet": ["numpy", "PIL.Image", "torch", "torch._dynamo", "fastai.vision.all"]}
+
+
+def _preload(argv, env):
+    if argv[0] != BENCH_RUN or argv[1] not in PRELOAD:
+        return None
+    return argv[1], PRELOAD[argv[1]], ""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def forked_children():
+    pool = ServerPool(_preload)
+    try:
+        with ForkingSubprocess(pool).installed_in(crashkit):
+            yield pool
+    finally:
+        pool.close()
+
+
 def _bench_cmd(name, run_dir, *extra):
     return [sys.executable, BENCH_RUN, name, str(run_dir), "--threads", "1", *extra]
 
