@@ -315,3 +315,35 @@ def test_a_history_appended_by_key_is_one_of_the_loops_variables():
 
     loop = read_loop(method.__code__, 0, False)
     assert "self" not in loop.locals and "self" not in loop.carried
+
+
+@pytest.mark.parametrize("settled", [True, False], ids=["settled", "control-never-settled"])
+def test_a_save_holds_the_arrays_and_is_settled_before_the_next_donating_step(tmp_path, monkeypatch, capsys,
+                                                                              settled):
+    """A save copies nothing in the loop: it holds the state's jax arrays themselves (the store copies them
+    after save() returned), and keepalive settles that copy before it hands out the next batch, so no step
+    (which donates the state) runs while a save's copy is pending; every save is committed, the last one
+    holds the final state. The control, with the settle made a no-op, shows steps running unsettled."""
+    step = jax.jit(lambda s, x: {"w": s["w"] * 0.5 + x.sum(), "n": s["n"] + 1}, donate_argnums=0)
+    ckpt = DriveCheckpoint(tmp_path / "run", state={"w": jnp.arange(8.0), "n": jnp.zeros((), jnp.int32)},
+                           every=1, quiet=True)
+    if not settled:
+        monkeypatch.setattr(ckpt.core, "settle_snapshot", lambda: None)
+    unsettled_at_step = []
+    state = ckpt.state
+    for _ in ckpt.epochs(2):
+        for x in ckpt.batches(BATCHES):
+            unsettled_at_step.append(ckpt.core.writer.unsettled)
+            state = ckpt.update(step(state, x))
+    stored = ckpt.capture()["objects"]["state"]
+    ckpt.close()
+    if not settled:
+        assert any(unsettled_at_step)
+        return
+    assert not any(unsettled_at_step) and len(unsettled_at_step) == 6
+    assert stored["w"] is state["w"] and stored["n"] is state["n"]  # by reference, not a host copy
+    assert "was deleted before the checkpoint copied it" not in capsys.readouterr().err
+    assert [i.step for i in ckpt.core.store.list()][-1] == 6
+    back = DriveCheckpoint(tmp_path / "run", state={"w": jnp.zeros(8), "n": jnp.zeros((), jnp.int32)}, quiet=True)
+    assert np.array_equal(back.state["w"], state["w"]) and int(back.state["n"]) == 6
+    back.close()

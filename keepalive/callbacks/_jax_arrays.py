@@ -1,10 +1,11 @@
 """JAX pytrees as keepalive stores them: flat, on the host, and put back with the live template's layout.
 
 A registered pytree (an NNX object's ``nnx.state(...)`` as a pure dict, a Linen ``TrainState``, any
-pytree of arrays) is saved as one flat dict ``{"path/to/leaf": value}``: ``jax.Array`` leaves as host
-numpy arrays (gathered from every device of a sharded array: ``np.asarray``), typed PRNG keys as their
-key data and the name of their implementation (``jax.random.key_data`` / ``key_impl``: reading a key
-draws nothing), numpy arrays copied, Python scalars as they are.
+pytree of arrays) is saved as one flat dict ``{"path/to/leaf": value}``: ``jax.Array`` leaves as they
+are (the store holds them by reference, starts their transfer to the host and copies them after the
+save returned, gathered from every device of a sharded array; they are read back as numpy arrays),
+typed PRNG keys as their key data and the name of their implementation (``jax.random.key_data`` /
+``key_impl``: reading a key draws nothing), numpy arrays copied, Python scalars as they are.
 
 On resume the saved leaves are checked against the live template (the same paths, shapes, dtypes and
 key implementations: :func:`check_tree` raises :class:`~keepalive.errors.StateMismatchError` before
@@ -61,10 +62,13 @@ def key_impl(x: Any) -> str:
 
 def _host(leaf: Any) -> Any:
     if is_key(leaf):
-        return {KEY_DATA: np.array(jax.random.key_data(leaf)), KEY_IMPL: key_impl(leaf)}
-    if isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
-        # a copy, not a view of the device buffer: the loop may donate that buffer to its next step
-        return np.array(leaf)
+        return {KEY_DATA: jax.random.key_data(leaf), KEY_IMPL: key_impl(leaf)}
+    if isinstance(leaf, jax.Array):
+        # the array itself: it never changes in place, and the store copies it to the host after the
+        # save returned (a lazy snapshot, settled before the loop's next step may donate it)
+        return leaf
+    if isinstance(leaf, (np.ndarray, np.generic)):
+        return np.array(leaf)  # a copy: the loop may change a numpy array in place
     return leaf
 
 

@@ -10,6 +10,12 @@ registered optimizers' step hooks, gradient accumulation, loader keys, stages of
 training pass per epoch, no gradient accumulation to wait for (a JAX step applies its update in one
 call), a ``break`` out of ``ckpt.epochs()`` ends the run as an interruption does (the next run
 continues from the last checkpoint).
+
+A save holds the state's ``jax.Array`` leaves by reference and returns; the store copies them to the
+host meanwhile (a lazy snapshot). The loop's next step may donate those buffers
+(``jax.jit(..., donate_argnums=...)``), so the copy is settled (``core.settle_snapshot()``) before the
+loop gets the control back where a step can follow: before each batch and each epoch is handed out,
+and before ``ckpt.update(...)`` returns.
 """
 from __future__ import annotations
 
@@ -32,6 +38,9 @@ class JaxLoop:
         self.preview = preview  # capture()'s shape and dtypes, nothing copied: checked at the loop's start
         self.explicit = False   # the loop calls ckpt.update(): steps are its calls, not batches
         self.steps = 0          # ckpt.update() calls since the last boundary
+        # a lazy source (it adds no tensor: every JAX array of a save is copied later): this loop
+        # settles each save before a step can run
+        core.lazy_sources.append(lambda: ())
 
     # ------------------------------------------------------------------------------------ steps
     def stepped(self) -> None:
@@ -42,6 +51,7 @@ class JaxLoop:
         self.core.optimizer_steps += 1
         if self.data.in_epochs and self.data.feed is None:
             self._boundary(can_save=False)
+        self.core.settle_snapshot()
 
     def _boundary(self, can_save: bool, length: Optional[int] = None) -> Any:
         steps = self.steps if self.explicit else 1
@@ -72,6 +82,7 @@ class JaxLoop:
             while core.counters["epoch"] < n:
                 core.start_epoch()
                 data.begin_epoch()
+                core.settle_snapshot()  # the last epoch's save, before this epoch's steps
                 yield core.counters["epoch"]
                 if data.out:  # the pass was left after its last batch (zip(range(k), ...)): its boundary
                     self._tell_counted_pass()
@@ -129,6 +140,7 @@ class JaxLoop:
         for batch in it:
             data.done += 1
             data.out = True
+            self.core.settle_snapshot()  # the last boundary's save, before this batch's step
             yield data.done - 1, batch
             if self._boundary(can_save=feed.mid_epoch, length=length).stop or \
                     (steps is not None and data.done >= steps):

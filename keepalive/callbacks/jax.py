@@ -201,3 +201,6 @@ class DriveCheckpoint(CheckpointAdapter):
             self._data.save_requested = True
             return
         super().save(sync=sync)
+        # the arrays are copied after save() returned: settled now, since the code's next line may be a
+        # step that donates them (inside the loops, keepalive settles before handing out a batch)
+        self.core.settle_snapshot()
