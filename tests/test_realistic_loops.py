@@ -25,8 +25,9 @@ from typing import Any, Dict, List, Optional
 import pytest
 import torch
 
+import crashkit
 from crashkit import assert_differs, assert_same, run_to_completion
-from forkserver import ForkServer
+from forkserver import ForkingSubprocess, ForkServer, ServerPool
 from keepalive.runs import position  # the words a resume line uses for a position
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "loop_train.py")
@@ -36,17 +37,24 @@ ITERS = SAMPLES // BATCH  # 10 batches per epoch: not a multiple of ACC
 pytestmark = pytest.mark.slow  # ~50 short training processes; for information, they all run
 
 #: the training processes are forked from a server that has imported torch (tests/forkserver.py):
-#: importing it was most of each short child's CPU time, some 50 times in this file
+#: importing it was most of each short child's CPU time, some 50 times in this file; the children
+#: that tests/crashkit.py starts fork from the same server
 FORKS: List[ForkServer] = []
+PRELOAD = ["torch", "torch._dynamo", "torch.utils.data"]
 
 
 @pytest.fixture(scope="module", autouse=True)
 def fork_server():
-    FORKS.append(ForkServer(["torch", "torch._dynamo", "torch.utils.data"], dict(os.environ, PYTHONUNBUFFERED="1")))
+    pool = ServerPool(lambda argv, env: ("torch", PRELOAD, "") if argv[0] == SCRIPT else None)
+    server = pool.server_for([SCRIPT], dict(os.environ, PYTHONUNBUFFERED="1"))
+    assert server is not None
+    FORKS.append(server)
     try:
-        yield FORKS[0]
+        with ForkingSubprocess(pool).installed_in(crashkit):
+            yield FORKS[0]
     finally:
-        FORKS.pop().close()
+        FORKS.pop()
+        pool.close()
 
 
 # ------------------------------------------------------------------------------------- helpers
