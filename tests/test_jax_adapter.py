@@ -347,3 +347,50 @@ def test_a_save_holds_the_arrays_and_is_settled_before_the_next_donating_step(tm
     back = DriveCheckpoint(tmp_path / "run", state={"w": jnp.zeros(8), "n": jnp.zeros((), jnp.int32)}, quiet=True)
     assert np.array_equal(back.state["w"], state["w"]) and int(back.state["n"]) == 6
     back.close()
+
+
+@pytest.mark.parametrize("registered", [True, False], ids=["data_rng", "control-unregistered"])
+def test_a_generator_drawing_from_a_registered_rng_resumes_inside_its_epoch(tmp_path, registered):
+    """``ckpt.batches(batches(rng))``, a generator function made anew each epoch that draws its order (and
+    a noise) from a ``np.random.Generator``, which the loop draws from too: registered as ``data_rng``, a
+    resume puts it back at the epoch's start (the prologue's draw replays), runs the rebuilt generator
+    past the batches done and continues from the saved step's state: the same batches and draws as an
+    uninterrupted run. The control, the generator not registered, resumes at the epoch end with a fresh
+    rng: the order differs."""
+    x = np.arange(16, dtype=np.float32).reshape(8, 2)
+
+    def batches(rng):
+        perm = rng.permutation(8)
+        for i in range(0, 8, 2):
+            yield x[perm[i:i + 2]] + np.float32(rng.normal())
+
+    def train(ckpt, rng, kill_at=None):
+        seen, state = [], ckpt.state
+        for epoch in ckpt.epochs(3):
+            seen.append(("prologue", int(rng.integers(100))))
+            for i, b in enumerate(ckpt.batches(batches(rng))):
+                if (epoch, i) == kill_at:
+                    raise KeyError("killed")
+                seen.append((b.tolist(), float(rng.random())))
+                state = ckpt.update({"w": state["w"] + jnp.asarray(b.sum(0))})
+        return seen, state
+
+    expected, rng = [], np.random.default_rng(0)
+    for _ in range(3):  # the same loop without keepalive
+        expected.append(("prologue", int(rng.integers(100))))
+        expected += [(b.tolist(), float(rng.random())) for b in batches(rng)]
+    extra = {"data_rng": np.random.default_rng(0)} if registered else {}
+    make = functools.partial(DriveCheckpoint, tmp_path / "run", state={"w": jnp.zeros(2)}, every=3, quiet=True)
+    ckpt = make(**extra)
+    with pytest.raises(KeyError):  # dies in epoch 1's fourth batch: the last save is step 6, mid-epoch
+        train(ckpt, extra.get("data_rng", np.random.default_rng(0)), kill_at=(1, 3))
+    ckpt.close()
+    rng2 = np.random.default_rng(0)
+    rng2.random(7)  # a new process's generator, drawn elsewhere before the resume
+    ckpt2 = make(**({"data_rng": rng2} if registered else {}))
+    seen, _ = train(ckpt2, rng2)
+    ckpt2.close()
+    if not registered:
+        assert seen != expected[-len(seen):]
+        return
+    assert ckpt2.step == 12 and seen == [expected[5]] + expected[8:], (seen, expected)

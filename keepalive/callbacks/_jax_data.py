@@ -9,8 +9,13 @@
 * a torch ``DataLoader``: keepalive's replay of its order (:class:`._torch_replay.LoaderReplay`, as the
   torch and Lightning adapters do): the skipped batches are never loaded;
 * a list or tuple of batches (its order is the code's): continued at the saved index;
-* anything else (a numpy generator, a list, tf.data's iterator): checkpoints at epoch ends only, said
-  once at the first save.
+* a Python generator made anew in each epoch (``ckpt.batches(batches(rng))``) while a private random
+  generator is registered (``DriveCheckpoint(..., data_rng=rng)``: a ``np.random.Generator``,
+  ``np.random.RandomState`` or ``random.Random``, :class:`Generators`): it is taken as drawing its
+  order from those generators, so a resume puts them back at the epoch's start, lets the rebuilt
+  generator run past the batches done (read and dropped) and puts them at the saved step;
+* anything else (a generator without a registered random generator, one kept across epochs, tf.data's
+  iterator): checkpoints at epoch ends only, said once at the first save.
 
 The first ``ckpt.batches()`` pass of an epoch is its training data; later ones in the same epoch (an
 evaluation) are iterated as they are. :class:`TrainingData` keeps the epoch's host random state (the
@@ -20,14 +25,18 @@ puts back the saved step's once the resumed pass is positioned.
 from __future__ import annotations
 
 import json
+import random
 import re
 import sys
+import types
 from typing import Any, Callable, Dict, Iterator, Optional
+
+import numpy as np
 
 from .. import rng
 from ..core import Checkpointer
 
-__all__ = ["Feed", "TrainingData"]
+__all__ = ["Feed", "Generators", "TrainingData"]
 
 #: a default ``object.__repr__`` (``<pkg.Source object at 0x7f...>``): another one in every process
 _DEFAULT_REPR = re.compile(r"^<\S+ object at 0x[0-9a-f]+>$")
@@ -62,10 +71,43 @@ def _same_source(saved: Any, live: Any) -> Any:
     return saved
 
 
+class Generators:
+    """The private random generators registered for the data order (``data_rng=rng``): their states as
+    JSON text (a numpy bit generator's holds 128-bit integers, which JSON readers other than Python's cap)."""
+
+    KINDS = (random.Random, np.random.Generator, np.random.RandomState)
+
+    def __init__(self) -> None:
+        self.live: Dict[str, Any] = {}
+
+    def states(self) -> Dict[str, str]:
+        return {name: json.dumps(_state_of(g), default=lambda a: a.tolist()) for name, g in self.live.items()}
+
+    def load(self, states: Optional[Dict[str, str]]) -> None:
+        for name, text in (states or {}).items():
+            if name in self.live:
+                _set_state(self.live[name], json.loads(text))
+
+
+def _state_of(g: Any) -> Any:
+    if isinstance(g, np.random.Generator):
+        return g.bit_generator.state
+    return list(g.get_state() if isinstance(g, np.random.RandomState) else g.getstate())
+
+
+def _set_state(g: Any, state: Any) -> None:
+    if isinstance(g, np.random.Generator):
+        g.bit_generator.state = state
+    elif isinstance(g, np.random.RandomState):
+        g.set_state((state[0], np.asarray(state[1], np.uint32), *state[2:]))
+    else:
+        g.setstate((state[0], tuple(state[1]), state[2]))
+
+
 class Feed:
     """One iterable handed to ``ckpt.batches()``: how it is iterated, saved and positioned."""
 
-    def __init__(self, source: Any):
+    def __init__(self, source: Any, rebuilt: bool = False):
         self.source = source
         self.replay: Any = None
         self.iterator: Any = None
@@ -78,6 +120,9 @@ class Feed:
         elif isinstance(source, (list, tuple)):
             self.kind = "sequence"
             self.why_not = ""
+        elif rebuilt and isinstance(source, types.GeneratorType):
+            self.kind = "rebuilt"  # drawn from the registered generators: run again past the batches done
+            self.why_not = ""
         else:
             self.kind = "grain" if _stateful(source) else "probe"  # "probe": known once its iterator is made
             self.why_not = ""
@@ -88,7 +133,7 @@ class Feed:
 
     @property
     def mid_epoch(self) -> bool:
-        return self.kind in ("grain", "torch", "sequence")
+        return self.kind in ("grain", "torch", "sequence", "rebuilt")
 
     def open(self, start: Optional[Dict[str, Any]], positioned: Callable[[], None]) -> Iterator[Any]:
         """The pass's batches, from ``start`` (a saved :meth:`position`) when given."""
@@ -101,6 +146,9 @@ class Feed:
                 positioned()
             return iter(self.source[skip:])
         it = iter(self.source)
+        if self.kind == "rebuilt" and start is not None:
+            for _ in zip(range(int(start["batches"])), it):
+                pass  # the batches done before the resume, drawn again from the epoch's start and dropped
         self.iterator = it
         if self.kind == "probe":
             self.kind = "grain" if _stateful(it) else "epoch"
@@ -111,6 +159,10 @@ class Feed:
             if self.persistent:
                 self.why_not += ("; an iterator kept across epochs restarts on a resume: make it anew in each "
                                  "epoch (ckpt.batches(make_batches(epoch)))")
+            if isinstance(self.source, types.GeneratorType):
+                self.why_not += ("; a generator made in each epoch that draws its order from a random generator "
+                                 "of its own resumes inside the epoch once that one is registered "
+                                 "(DriveCheckpoint(..., data_rng=rng))")
         if start is not None and start.get("state") is not None and self.kind == "grain":
             it.set_state(_same_source(start["state"], it.get_state()))
         if start is not None:
@@ -146,12 +198,26 @@ class TrainingData:
         self.feeds: Dict[int, Feed] = {}      # by id of the iterable: a loader keeps its feed
         self.persistent_state: Any = None     # a kept iterator's state at an epoch end
         self.resumed_at = 0                   # the batch a resumed epoch's pass continued at (0: none)
+        self.generators = Generators()        # the private ones the data order is drawn from
+        self.step_generators: Optional[Dict[str, str]] = None   # their states at the saved step (mid-epoch)
+        self.epoch_generators: Dict[str, str] = {}              # theirs at the running epoch's start
+
+    def register_generator(self, name: str, obj: Any) -> bool:
+        """``obj`` is a private random generator (``data_rng=rng``): kept here (True), saved with the data."""
+        if not isinstance(obj, Generators.KINDS):
+            return False
+        self.generators.live[name] = obj
+        return True
 
     def restore(self, tree: Dict[str, Any]) -> None:
         self.saved = dict(tree.get("data") or {})
         self.core.restore_rng(tree)
+        generators = self.saved.get("generator_states")
         if self.core.counters["batch"]:
             self.step_rng = tree.get("rng")
+            self.step_generators = generators  # put back once the rebuilt pass is past the batches done
+        else:
+            self.generators.load(generators)
         self.persistent_state = self.saved.get("kept_state")
 
     def begin_epoch(self) -> None:
@@ -160,7 +226,9 @@ class TrainingData:
         epoch_rng = self.saved.pop("epoch_rng", None) if self.core.counters["batch"] else None
         if epoch_rng is not None:
             rng.restore(epoch_rng)
+            self.generators.load(self.saved.pop("epoch_generators", None))
         self.epoch_rng = rng.capture()
+        self.epoch_generators = self.generators.states()
 
     def take_request(self) -> bool:
         requested, self.save_requested = self.save_requested, False
@@ -168,8 +236,10 @@ class TrainingData:
 
     def training_feed(self, source: Any) -> Feed:
         feed = self.feeds.get(id(source))
+        if feed is not None and feed.source is source and feed.kind == "rebuilt":
+            feed.kind = "probe"  # a generator kept across epochs: run again, it would start over (epoch ends)
         if feed is None or feed.source is not source:
-            feed = self.feeds[id(source)] = Feed(source)
+            feed = self.feeds[id(source)] = Feed(source, rebuilt=bool(self.generators.live))
             generators = self.saved.pop("generators", None)
             if generators and feed.replay is not None and not self.core.counters["batch"]:
                 feed.replay.load_generators(generators)  # an epoch-end checkpoint: the next epoch's start
@@ -193,6 +263,9 @@ class TrainingData:
         if self.step_rng is not None:
             rng.restore(self.step_rng)
             self.step_rng = None
+        if self.step_generators is not None:
+            self.generators.load(self.step_generators)
+            self.step_generators = None
 
     def section(self) -> Dict[str, Any]:
         """The checkpoint's ``data`` section."""
@@ -200,8 +273,11 @@ class TrainingData:
         data: Dict[str, Any] = {}
         if feed is not None and feed.kind == "epoch":
             self.core.warn(feed.why_not, key=f"jax-feed:{type(feed.source).__name__}")
+        if self.generators.live:
+            data["generator_states"] = self.generators.states()
         if self.core.counters["batch"] and feed is not None:
-            data.update(position=feed.position(self.done), epoch_rng=self.epoch_rng)
+            data.update(position=feed.position(self.done), epoch_rng=self.epoch_rng,
+                        epoch_generators=self.epoch_generators)
         elif feed is not None and feed.persistent and feed.kind == "grain":
             data["kept_state"] = feed.position(self.done)["state"]
         if not self.core.counters["batch"]:

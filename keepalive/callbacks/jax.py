@@ -97,7 +97,11 @@ class DriveCheckpoint(CheckpointAdapter):
     # ---------------------------------------------------------------------------- registration
     def register(self, name: str, obj: Any) -> None:
         """Save and restore ``obj`` as ``name``: an NNX object (restored in place) or a functional
-        state (a pytree of arrays the loop rebinds: hand each new one over with ``ckpt.update(name=...)``)."""
+        state (a pytree of arrays the loop rebinds: hand each new one over with ``ckpt.update(name=...)``),
+        or a private random generator the data order is drawn from (``np.random.Generator``,
+        ``np.random.RandomState``, ``random.Random``: its state is saved and put back)."""
+        if self._data.register_generator(name, obj):
+            return
         self._objects.register(name, obj)
 
     # ---------------------------------------------------------------------------------- resume
