@@ -14,8 +14,9 @@
   ``np.random.RandomState`` or ``random.Random``, :class:`Generators`): it is taken as drawing its
   order from those generators, so a resume puts them back at the epoch's start, lets the rebuilt
   generator run past the batches done (read and dropped) and puts them at the saved step;
-* anything else (a generator without a registered random generator, one kept across epochs, tf.data's
-  iterator): checkpoints at epoch ends only, said once at the first save.
+* anything else (a generator without a registered random generator, one kept across epochs, a
+  ``tf.data.Dataset``): checkpoints at epoch ends only, said once at the first save (for tf.data with
+  what makes its epoch-end resumes exact: an order the code sets in each epoch).
 
 The first ``ckpt.batches()`` pass of an epoch is its training data; later ones in the same epoch (an
 evaluation) are iterated as they are. :class:`TrainingData` keeps the epoch's host random state (the
@@ -159,6 +160,11 @@ class Feed:
             if self.persistent:
                 self.why_not += ("; an iterator kept across epochs restarts on a resume: make it anew in each "
                                  "epoch (ckpt.batches(make_batches(epoch)))")
+            if type(self.source).__module__.startswith("tensorflow"):
+                self.why_not += ("; a tf.data pipeline resumes exactly at an epoch end when its order is set by "
+                                 "the code: made in each epoch with a seeded shuffle (shuffle(n, seed=base + "
+                                 "epoch)) or with reshuffle_each_iteration=False (one reshuffled by each iteration "
+                                 "starts its order over after a resume)")
             if isinstance(self.source, types.GeneratorType):
                 self.why_not += ("; a generator made in each epoch that draws its order from a random generator "
                                  "of its own resumes inside the epoch once that one is registered "
