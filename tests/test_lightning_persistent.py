@@ -90,3 +90,65 @@ def test_killed_fit_resumes_exactly_and_the_control_differs(forks, tmp_path, ref
     assert_differs(reference["weights"], control["weights"])
     delta = max((reference["weights"][k] - control["weights"][k]).abs().max().item() for k in control["weights"])
     print(f"\ncontrol (new workers go on from their own states): weights max |delta| {delta:.3g}")
+
+
+# ------------------------------------------------------------ reload_dataloaders_every_n_epochs=1
+# Lightning builds the training loader anew each epoch and calls iter() on it twice (when it builds it,
+# and when the epoch starts: the first iterator is dropped unread); a fit resumed at an epoch's start
+# calls it once. keepalive takes no batch of the dropped iterator (its workers would fetch one more
+# batch ahead, and persistent ones go on from that fetch) and makes the dropped iter() of a fit resumed
+# at an epoch's start (its draws: the workers' base seed, the order's seed).
+RELOAD = {"0 workers": ["--workers", "0"], "2 persistent workers": []}
+
+
+@pytest.fixture(scope="module")
+def reload_reference(forks, tmp_path_factory):
+    """The reloading fits without keepalive, uninterrupted, by loader settings (made when first asked)."""
+    root, made = tmp_path_factory.mktemp("lightning-reload"), {}
+
+    def get(loader):
+        if loader not in made:
+            name = f"plain-{len(made)}"
+            _run(forks, root, name, "--plain", "--reload", *RELOAD[loader])
+            made[loader] = _result(root, name)
+        return made[loader]
+    return get
+
+
+@pytest.mark.parametrize("loader", list(RELOAD))
+def test_reloaded_loaders_are_transparent(forks, tmp_path, reload_reference, loader):
+    out = _run(forks, tmp_path, "ka", "--reload", *RELOAD[loader])
+    assert "keepalive: warning" not in out, out
+    assert_same(reload_reference(loader), _result(tmp_path, "ka"), f"reloaded loaders, {loader}, no kill")
+
+
+@pytest.mark.parametrize("loader,every,kill_after,resumed_at", [
+    ("0 workers", "epoch", 12, "at the end of epoch 1"),
+    ("2 persistent workers", "epoch", 12, "at the end of epoch 1"),
+    ("2 persistent workers", "11", 11, "in epoch 1 after 5 batches"),
+])
+def test_reloaded_loaders_resume_exactly(forks, tmp_path, reload_reference, loader, every, kill_after, resumed_at):
+    args = ["--reload", *RELOAD[loader], "--every", every]
+    first = _run(forks, tmp_path, "ka", *args, "--kill-after", str(kill_after), killed=True)
+    second = _run(forks, tmp_path, "ka", *args)
+    assert resumed_at in second and "keepalive: warning" not in first + second, first + second
+    assert_same(reload_reference(loader), _result(tmp_path, "ka"), f"reloaded loaders, {loader}, killed after "
+                                                                   f"step {kill_after}")
+
+
+def test_reload_control_without_the_unread_iteration_differs(forks, tmp_path, reload_reference):
+    """A fit resumed at an epoch's start that skips the iter() Lightning drops (keepalive's former
+    behaviour) trains the next epoch on another order."""
+    args = ["--reload", *RELOAD["0 workers"], "--unread-control"]
+    _run(forks, tmp_path, "control", *args, "--kill-after", "12", killed=True)
+    _run(forks, tmp_path, "control", *args)
+    reference, control = reload_reference("0 workers"), _result(tmp_path, "control")
+    assert_differs(reference["weights"], control["weights"])
+    delta = max((reference["weights"][k] - control["weights"][k]).abs().max().item() for k in control["weights"])
+    print(f"\ncontrol (no unread iter() at the resumed epoch's start): weights max |delta| {delta:.3g}")
+
+
+def test_reload_every_few_epochs_is_said_at_the_first_save(forks, tmp_path):
+    out = _run(forks, tmp_path, "ka", "--reload", "2", "--workers", "0", "--kill-after", "6", killed=True)
+    assert out.count("reload_dataloaders_every_n_epochs=2") == 1, out
+    assert "reload_dataloaders_every_n_epochs=1 (or 0) resumes bit-exactly" in out, out

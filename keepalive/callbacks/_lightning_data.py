@@ -135,7 +135,12 @@ class _Replay(LoaderReplay):
             # states; it fetches the first batch too, which with workers draws nothing in this process
             # (the order and the workers' seeds are drawn inside iter() with workers)
             index = _StartsFrom(pos, state) if state is not None else None
-            made, first = self.open(resume, index)
+            # a plain DataLoader's iterator is made (order, seeds, prefetched indices) inside iter():
+            # its first batch waits for Lightning's next(), which matters when Lightning discards the
+            # iterator unread (it calls iter() twice on a loader reloaded each epoch): a batch taken
+            # now sends a worker one more index, and persistent workers' random states would go on
+            # from that extra fetch. A subclass's __iter__ may make its iterator at the first next()
+            made, first = self.open(resume, index, first=type(self.loader).__iter__ is not DataLoader.__iter__)
             if index is not None:
                 index.state = None
             return itertools.chain(first, made), made
@@ -330,12 +335,14 @@ class TrainData:
         n = max(self.replays) + 1 if self.replays else 0
         return [s.position() if (s := self.streams.get(i)) is not None else None for i in range(n)]
 
-    def generators_now(self) -> List[Optional[Dict[str, Any]]]:
+    def generators_now(self, reloaded: bool = False) -> List[Optional[Dict[str, Any]]]:
         """The loaders' generators and counters now, and what their persistent workers carry into the
-        next epoch (an epoch-end checkpoint)."""
+        next epoch (an epoch-end checkpoint). ``reloaded``: Lightning builds the next epoch's loaders
+        anew (``reload_dataloaders_every_n_epochs``): they start from what your code gives them, with
+        new workers, in a resumed fit as in the uninterrupted one, so nothing is carried."""
         n = max(self.replays) + 1 if self.replays else 0
         out: List[Optional[Dict[str, Any]]] = []
-        for i in range(n):
+        for i in range(n if not reloaded else 0):
             rp = self.replays.get(i, (None, None))[1]
             now = rp.generators_now() if rp is not None else None
             persistent = rp.persistent_now(None) if rp is not None else None
@@ -365,6 +372,16 @@ class TrainData:
             if rp.persistence.inexact:
                 self.warn(rp.persistence.inexact, f"inexact:{rp.persistence.inexact}")
         return None
+
+    def iterate_unread(self) -> None:
+        """The ``iter()`` of each training loader that the uninterrupted fit made at this epoch's start
+        and never read: Lightning calls ``iter()`` on a loader reloaded for an epoch twice (when it
+        builds it, and when the epoch starts), a fit resumed at that epoch's start once. Made here, at
+        the same moment of the epoch's start, it draws what the uninterrupted fit's did (the workers'
+        base seed, the order's seed; persistent workers start and fetch ahead as they did there)."""
+        for _, (loader, rp) in sorted(self.replays.items()):
+            unread = rp.begin(None) if rp is not None else iter(loader)
+            del unread  # as Lightning drops it: non-persistent workers end with it
 
     def take_samples(self) -> int:
         n, self.samples_out = self.samples_out, 0

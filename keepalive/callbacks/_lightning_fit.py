@@ -50,6 +50,13 @@ def position_data(core: Checkpointer, train_data: data.TrainData, lt: Dict[str, 
         train_data.resume_at(None, saved.get("generators"))
 
 
+def reloads_loaders(trainer: Any, epoch: int) -> bool:
+    """Lightning builds the training loaders anew for ``epoch`` (``reload_dataloaders_every_n_epochs``,
+    counted from the fit's first epoch as an uninterrupted fit counts)."""
+    n = int(getattr(trainer, "reload_dataloaders_every_n_epochs", 0) or 0)
+    return n > 0 and epoch > 0 and epoch % n == 0
+
+
 def finished_fit(core: Checkpointer, trainer: Any, lt: Dict[str, Any]) -> None:
     """The checkpoint is a fit's last: it ended early (EarlyStopping), or this plan has no more epochs."""
     if lt.get("should_stop"):

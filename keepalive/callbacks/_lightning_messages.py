@@ -1,6 +1,7 @@
 """What the Lightning adapter tells the user: a ``ckpt_path`` that replaced the run's checkpoint, random
-draws of loader workers a resume cannot replay, a checkpoint of an older keepalive, a save that waits for
-the end of a validation. Each is one line, said once (by its key) through the core."""
+draws of loader workers a resume cannot replay, loaders reloaded every few epochs, a checkpoint of an
+older keepalive, a save that waits for the end of a validation. Each is one line, said once (by its key)
+through the core."""
 from __future__ import annotations
 
 from typing import Any
@@ -32,6 +33,13 @@ def tell_persistent_draws(core: Checkpointer, workers: int) -> None:
               "random streams of the ones they replace, so the augmentation after a resume differs from an "
               "uninterrupted run (the data order and the main process's draws are exact). "
               "persistent_workers=False resumes bit-exactly.", key="persistent-worker-draws")
+
+
+def tell_reload_every(core: Checkpointer, every: int) -> None:
+    core.warn(f"Trainer(reload_dataloaders_every_n_epochs={every}): a resumed fit builds its training loaders "
+              "in its first epoch and counts the next reloads from there, so they fall on other epochs than "
+              "in an uninterrupted fit, whose data order and worker seeds then differ. "
+              "reload_dataloaders_every_n_epochs=1 (or 0) resumes bit-exactly.", key="reload-every")
 
 
 def tell_old_position(core: Checkpointer, epoch: int, batches: int) -> None:

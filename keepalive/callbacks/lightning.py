@@ -265,7 +265,11 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
         self._stand_ins.put_back()
 
         def epoch_start() -> None:
+            at_epoch_end = self._pending is not None and not self.core.counters["batch"]
             self._restore_pending(trainer)
+            if at_epoch_end and fit.reloads_loaders(trainer, int(trainer.current_epoch)):
+                # the uninterrupted fit builds this epoch's loaders now and calls iter() twice on them
+                self.data.iterate_unread()
             self.core.start_epoch()
 
         events = LoopEvents(epoch_start=epoch_start, epoch_end=lambda: self._epoch_boundary(trainer),
@@ -388,7 +392,11 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
             if workers is not None:
                 lmsg.tell_worker_draws(self.core, workers)
         else:
-            saved["generators"] = self.data.generators_now()  # where the next epoch's order starts
+            # where the next epoch's order starts (nothing when Lightning builds its loaders anew)
+            saved["generators"] = self.data.generators_now(
+                reloaded=fit.reloads_loaders(trainer, int(trainer.current_epoch) + 1))
+        if int(getattr(trainer, "reload_dataloaders_every_n_epochs", 0) or 0) > 1:
+            lmsg.tell_reload_every(self.core, int(trainer.reload_dataloaders_every_n_epochs))
         persistent = self.data.persistent_draws()
         if persistent is not None:
             lmsg.tell_persistent_draws(self.core, persistent)
