@@ -14,6 +14,9 @@
 ``--plain`` trains without keepalive (same code, a stand-in with the same loop calls). ``--kill-at
 EPOCH:BATCH`` waits, at the start of that batch's body, until the newest save is committed, then
 SIGKILLs the process. ``--control X`` switches a piece of keepalive off (a negative control).
+``--trace`` (the notice test, ``nnx`` shape): prints ``STEP n`` in each batch's body, then sleeps
+``--step-sleep`` seconds, ``COMMITTED n`` per committed checkpoint, and ``STOPPED n`` (exit 0, no
+``--out``) when keepalive stopped the training (a preemption notice), ``DONE`` at the end.
 ``--out`` gets an ``.npz`` of the final state (every leaf by path, keys as key data), the history and the
 step count.
 """
@@ -21,6 +24,7 @@ import argparse
 import os
 import signal
 import sys
+import time
 
 import numpy as np
 
@@ -33,6 +37,8 @@ p.add_argument("--every", default="4")
 p.add_argument("--plain", action="store_true")
 p.add_argument("--kill-at", default=None)
 p.add_argument("--control", default=None, choices=("no-data-state", "no-loop-vars", "no-rngs"))
+p.add_argument("--trace", action="store_true")
+p.add_argument("--step-sleep", type=float, default=0.0)
 args = p.parse_args()
 
 import jax  # noqa: E402
@@ -88,7 +94,26 @@ def checkpoint(**objects):
         _jax_objects.from_host = lambda template, saved: restored(
             template, {k: (to_host(template)[k] if "rngs/" in k else v) for k, v in saved.items()})
     every = int(args.every) if args.every.isdigit() else args.every
-    return DriveCheckpoint(args.run, every=every, track_globals=args.control != "no-loop-vars", **objects)
+    ckpt = DriveCheckpoint(args.run, every=every, track_globals=args.control != "no-loop-vars", **objects)
+    if args.trace:
+        ckpt.core.on_commit.append(lambda r: print(f"COMMITTED {r.info.step}", flush=True))
+    return ckpt
+
+
+def traced_step(ckpt):
+    """--trace: the step being run (keepalive counts an NNX loop's step at the batch's end), then a pause
+    in which a notice can come."""
+    if args.trace:
+        print(f"STEP {ckpt.step + 1}", flush=True)
+        time.sleep(args.step_sleep)
+
+
+def stop_if_stopped(ckpt):
+    """--trace: a training keepalive stopped (a notice) ends here with exit 0, as a VM's would."""
+    if args.trace and ckpt.core.stopped:
+        print(f"STOPPED {ckpt.step}", flush=True)
+        ckpt.close()
+        sys.exit(0)
 
 
 def maybe_kill(ckpt, epoch, batch):
@@ -169,9 +194,11 @@ if args.shape in ("nnx", "mesh"):
             if mesh is not None:
                 batch = jax.device_put(batch, by_batch)
             train_step(model, optimizer, metrics, batch)
+            traced_step(ckpt)
         for metric, value in metrics.compute().items():
             metrics_history[f"train_{metric}"].append(value)
         metrics.reset()
+    stop_if_stopped(ckpt)
     history = np.array([[float(v) for v in vs] for vs in metrics_history.values()])
     if mesh is not None:  # still laid out as the code built it
         assert model.linear1.kernel[...].sharding.is_equivalent_to(replicated, 2)
@@ -219,4 +246,6 @@ else:
         losses.append(float(loss))
     dump(params=state.params, opt=state.opt_state, step={"step": state.step}, rng={"rng": rng},
          history={"h": np.array(losses)})
+if args.trace:
+    print("DONE", flush=True)
 sys.stdout.flush()
