@@ -11,6 +11,11 @@ checkpoint (one batch left: one worker makes none before the next epoch, so its 
 checkpoint), and after epoch 1's end (new workers for epoch 2): the re-run equals the uninterrupted fit,
 weights and every step's loss, and nothing is said. Controls: the same kills with the workers' states
 not taken from the checkpoint (keepalive's former behaviour) differ.
+
+With ``Trainer(reload_dataloaders_every_n_epochs=1)`` (a new loader each epoch, iterated twice by
+Lightning): a fit with keepalive equals one without (0 workers, 2 persistent workers that augment), and
+SIGKILLs after epoch 1's end and inside it resume bit-exactly; the control (a resume at an epoch's start
+without the dropped ``iter()``) differs; every 2 epochs is said once, at the first save.
 """
 from __future__ import annotations
 

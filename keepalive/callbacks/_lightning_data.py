@@ -10,13 +10,13 @@ user's objects). Each ``iter()`` of a training ``DataLoader`` goes through a
 :class:`keepalive.callbacks._torch_replay.LoaderReplay` (:class:`_Replay`):
 
 * an ordinary iteration calls ``iter(loader)`` right there, as Lightning would (with workers through
-  ``LoaderReplay``'s own, which also fetches the first batch: with workers that draws nothing in this
-  process), and records the random states it draws from (global RNGs, ``generator=``, the samplers'
-  generators and counters) — and, without workers, the random state at its first batch too:
-  Lightning creates an epoch's iterator ahead of its first batch (``configure_optimizers`` reading
-  ``trainer.estimated_stepping_batches`` builds it before ``on_train_start`` and
-  ``on_train_epoch_start``, whose hooks may draw random numbers), and a ``RandomSampler`` without
-  workers draws its seed at the first batch;
+  ``LoaderReplay``'s own, which fetches the first batch there only for a subclass that overrides
+  ``__iter__``: with workers that draws nothing in this process), and records the random states it
+  draws from (global RNGs, ``generator=``, the samplers' generators and counters) — and, without
+  workers, the random state at its first batch too: Lightning creates an epoch's iterator ahead of
+  its first batch (``configure_optimizers`` reading ``trainer.estimated_stepping_batches`` builds it
+  before ``on_train_start`` and ``on_train_epoch_start``, whose hooks may draw random numbers), and a
+  ``RandomSampler`` without workers draws its seed at the first batch;
 * the first iteration of a resumed fit is made at its first batch (Lightning creates it before the loop
   state, the RNGs and ``set_epoch`` are restored): a mid-epoch checkpoint puts the recorded states back,
   creates the iterator the normal way while the index sampler skips the saved number of samples (index
@@ -28,6 +28,13 @@ user's objects). Each ``iter()`` of a training ``DataLoader`` goes through a
   base seed was drawn from, each worker's random state for its next batch, under ``"persistent"`` in a
   loader's position or epoch-end generators): the new workers get the same seed, drawn from a copy (the
   global generator is left as the uninterrupted fit has it), and start from those states.
+
+A loader Lightning reloads for an epoch (``reload_dataloaders_every_n_epochs``) gets two ``iter()`` calls
+(when it is built, and at the epoch's start: the first iterator is dropped unread), a fit resumed at that
+epoch's start one: no batch is taken from an iterator before Lightning asks (a plain ``DataLoader``'s is
+made inside ``iter()``; a batch taken ahead would make a worker fetch one more, and persistent workers go
+on from that fetch), and the resumed fit makes the dropped ``iter()`` where the uninterrupted one made it
+(:meth:`TrainData.iterate_unread`); an epoch-end checkpoint before a reload carries nothing of the loader.
 
 So the saved position never goes through Lightning's own loader-state restore, which a
 ``configure_optimizers`` reading ``estimated_stepping_batches`` bypasses (it builds the loader before

@@ -30,8 +30,9 @@ an unknown one is checked once), ``StatefulDataLoader`` (through its ``state_dic
 (``IterableDataset``, a sampler whose order does not replay): checkpoints at epoch ends only, said once.
 A ``configure_optimizers`` that reads ``trainer.estimated_stepping_batches`` (the OneCycleLR recipe),
 which makes Lightning build the training loader before its loop state is restored, resumes exactly too.
-``persistent_workers=True``: exact when the workers draw no random numbers; when they do (augmentation
-in the dataset), said once: a resume starts new workers, whose streams differ from the ones they replace.
+``persistent_workers=True``: exact, augmentation in the workers included (a checkpoint carries their seed
+and states). ``reload_dataloaders_every_n_epochs=1`` (a new loader each epoch, which Lightning calls
+``iter()`` on twice): exact; every N > 1 epochs is said once (a resume shifts Lightning's reload epochs).
 
 When: ``every=`` (epochs, optimizer steps = ``trainer.global_step``, a duration), before the session's
 deadline (then ``trainer.should_stop`` ends the fit cleanly: ``cb.stopped``), at the end of training, on
