@@ -54,7 +54,7 @@ pytestmark = pytest.mark.slow  # ~17 short training processes
 # ------------------------------------------------------------------------------------- helpers
 @pytest.fixture(scope="module", autouse=True)
 def forked_children():
-    pool = ServerPool(lambda argv, env: ("torch", PRELOAD, "") if argv[0] == SCRIPT else None)
+    pool = ServerPool(lambda argv, env: ("torch", PRELOAD, "") if argv[0] == SCRIPT else None, quick_exit=True)
     try:
         with ForkingSubprocess(pool).installed_in(sys.modules[__name__]):
             yield pool
