@@ -57,7 +57,7 @@ TOTAL = 18  # 44 samples / batch 4 = 11 batches an epoch, accumulation 2: 6 step
 
 @pytest.fixture(scope="module", autouse=True)
 def forked_children():
-    pool = ServerPool(lambda argv, env: ("hf", PRELOAD, SETUP) if argv[0] == SCRIPT else None)
+    pool = ServerPool(lambda argv, env: ("hf", PRELOAD, SETUP) if argv[0] == SCRIPT else None, quick_exit=True)
     try:
         with ForkingSubprocess(pool).installed_in(sys.modules[__name__]):
             yield pool
