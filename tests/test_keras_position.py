@@ -52,7 +52,7 @@ def _preload(argv, env):
 
 @pytest.fixture(scope="module", autouse=True)
 def forked_children():
-    pool = ServerPool(_preload)
+    pool = ServerPool(_preload, quick_exit=True)
     forking = ForkingSubprocess(pool)
     try:
         with forking.installed_in(crashkit), forking.installed_in(sys.modules[__name__]):
