@@ -48,6 +48,7 @@ whose order is a function of the states above: ``shuffle=True/False``, ``batch_s
 """
 from __future__ import annotations
 
+import inspect
 import itertools
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -142,12 +143,12 @@ class _Replay(LoaderReplay):
             # states; it fetches the first batch too, which with workers draws nothing in this process
             # (the order and the workers' seeds are drawn inside iter() with workers)
             index = _StartsFrom(pos, state) if state is not None else None
-            # a plain DataLoader's iterator is made (order, seeds, prefetched indices) inside iter():
-            # its first batch waits for Lightning's next(), which matters when Lightning discards the
-            # iterator unread (it calls iter() twice on a loader reloaded each epoch): a batch taken
-            # now sends a worker one more index, and persistent workers' random states would go on
-            # from that extra fetch. A subclass's __iter__ may make its iterator at the first next()
-            made, first = self.open(resume, index, first=type(self.loader).__iter__ is not DataLoader.__iter__)
+            # the iterator is made (order, seeds, prefetched indices) inside iter(): its first batch
+            # waits for Lightning's next(), which matters when Lightning drops the iterator unread (it
+            # calls iter() twice on a loader reloaded each epoch): a batch taken now sends a worker one
+            # more index, and persistent workers' random states would go on from that extra fetch. A
+            # subclass whose __iter__ is a generator makes its iterator at the first next(): taken now
+            made, first = self.open(resume, index, first=inspect.isgeneratorfunction(type(self.loader).__iter__))
             if index is not None:
                 index.state = None
             return itertools.chain(first, made), made
