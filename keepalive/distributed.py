@@ -121,20 +121,26 @@ class ProcessGroup:
         return _torch_distributed()
 
     @property
+    def jax(self) -> Any:
+        """The ``jax.distributed`` processes (:mod:`keepalive.jaxgroup`) when torch.distributed is not
+        initialised and JAX's is, with several processes; else None."""
+        return _jax_processes() if self.dist is None else None
+
+    @property
     def active(self) -> bool:
         """A process group of more than one rank is initialised."""
         dist = self.dist
-        return dist is not None and dist.get_world_size() > 1
+        return dist.get_world_size() > 1 if dist is not None else self.jax is not None
 
     @property
     def rank(self) -> int:
         dist = self.dist
-        return dist.get_rank() if dist is not None else 0
+        return dist.get_rank() if dist is not None else getattr(self.jax, "rank", 0)
 
     @property
     def world_size(self) -> int:
         dist = self.dist
-        return dist.get_world_size() if dist is not None else 1
+        return dist.get_world_size() if dist is not None else getattr(self.jax, "world_size", 1)
 
     @property
     def is_main(self) -> bool:
@@ -160,13 +166,10 @@ class ProcessGroup:
         """
         if not self.active:
             return Agreement(save, stop, signal)
-        torch = sys.modules["torch"]
         where = position or Position(0, 0, 0, 0)
         places = [where.kind, where.epoch, where.batch, where.length]
         local = [int(save), int(stop), int(signal or 0), int(where.length == 0)] + places + [-v for v in places]
-        flags = torch.tensor(local, dtype=torch.int64, device=self._device())
-        self.dist.all_reduce(flags, op=self.dist.ReduceOp.MAX)
-        values = [int(v) for v in flags.tolist()]
+        values = self._max(local)
         s, t, sig, some_unknown = values[:4]
         highest, lowest = values[4:8], [-v for v in values[8:12]]
         if position is not None and (highest[:3] != lowest[:3]
@@ -174,6 +177,17 @@ class ProcessGroup:
             self._uneven(where)
         return Agreement(save=bool(s), stop=bool(t), signal=sig or None,
                          from_other_rank=bool(s or t) and not (save or stop))
+
+    def _max(self, local: List[int]) -> List[int]:
+        """The element-wise largest of every rank's integers: one ``all_reduce(MAX)`` (torch), or one
+        exchange through JAX's coordination service."""
+        processes = self.jax
+        if processes is not None:
+            return [int(v) for v in processes.max(local)]
+        torch = sys.modules["torch"]
+        flags = torch.tensor(local, dtype=torch.int64, device=self._device())
+        self.dist.all_reduce(flags, op=self.dist.ReduceOp.MAX)
+        return [int(v) for v in flags.tolist()]
 
     def _uneven(self, position: Position) -> None:
         """The ranks agreed at different places: every rank learns every rank's (one more collective,
@@ -202,6 +216,8 @@ class ProcessGroup:
         """Every rank's ``part`` as a list on rank 0 (None on the others); a collective."""
         if not self.active:
             return [part]
+        if self.jax is not None:
+            return self.jax.gather(part)  # type: ignore[no-any-return]
         out: Optional[List[Any]] = [None] * self.world_size if self.is_main else None
         self.dist.gather_object(part, out, dst=0)
         return out
@@ -210,6 +226,8 @@ class ProcessGroup:
         """Every rank's ``value``, on every rank; a collective."""
         if not self.active:
             return [value]
+        if self.jax is not None:
+            return self.jax.all_gather(value)  # type: ignore[no-any-return]
         out: List[Any] = [None] * self.world_size
         self.dist.all_gather_object(out, value)
         return out
@@ -316,11 +334,23 @@ class ProcessGroup:
 
     def barrier(self) -> None:
         """Wait until every rank is here (after a final save: no rank exits before it is durable)."""
-        if self.active:
+        if self.jax is not None:
+            self.jax.barrier()
+        elif self.active:
             if self.dist.get_backend() == "nccl":
                 self.dist.barrier(device_ids=[self._device().index])
             else:
                 self.dist.barrier()
+
+
+def _jax_processes() -> Any:
+    """keepalive's collectives over ``jax.distributed`` when the program initialised it with several
+    processes (looked up without importing JAX: a program that never did finds nothing)."""
+    if "jax._src.distributed" not in sys.modules:
+        return None
+    from .jaxgroup import processes
+
+    return processes()
 
 
 def _ranks(ranks: List[int]) -> str:

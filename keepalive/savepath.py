@@ -222,15 +222,14 @@ class ShardedSave:
     def submit(self, tree: StateTree, *, step: int, epoch: int, metadata: Mapping[str, Any],
                sync: bool, defer: Optional[Callable[[Any], bool]] = None) -> None:
         # (no lazy copy here: DCP stages each rank's shards itself)
-        from . import dcp as _dcp  # imports torch's DCP, as the adapter that holds DTensors did
-
         group, sharded = self.group, self.sharded
+        key = sharded_api(sharded)[0]
         self.wait()  # one save in flight: the previous one is committed first
         meet_before_saving(group, self)
-        whole = dict(tree, **{_dcp.DCP_KEY: sharded.describe()})
+        whole = dict(tree, **{key: sharded.describe()})
         own = frozen_copy(_distributed.rank_part(whole))
         rest = frozen_copy(whole) if group.is_main else None
-        meta = dict(metadata, world_size=group.world_size, sharded="dcp")
+        meta = dict(metadata, world_size=group.world_size, sharded=key)
         staged = sharded.stage()  # the stall: this rank's shards in host memory
 
         def commit() -> None:
@@ -248,9 +247,8 @@ class ShardedSave:
             self._thread.start()
 
     def _commit(self, staged: Any, own: Any, rest: Any, *, step: int, epoch: int, metadata: Dict[str, Any]) -> None:
-        from . import dcp as _dcp
-
         sharded = self.sharded
+        _, describe_failure, write_error = sharded_api(sharded)
         commit_there: Any = None
         folder: Dict[str, str] = {}
         failure: Optional[BaseException] = None
@@ -270,13 +268,13 @@ class ShardedSave:
         try:
             written: Any = sharded.write(staged, folder["path"])
         except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is one
-            written = _dcp.describe_failure(exc)  # a line for rank 0, which then commits nothing
+            written = describe_failure(exc)  # a line for rank 0, which then commits nothing
         parts = sharded.gather((own, written))
         if parts is None:  # not rank 0: a failure is said there, once, for every rank
             return
         failed = sorted({w for _, w in parts if isinstance(w, str)})
         if failed:
-            raise _dcp.ShardWriteError(f"{'; '.join(failed)}; no manifest written for step {step}")
+            raise write_error(f"{'; '.join(failed)}; no manifest written for step {step}")
         full = _distributed.combine(rest, [p for p, _ in parts]) if self.group.active else rest
         result = commit_there(self.snapshot.take(full), step=step, epoch=epoch, metadata=metadata,
                               name=folder["name"], written=[entry for _, w in parts for entry in w])
@@ -301,6 +299,18 @@ class ShardedSave:
 
     def move(self, where: "Destination") -> None:
         self.spooled, self.url, self.folder = where.spooled, where.store.url, where.store
+
+
+def sharded_api(sharded: Any) -> Tuple[str, Callable[[BaseException], str], type]:
+    """What a sharded save names for ``sharded``: the key of its part of the state tree, the line a
+    failed shard write is said in, the error a failed save raises. The objects' own when they offer
+    them (``tree_key``, ``describe_failure``, ``write_error``: Orbax's, for JAX), else DCP's (importing
+    torch, as the adapter that holds DTensors did)."""
+    if hasattr(sharded, "tree_key"):
+        return sharded.tree_key, sharded.describe_failure, sharded.write_error
+    from . import dcp as _dcp
+
+    return _dcp.DCP_KEY, _dcp.describe_failure, _dcp.ShardWriteError
 
 
 @dataclass

@@ -493,8 +493,8 @@ class CheckpointStore:
         self._writing = name
         try:
             entries, total = self._write_files(folder, files, progress)
-            for entry in written:  # FSDP2: shard files other ranks wrote here
-                if entry["name"] == MANIFEST or "/" in entry["name"]:
+            for entry in written:  # FSDP2 / Orbax: shard files other ranks wrote here (Orbax's in a sub-folder)
+                if entry["name"] == MANIFEST or entry["name"].startswith("/") or ".." in entry["name"].split("/"):
                     raise ValueError(f"invalid checkpoint file name {entry['name']!r}")
                 entries.append({"name": entry["name"], "size": int(entry["size"]),
                                 "checksum": entry["checksum"]})

@@ -115,6 +115,8 @@ class JaxObjects:
     def _live(self, name: str) -> Any:
         return nnx.to_pure_dict(nnx.state(self.nnx[name])) if name in self.nnx else self.trees[name]
 
+    live = _live  # the object's state as a pytree (what ``_jax_orbax`` reads the spread leaves from)
+
     # ---------------------------------------------------------------------------- the checkpoint
     def states(self, preview: bool = False) -> Dict[str, Any]:
         """The ``objects`` part of a checkpoint: each object's state as host arrays, flat by path
@@ -123,7 +125,8 @@ class JaxObjects:
         for name in (*self.nnx, *self.trees):
             live = self._live(name)
             self._check_alive(name, live)
-            out[name] = to_host(live, preview=preview)
+            spread = self.core.dcp_objects  # several processes: their spread leaves go through Orbax
+            out[name] = to_host(live if spread is None else spread.host_part(live), preview=preview)
         return out
 
     def _check_alive(self, name: str, tree: Any) -> None:
@@ -162,17 +165,23 @@ class JaxObjects:
                 raise StateMismatchError(
                     f"{name} is not in the checkpoint {where} (it holds {sorted(objects)}); register the "
                     "objects it was saved with, or start a new run. Nothing was loaded.")
-            check_tree(name, self._live(name), objects[name], where)
+            spread = self.core.dcp_objects
+            saved = objects[name] if spread is None else spread.with_specs(name, objects[name], tree)
+            check_tree(name, self._live(name), saved, where)
 
     def restore(self, tree: StateTree) -> None:
         """Put a checked tree's states into the NNX objects (in place) and the functional states."""
         objects = tree.get("objects") or {}
+        spread, where = self.core.dcp_objects, self.core.resumed_from
+        if spread is not None and where is not None:  # several processes: a collective, Orbax reshards
+            spread.load(where.url, tree)
+        rebuild = (lambda t, s, n: from_host(t, s)) if spread is None else (lambda t, s, n: spread.rebuild(n, t, s))
         for name, obj in self.nnx.items():
             state = nnx.state(obj)
-            nnx.replace_by_pure_dict(state, from_host(nnx.to_pure_dict(state), objects[name]))
+            nnx.replace_by_pure_dict(state, rebuild(nnx.to_pure_dict(state), objects[name], name))
             nnx.update(obj, state)
         for name, template in list(self.trees.items()):
-            self.trees[name] = self.untaken[name] = from_host(template, objects[name])
+            self.trees[name] = self.untaken[name] = rebuild(template, objects[name], name)
         self._tell_layout(tree.get("jax") or {})
 
     def _tell_layout(self, saved: Dict[str, Any]) -> None:

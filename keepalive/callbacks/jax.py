@@ -58,6 +58,7 @@ from ._compat_jax import COMPAT
 from ._jax_data import TrainingData
 from ._jax_loop import JaxLoop
 from ._jax_objects import JaxObjects
+from ._jax_orbax import attach as attach_orbax
 
 __all__ = ["DriveCheckpoint"]
 
@@ -103,6 +104,7 @@ class DriveCheckpoint(CheckpointAdapter):
         if self._data.register_generator(name, obj):
             return
         self._objects.register(name, obj)
+        attach_orbax(self.core, self._objects)  # several processes: spread arrays go through Orbax
 
     # ---------------------------------------------------------------------------------- resume
     def resume(self) -> bool:
