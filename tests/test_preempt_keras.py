@@ -131,7 +131,7 @@ def runs(tmp_path_factory):
             results[name] = (_run(os.path.join(tmp, name), os.path.join(tmp, f"{name}.npz"), env, term), Child())
 
     threads = [threading.Thread(target=one, args=(name,)) for name in SCENARIOS]
-    FORKS.append(ForkServer(PRELOAD, ENV))
+    FORKS.append(ForkServer(PRELOAD, ENV, quick_exit=True))
     try:
         for t in threads:
             t.start()
