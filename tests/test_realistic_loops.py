@@ -45,7 +45,7 @@ PRELOAD = ["torch", "torch._dynamo", "torch.utils.data"]
 
 @pytest.fixture(scope="module", autouse=True)
 def fork_server():
-    pool = ServerPool(lambda argv, env: ("torch", PRELOAD, "") if argv[0] == SCRIPT else None)
+    pool = ServerPool(lambda argv, env: ("torch", PRELOAD, "") if argv[0] == SCRIPT else None, quick_exit=True)
     server = pool.server_for([SCRIPT], dict(os.environ, PYTHONUNBUFFERED="1"))
     assert server is not None
     FORKS.append(server)
