@@ -20,6 +20,7 @@ import time
 from typing import Dict, List
 
 import numpy as np
+import pytest
 
 from servers import free_port
 
@@ -27,9 +28,11 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "jax_dist_train.py")
 ENV = dict(os.environ, PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu")
 
 
-def _pair(run: str, out: str, *extra: str, killed: bool = False) -> List[str]:
+def _pair(run: str, out: str, *extra: str, killed: bool = False, stopped: bool = False) -> List[str]:
     """Both processes of one training; their outputs. ``killed``: process 1 SIGKILLs itself, process 0
-    (then failed by JAX's coordination service, or stuck in a collective) is ended here by its PID."""
+    (then failed by JAX's coordination service, or stuck in a collective) is ended here by its PID.
+    ``stopped``: process 1 got a SIGTERM (it ends with the signal's status after the save), process 0
+    stopped with it (with that status, or 0)."""
     port = free_port()
     procs = [subprocess.Popen([sys.executable, SCRIPT, run, out, "--process", str(i), "--port", str(port), *extra],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
@@ -50,7 +53,11 @@ def _pair(run: str, out: str, *extra: str, killed: bool = False) -> List[str]:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    if not killed:
+    if stopped:
+        terminated = (-signal.SIGTERM, 128 + signal.SIGTERM)
+        assert procs[1].returncode in terminated and procs[0].returncode in (0, *terminated), outputs
+        assert not any("DONE" in text for text in outputs), outputs  # every process stopped
+    elif not killed:
         for proc, text in zip(procs, outputs):
             assert proc.returncode == 0 and "DONE" in text, text[-3000:]
     return outputs
@@ -67,11 +74,18 @@ def _same(a: Dict[str, np.ndarray], b: Dict[str, np.ndarray]) -> None:
     assert not different, f"{len(different)} of {len(a)} arrays differ: {different}"
 
 
-def test_two_processes_killed_one_resume_exact_through_orbax(tmp_path):
-    plain, run = str(tmp_path / "plain.npz"), str(tmp_path / "run")
-    _pair(run, plain, "--mode", "plain")
-    reference = _load(plain)
-    assert len(reference) == 14  # 4 weights, 8 Adam moments, the Adam count and the step
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Dict[str, np.ndarray]:
+    """The final weights and optimizer state of the 2-process run without keepalive."""
+    where = tmp_path_factory.mktemp("plain")
+    _pair(str(where / "run"), str(where / "plain.npz"), "--mode", "plain")
+    out = _load(str(where / "plain.npz"))
+    assert len(out) == 14  # 4 weights, 8 Adam moments, the Adam count and the step
+    return out
+
+
+def test_two_processes_killed_one_resume_exact_through_orbax(tmp_path, reference):
+    run = str(tmp_path / "run")
 
     _pair(str(tmp_path / "transparent"), str(tmp_path / "with.npz"))
     _same(reference, _load(str(tmp_path / "with.npz")))
@@ -92,3 +106,17 @@ def test_two_processes_killed_one_resume_exact_through_orbax(tmp_path):
     control = _load(str(tmp_path / "control.npz"))
     assert any(not np.array_equal(reference[k], control[k]) for k in reference), \
         "the negative control (no array put back) gave the reference's result: the test cannot fail"
+
+
+def test_sigterm_on_one_process_saves_the_same_step_on_both_which_stop_and_resume_exact(tmp_path, reference):
+    """A preemption reaches one host: every process saves the same step (one checkpoint, both processes'
+    shards in it) and stops; the re-run is bit-identical to an uninterrupted run."""
+    run = str(tmp_path / "run")
+    _pair(run, str(tmp_path / "stopped.npz"), "--term-at", "7", "--every", "100", stopped=True)
+    manifests = [json.load(open(m)) for m in glob.glob(os.path.join(run, "ckpt-*", "MANIFEST.json"))]
+    assert [m["step"] for m in manifests] == [7]  # every=100 never fires: the signal's save alone
+    assert manifests[0]["metadata"]["reason"] == "SIGTERM received"
+    assert any(e["name"].startswith("orbax/ocdbt.process_1/") for e in manifests[0]["files"])
+    outputs = _pair(run, str(tmp_path / "resumed.npz"), "--every", "100")
+    assert "RESUMED True STEP 15" in outputs[0]
+    _same(reference, _load(str(tmp_path / "resumed.npz")))

@@ -39,6 +39,7 @@ def main() -> None:
     ap.add_argument("--kill-at", type=int, default=0)
     ap.add_argument("--every", type=int, default=3)
     ap.add_argument("--control", action="store_true")
+    ap.add_argument("--term-at", type=int, default=0)
     a = ap.parse_args()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung run's stacks: kill -USR1 PID
     jax.distributed.initialize(coordinator_address=f"127.0.0.1:{a.port}", num_processes=2, process_id=a.process,
@@ -77,6 +78,8 @@ def main() -> None:
         step += 1
         if a.kill_at and step == a.kill_at and a.process == 1:
             os.kill(os.getpid(), signal.SIGKILL)
+        if a.term_at and step == a.term_at and a.process == 1:  # a preemption's SIGTERM on one host only
+            os.kill(os.getpid(), signal.SIGTERM)
 
     if a.mode == "plain":
         for _ in range(EPOCHS):
@@ -95,7 +98,7 @@ def main() -> None:
         for _ in ckpt.epochs(EPOCHS):
             for x, y in ckpt.batches(data):
                 one(x, y)
-        print("RESUMED", ckpt.core.resumed_from is not None, flush=True)
+        print("RESUMED", ckpt.core.resumed_from is not None, "STEP", ckpt.step, flush=True)
     final = {**{f"model/{k}": v for k, v in nnx.to_flat_state(nnx.state(model))},
              **{f"opt/{k}": v for k, v in nnx.to_flat_state(nnx.state(optimizer))}}
     values = {"/".join(map(str, k)): v.get_value() for k, v in final.items()}
