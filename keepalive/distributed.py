@@ -24,9 +24,13 @@ the same training code and the same :class:`keepalive.core.Checkpointer`. What m
   the data position is carried over by *global sample*, and the message says that the run is then not
   bit-identical to an uninterrupted one.
 
-No home-made protocol: everything goes through ``torch.distributed``. This module imports torch only
-when the user's program has imported ``torch.distributed`` and initialised a process group already:
-importing keepalive imports no framework.
+No home-made protocol: everything goes through ``torch.distributed``, or, in a ``jax.distributed`` run
+of several processes (torch.distributed not initialised), through JAX's coordination service
+(:mod:`keepalive.jaxgroup`: the agreement, the gathers and the barrier; the store checks of
+:meth:`ProcessGroup.check_in` and :meth:`ProcessGroup.same_folder` are torch's only). This module
+imports torch only when the user's program has imported ``torch.distributed`` and initialised a process
+group already, JAX's side only when the program initialised ``jax.distributed``: importing keepalive
+imports no framework.
 """
 from __future__ import annotations
 

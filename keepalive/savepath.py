@@ -7,7 +7,8 @@
   other ranks only send.
 * :class:`ShardedSave` — FSDP2 (sharded state): the shards go through ``torch.distributed.checkpoint``
   into the checkpoint's folder, the rest and the manifest (last) are written by rank 0
-  (:mod:`keepalive.dcp` has the DCP side).
+  (:mod:`keepalive.dcp` has the DCP side; JAX arrays spread over several ``jax.distributed`` processes
+  go the same way through Orbax, whose side the JAX adapter holds: :func:`sharded_api`).
 
 :func:`open_destination` builds what a run's checkpoints go through (its store, the spool, the writer),
 once when a checkpointer is made and again if it moves to another run before its first save
@@ -354,4 +355,4 @@ def choose(writer: AsyncWriter, group: _distributed.ProcessGroup, sharded: Any, 
 
 
 __all__ = ["Destination", "GatheredSave", "LocalSave", "SavePath", "ShardedSave", "choose", "localize",
-           "open_destination"]
+           "open_destination", "sharded_api"]
