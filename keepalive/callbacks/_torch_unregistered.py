@@ -163,6 +163,9 @@ class UnregisteredWatch:
 
     def _registered_objects(self) -> List[Any]:
         out = []
+        sharded = getattr(self.core, "dcp_objects", None)  # an FSDP2 model and its optimizers: saved through DCP
+        if sharded is not None:
+            out.extend([*sharded.models.values(), *sharded.optimizers.values()])
         for obj in list(self.registered.values()):
             out.append(obj)
             if isinstance(obj, (PlainObject, RandomState)):
