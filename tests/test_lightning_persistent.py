@@ -13,9 +13,10 @@ weights and every step's loss, and nothing is said. Controls: the same kills wit
 not taken from the checkpoint (keepalive's former behaviour) differ.
 
 With ``Trainer(reload_dataloaders_every_n_epochs=1)`` (a new loader each epoch, iterated twice by
-Lightning): a fit with keepalive equals one without (0 workers, 2 persistent workers that augment), and
-SIGKILLs after epoch 1's end and inside it resume bit-exactly; the control (a resume at an epoch's start
-without the dropped ``iter()``) differs; every 2 epochs is said once, at the first save.
+Lightning): a fit with keepalive equals one without (0 workers, 2 persistent workers that augment, also in
+a DataLoader subclass whose ``__iter__`` is a generator), and SIGKILLs after epoch 1's end and inside it
+resume bit-exactly; the control (a resume at an epoch's start without the dropped ``iter()``) differs;
+every 2 epochs is said once, at the first save.
 """
 from __future__ import annotations
 
@@ -103,7 +104,9 @@ def test_killed_fit_resumes_exactly_and_the_control_differs(forks, tmp_path, ref
 # calls it once. keepalive takes no batch of the dropped iterator (its workers would fetch one more
 # batch ahead, and persistent ones go on from that fetch) and makes the dropped iter() of a fit resumed
 # at an epoch's start (its draws: the workers' base seed, the order's seed).
-RELOAD = {"0 workers": ["--workers", "0"], "2 persistent workers": []}
+RELOAD = {"0 workers": ["--workers", "0"], "2 persistent workers": [],
+          # its iterator is made at the first next(): the one Lightning drops starts no worker
+          "2 persistent workers, __iter__ a generator": ["--generator-loader"]}
 
 
 @pytest.fixture(scope="module")
@@ -130,6 +133,7 @@ def test_reloaded_loaders_are_transparent(forks, tmp_path, reload_reference, loa
 @pytest.mark.parametrize("loader,every,kill_after,resumed_at", [
     ("0 workers", "epoch", 12, "at the end of epoch 1"),
     ("2 persistent workers", "epoch", 12, "at the end of epoch 1"),
+    ("2 persistent workers, __iter__ a generator", "epoch", 12, "at the end of epoch 1"),
     ("2 persistent workers", "11", 11, "in epoch 1 after 5 batches"),
 ])
 def test_reloaded_loaders_resume_exactly(forks, tmp_path, reload_reference, loader, every, kill_after, resumed_at):

@@ -74,7 +74,17 @@ class _Replay(LoaderReplay):
     def begin(self, start: Optional[Dict[str, Any]] = None, resumed: bool = False) -> Iterator[Tuple[Any, int]]:
         """``iter(loader)`` now, positioned at ``start`` (a saved :meth:`position`); an iterator of
         ``(batch, samples in it)``. With ``start``, the random state of now is put back once the
-        loader is positioned. ``resumed``: the first iteration of a resumed fit (its workers are new)."""
+        loader is positioned. ``resumed``: the first iteration of a resumed fit (its workers are new).
+        A subclass whose ``__iter__`` is a generator makes its iterator at the first ``next()``, not at
+        ``iter()``: so does this (an iterator Lightning drops unread draws nothing, starts no worker)."""
+        if inspect.isgeneratorfunction(type(self.loader).__iter__):
+            return self._at_first_batch(start, resumed)
+        return self._begin_now(start, resumed)
+
+    def _at_first_batch(self, start: Optional[Dict[str, Any]], resumed: bool) -> Iterator[Tuple[Any, int]]:
+        yield from self._begin_now(start, resumed)
+
+    def _begin_now(self, start: Optional[Dict[str, Any]], resumed: bool) -> Iterator[Tuple[Any, int]]:
         loader = self.loader
         if self.mode == "stateful":
             holder = self.stateful_source()
@@ -237,7 +247,9 @@ class Stream:
 
     def __next__(self) -> Any:
         if self._it is None:  # the first iteration of a resumed fit: made at its first batch
-            self._it = self._begin(*self.data.take_resume(self.index, self.replay))
+            # after the dropped iter() of a reloaded loader, its iteration starts as in the uninterrupted
+            # fit (new workers there too), not as a resumed one
+            self._it = self._begin(*self.data.take_resume(self.index, self.replay), resumed=not self.data.reloaded)
         if self._first:
             self._first = False
             st = self.replay.start_state if self.replay is not None else None
@@ -272,6 +284,7 @@ class TrainData:
         self._starts: Optional[Dict[int, Any]] = None      # a resumed fit: index -> saved position
         self._generators: Optional[Dict[int, Any]] = None  # a resumed fit at an epoch end
         self._taken: set = set()  # loaders whose first iteration of a resumed fit has begun
+        self.reloaded = False  # the resumed fit made the iter() Lightning drops on a reloaded loader
         self._installed: List[Tuple[Any, type]] = []
 
     # -------------------------------------------------------------------------------- resume
@@ -387,6 +400,7 @@ class TrainData:
         builds it, and when the epoch starts), a fit resumed at that epoch's start once. Made here, at
         the same moment of the epoch's start, it draws what the uninterrupted fit's did (the workers'
         base seed, the order's seed; persistent workers start and fetch ahead as they did there)."""
+        self.reloaded = True
         for _, (loader, rp) in sorted(self.replays.items()):
             unread = rp.begin(None) if rp is not None else iter(loader)
             del unread  # as Lightning drops it: non-persistent workers end with it

@@ -3,13 +3,14 @@ random flips and noise from torch's generator in ``__getitem__`` (2 workers), dr
 AdamW; 6 batches an epoch, 4 epochs.
 
 ``python lightning_persistent.py RUN_DIR OUT [--plain] [--every N|epoch] [--kill-after STEP] [--control]
-[--reload [N]] [--workers N] [--transient] [--plain-data] [--unread-control]``:
+[--reload [N]] [--workers N] [--transient] [--plain-data] [--generator-loader] [--unread-control]``:
 with ``--kill-after`` the process waits, at the first batch end past that step, until the checkpoint of
 that step is committed and SIGKILLs itself; a re-run without it resumes. ``--plain``: the same fit
 without keepalive. ``--control``: a resume does not take the workers' seed and states from the
 checkpoint (keepalive's former behaviour: new workers go on from their own). ``--reload [N]``:
 ``Trainer(reload_dataloaders_every_n_epochs=N)`` (1); ``--workers N`` (default 2), ``--transient``
-(``persistent_workers=False``), ``--plain-data`` (no augmentation): the loader's settings.
+(``persistent_workers=False``), ``--plain-data`` (no augmentation), ``--generator-loader`` (a subclass whose
+``__iter__`` is a generator): the loader's settings.
 ``--unread-control``: a fit resumed at an epoch's start does not make the ``iter()`` that Lightning makes
 and discards there on a reloaded loader (keepalive's former behaviour; the tests' control). OUT gets the
 final weights and every step's loss (``step`` -> value; a re-run's lines replace those of the steps it ran
@@ -32,7 +33,7 @@ from childio import wait_committed  # noqa: E402
 
 N, BATCH, WORKERS, EPOCHS = 48, 8, 2, 4
 #: the loader's settings (--workers, --transient, --plain-data)
-LOADER = {"num_workers": WORKERS, "persistent_workers": True, "augment": True}
+LOADER = {"num_workers": WORKERS, "persistent_workers": True, "augment": True, "generator": False}
 
 
 class Augmented(Dataset):
@@ -53,6 +54,13 @@ class Augmented(Dataset):
         return x + 0.1 * torch.randn_like(x), self.y[i]
 
 
+class GeneratorLoader(DataLoader):
+    """A DataLoader subclass whose ``__iter__`` is a generator: it makes its iterator at the first ``next()``."""
+
+    def __iter__(self):
+        yield from super().__iter__()
+
+
 class Net(pl.LightningModule):
     def __init__(self):
         super().__init__()
@@ -66,7 +74,8 @@ class Net(pl.LightningModule):
 
     def train_dataloader(self):
         workers = LOADER["num_workers"]
-        return DataLoader(Augmented(), batch_size=BATCH, shuffle=True, num_workers=workers,
+        cls = GeneratorLoader if LOADER["generator"] else DataLoader
+        return cls(Augmented(), batch_size=BATCH, shuffle=True, num_workers=workers,
                           persistent_workers=bool(workers and LOADER["persistent_workers"]))
 
 
@@ -102,10 +111,12 @@ def main():
     ap.add_argument("--workers", type=int, default=WORKERS)
     ap.add_argument("--transient", action="store_true", help="persistent_workers=False")
     ap.add_argument("--plain-data", action="store_true", help="no augmentation in the dataset")
+    ap.add_argument("--generator-loader", action="store_true", help="a DataLoader subclass, __iter__ a generator")
     ap.add_argument("--unread-control", action="store_true",
                     help="a fit resumed at an epoch's start skips the iter() Lightning discards (as before)")
     args = ap.parse_args()
-    LOADER.update(num_workers=args.workers, persistent_workers=not args.transient, augment=not args.plain_data)
+    LOADER.update(num_workers=args.workers, persistent_workers=not args.transient, augment=not args.plain_data,
+                  generator=args.generator_loader)
     pl.seed_everything(3, verbose=False)
     callbacks = [Log(args.out, args.run, args.kill_after)]
     if not args.plain:
