@@ -55,7 +55,7 @@ FRAMEWORKS = {
                                                             "_lightning_fit.py", "_lightning_validation.py",
                                                             "_lightning_messages.py")),
     "jax": ("keepalive.callbacks._compat_jax", ("jax.py", "_jax_objects.py", "_jax_arrays.py", "_jax_data.py",
-                                                "_jax_loop.py")),
+                                                "_jax_loop.py", "_jax_orbax.py")),
 }
 #: the framework module to import first (skip the framework's tests where it is not installed)
 _NEEDS = {"keras": "keras", "fastai": "fastai", "transformers": "transformers", "lightning": "lightning.pytorch",

@@ -1,5 +1,5 @@
-"""The JAX / Flax / Grain names the JAX adapter relies on (``jax.py``, ``_jax_objects.py``,
-``_jax_arrays.py``, ``_jax_data.py``), and their check (:mod:`keepalive.callbacks._compat`).
+"""The JAX / Flax / Grain / Orbax names the JAX adapter relies on (``jax.py``, ``_jax_objects.py``,
+``_jax_arrays.py``, ``_jax_data.py``, ``_jax_orbax.py``), and their check (:mod:`keepalive.callbacks._compat`).
 
 Tested with jax 0.10.2, flax 0.12.8 (NNX), optax 0.2.8 and grain 0.2.18. Almost everything the adapter
 uses is public API (``nnx.state`` / ``nnx.update`` / ``nnx.to_pure_dict`` /
@@ -10,6 +10,8 @@ rather than at the first resume. The one internal is the layout of a Grain ``Dat
 state (JSON naming the data source by its ``repr``, which Grain compares on ``set_state``): a source
 named by a default ``repr`` (an address, new in each process) is renamed to the live one's on resume.
 Grain is checked only when it is imported (a loop fed by a torch ``DataLoader`` needs none of it).
+Orbax (arrays spread over several ``jax.distributed`` processes) is checked only when it is imported:
+its barriers are routed to the distributed client by naming every process active.
 """
 from __future__ import annotations
 
@@ -38,8 +40,16 @@ INTERNALS = (
              "iterator's state: a default repr (an address) is renamed to the live one's on resume",
              f"{_D}: _same_source", has("grain._src.python.data_loader", "_DATA_SOURCE"), token='"data_source"',
              package="grain", required=False),
+    Internal("orbax.checkpoint.options.MultiprocessingOptions(active_processes=...)", "Orbax's save and restore of "
+             "the arrays spread over several jax.distributed processes meet at the distributed client's barriers "
+             "(every process named active) instead of sync_global_devices, a device collective that would "
+             "interleave with the training step's from the save's background thread",
+             "_jax_orbax.py: _checkpointer", has("orbax.checkpoint.options", "MultiprocessingOptions"),
+             token="MultiprocessingOptions", package="orbax-checkpoint"),
 )
 
 
 COMPAT = Framework("jax", [Package("flax", "flax", ">=0.12,<0.13"), Package("jax", "jax", ">=0.7"),
-                           Package("grain", "grain", ">=0.2.12", only_if_imported=True)], INTERNALS)
+                           Package("grain", "grain", ">=0.2.12", only_if_imported=True),
+                           Package("orbax-checkpoint", "orbax.checkpoint", ">=0.11.27", only_if_imported=True)],
+                    INTERNALS)
