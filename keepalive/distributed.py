@@ -26,8 +26,8 @@ the same training code and the same :class:`keepalive.core.Checkpointer`. What m
 
 No home-made protocol: everything goes through ``torch.distributed``, or, in a ``jax.distributed`` run
 of several processes (torch.distributed not initialised), through JAX's coordination service
-(:mod:`keepalive.jaxgroup`: the agreement, the gathers and the barrier; the store checks of
-:meth:`ProcessGroup.check_in` and :meth:`ProcessGroup.same_folder` are torch's only). This module
+(:mod:`keepalive.jaxgroup`: the agreement, the gathers, the barrier, and the key-value store that
+:meth:`ProcessGroup.check_in` and :meth:`ProcessGroup.same_folder` meet in). This module
 imports torch only when the user's program has imported ``torch.distributed`` and initialised a process
 group already, JAX's side only when the program initialised ``jax.distributed``: importing keepalive
 imports no framework.
@@ -273,6 +273,10 @@ class ProcessGroup:
         group and made another: the counts of :meth:`check_in` start over with it). Each group's first
         use also notes, when this process exits, that its rank ended, so that a rank waiting in
         :meth:`check_in` for it learns at once."""
+        if self.jax is not None:  # jax.distributed: its coordination service's key-value store
+            if self._group_store is None or self._store_of is not self.jax:
+                self._group_store, self._store_of, self._arrivals = self.jax.store(), self.jax, {}
+            return self._group_store
         if _rendezvous.agent_store() and _rendezvous.guarded_generation is None:
             # a group made before keepalive was imported, in a torchrun worker: its store is the agent's,
             # shared by every restart attempt and unprefixed, so keys of a dead attempt (its check-in

@@ -15,7 +15,8 @@ process calls each named collective as often as the others, in the same order (a
 collectives). Keys of a finished collective are deleted by process 0 once everybody has read them.
 
 This module imports JAX only when the program has: :func:`processes` looks for an initialised
-``jax.distributed`` without starting a backend.
+``jax.distributed`` without starting a backend (in ``jax._src.distributed.global_state``, where
+``jax.distributed.initialize`` keeps its client; Orbax reads it there too).
 """
 from __future__ import annotations
 
@@ -97,6 +98,10 @@ class JaxProcesses:
         every = self.all_gather([int(v) for v in values], name)
         return [max(column) for column in zip(*every)]
 
+    def store(self) -> KeyValueStore:
+        """The coordination service's key-value store, as torch's ``Store`` is called."""
+        return KeyValueStore(self.client)
+
     def barrier(self, name: str = "barrier") -> None:
         """Wait until every process is here."""
         self.client.wait_at_barrier(self._key(name), TIMEOUT_MS)
@@ -107,6 +112,37 @@ class JaxProcesses:
         self.client.wait_at_barrier(f"{key}/read", TIMEOUT_MS)
         if self.rank == 0:
             self.client.key_value_delete(key)
+
+
+class KeyValueStore:
+    """The coordination service's key-value store with the few calls of torch's ``Store`` that
+    :meth:`keepalive.distributed.ProcessGroup.check_in` and ``same_folder`` make (``set``, ``add``,
+    ``check``, ``wait``, ``get``), so they work the same under ``jax.distributed``."""
+
+    def __init__(self, client: Any):
+        self.client = client
+
+    def set(self, key: str, value: Any) -> None:
+        data = value if isinstance(value, bytes) else str(value).encode()
+        self.client.key_value_set_bytes(key, data, allow_overwrite=True)
+
+    def add(self, key: str, amount: int) -> int:
+        return int(self.client.key_value_increment(key, int(amount)))
+
+    def check(self, keys: List[str]) -> bool:
+        for key in keys:
+            try:
+                self.client.key_value_try_get_bytes(key)
+            except Exception:  # noqa: BLE001 - jaxlib's "not found"
+                return False
+        return True
+
+    def wait(self, keys: List[str], timeout: Any) -> None:
+        for key in keys:
+            self.client.blocking_key_value_get_bytes(key, int(timeout.total_seconds() * 1000))
+
+    def get(self, key: str) -> bytes:
+        return bytes(self.client.blocking_key_value_get_bytes(key, TIMEOUT_MS))
 
 
 _CACHE: Dict[int, JaxProcesses] = {}
@@ -126,4 +162,4 @@ def processes() -> Optional[JaxProcesses]:
     return found
 
 
-__all__ = ["JaxProcesses", "PREFIX", "TIMEOUT_MS", "processes"]
+__all__ = ["JaxProcesses", "KeyValueStore", "PREFIX", "TIMEOUT_MS", "processes"]

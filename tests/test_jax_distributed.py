@@ -120,3 +120,14 @@ def test_sigterm_on_one_process_saves_the_same_step_on_both_which_stop_and_resum
     outputs = _pair(run, str(tmp_path / "resumed.npz"), "--every", "100")
     assert "RESUMED True STEP 15" in outputs[0]
     _same(reference, _load(str(tmp_path / "resumed.npz")))
+
+
+def test_process_group_checks_through_the_coordination_service(tmp_path):
+    """keepalive's ProcessGroup under jax.distributed: active, ranks, a check-in both reach, a run folder
+    both see; a folder each process has its own copy of is refused on both, a save reached by one
+    process only is said there, naming the other."""
+    outputs = _pair(str(tmp_path), str(tmp_path / "unused.npz"), "--mode", "group")
+    for rank, text in enumerate(outputs):
+        assert f"GROUP True {rank} 2" in text and "SHARED shared" in text, text[-2000:]
+        assert "OWN the run folder is not shared between the ranks" in text, text[-2000:]
+    assert "MISUSE save() was called on rank 1 only: rank 0 did not call it within 1 s" in outputs[1], outputs[1]

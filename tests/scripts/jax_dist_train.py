@@ -11,7 +11,8 @@ of batches (host numpy, the same on both processes), under keepalive's JAX ``Dri
 ``--kill-at N``: process 1 SIGKILLs itself right after optimizer step N (mid-epoch); process 0 is then
 stuck in, or failed by, the next collective (the test ends it). Process 0 writes the final weights and
 optimizer state to OUT_NPZ (gathered from every process) and prints ``DONE``. ``--control``: a resume
-that puts none of the checkpoint's arrays back (the test's negative control).
+that puts none of the checkpoint's arrays back (the test's negative control). ``--mode group``: the
+process group's checks (check-in, shared run folder) instead of a training.
 """
 from __future__ import annotations
 
@@ -44,6 +45,8 @@ def main() -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung run's stacks: kill -USR1 PID
     jax.distributed.initialize(coordinator_address=f"127.0.0.1:{a.port}", num_processes=2, process_id=a.process,
                                initialization_timeout=60)
+    if a.mode == "group":
+        return group_checks(a.run, a.process)
     import numpy as np
     import optax
     from flax import nnx
@@ -108,6 +111,36 @@ def main() -> None:
         np.savez(a.out, **arrays)
     print("DONE", flush=True)
     jax.distributed.shutdown()
+
+
+def group_checks(run: str, process: int) -> None:
+    """keepalive's process group over JAX's coordination service: a check-in every process reaches, the
+    shared run folder, a folder that is each process's own (refused on both), a check-in of one
+    process only (refused there, naming the other)."""
+    from keepalive.distributed import GROUP, DistributedMisuseError
+
+    print("GROUP", GROUP.active, GROUP.rank, GROUP.world_size, flush=True)
+    GROUP.check_in("save()", "call it on every process")
+
+    def folder_check(path: str) -> str:
+        os.makedirs(path, exist_ok=True)
+        try:
+            GROUP.same_folder(path, lambda n, b: open(os.path.join(path, n), "wb").write(b),
+                              lambda n: open(os.path.join(path, n), "rb").read(),
+                              lambda n: os.remove(os.path.join(path, n)))
+        except DistributedMisuseError as exc:
+            return str(exc)
+        return "shared"
+
+    print("SHARED", folder_check(os.path.join(run, "shared")), flush=True)
+    print("OWN", folder_check(os.path.join(run, f"own{process}"))[:60], flush=True)
+    if process == 1:
+        try:
+            GROUP.check_in("save()", "call it on every process", timeout=1)
+        except DistributedMisuseError as exc:
+            print("MISUSE", exc, flush=True)
+    GROUP.barrier()
+    print("DONE", flush=True)
 
 
 if __name__ == "__main__":
