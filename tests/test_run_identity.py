@@ -366,3 +366,53 @@ def test_hf_trainer_with_another_learning_rate_is_another_training(tmp_path, mon
     first.args.learning_rate = 3e-3  # a further train() of a model trained here: its run, not compared
     run, out, _ = script(None, trainer=first)
     assert run == "default" and "already completed" in out, out
+
+
+def test_lightning_module_with_another_learning_rate_is_another_training(tmp_path, monkeypatch, capsys):
+    """The same for Lightning: the module's hyper-parameters (``save_hyperparameters()``)."""
+    for name in ("torchvision::nms", "torchvision::qnms"):  # the CUDA torchvision here (DESIGN.md)
+        try:
+            torch.library.define(name, "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+        except Exception:  # noqa: BLE001 - already defined
+            pass
+    L = pytest.importorskip("lightning")
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from keepalive import notebook
+    from keepalive.callbacks.lightning import DriveCheckpoint as LCheckpoint
+
+    monkeypatch.setenv("KEEPALIVE_DIR", str(tmp_path / "home"))
+
+    class Net(L.LightningModule):
+        def __init__(self, lr: float, width: int = 4):
+            super().__init__()
+            self.save_hyperparameters()
+            self.layer = torch.nn.Linear(width, 1)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.layer(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+
+    data = TensorDataset(torch.randn(16, 4, generator=torch.Generator().manual_seed(1)), torch.randn(16, 1))
+
+    def script(lr, module=None):
+        monkeypatch.setattr(notebook, "_UNNAMED", {})
+        torch.manual_seed(0)
+        module = module or Net(lr)
+        trainer = L.Trainer(max_epochs=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, callbacks=[LCheckpoint()])
+        trainer.fit(module, DataLoader(data, batch_size=8))
+        ckpt = next(c for c in trainer.callbacks if isinstance(c, LCheckpoint))
+        return ckpt.core.store.run, capsys.readouterr().out, module
+
+    run, out, first = script(1e-2)
+    assert run == "default" and "already completed" not in out, out
+    assert "already completed" in script(1e-2)[1]  # control: the same training is complete
+    run, out, _ = script(3e-3)
+    assert run.startswith("default-") and "already completed" not in out, out
+    assert "other settings than run 'default', which finished: hparams lr 0.01 → 0.003" in out
+    assert "already completed" in script(3e-3)[1]
+    assert "already completed" in script(None, module=first)[1]  # the module trained here, fit again: complete

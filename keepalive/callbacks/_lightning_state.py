@@ -273,6 +273,19 @@ def watch_new_csv(trainer: Any) -> None:
 
 
 # ------------------------------------------------------------------------ put back at the resume
+def module_settings(module: Any) -> Dict[str, Any]:
+    """The module's hyper-parameters as the code set them (``self.save_hyperparameters()``: its plain
+    values, ``hparams.lr``...), recorded with each checkpoint and compared with a finished unnamed run's
+    (:mod:`keepalive.runidentity`): the same module with another ``lr`` is another training."""
+    hparams = getattr(module, "hparams", None) or {}
+    try:
+        items = list(hparams.items())
+    except AttributeError:
+        return {}
+    return {f"hparams.{k}": v for k, v in items
+            if isinstance(k, str) and (v is None or isinstance(v, (bool, int, float, str)))}
+
+
 def pending_state(own: Dict[str, Any]) -> Dict[str, Any]:
     """What of a rank's saved accumulators (``own``) waits for the moment training continues."""
     return {"results": own.get("results") or [], "metrics": own.get("metrics") or {},

@@ -216,6 +216,10 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
         core = self.core
         core.new_fit()
         self._pending = None
+        settings = lstate.module_settings(pl_module)  # another lr than a finished unnamed run's: a run of its own
+        if settings:
+            core.metadata["settings"] = settings
+            core.training_settings = lambda: dict(settings)
         tree = core.load(describe=fit.describe, check=lambda t: fit.check_fits(t, pl_module, self._where()))
         if tree is None:
             lstate.watch_new_csv(trainer)
