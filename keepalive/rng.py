@@ -3,17 +3,32 @@
 Python's ``random``, NumPy's legacy global generator, torch's CPU generator and every CUDA device's
 generator (only when torch is already imported; this module never imports a framework). Adapters can
 add their own (Keras seed generators, TensorFlow's global generator) with :func:`register`.
+
+A private generator the user registers (``random.Random``, ``np.random.Generator`` /
+``RandomState``) is saved with :func:`generator_state` and put back with :func:`set_generator_state`,
+one format for every adapter:
+
+>>> g = np.random.default_rng(7)
+>>> saved = generator_state(g)
+>>> first = g.random()
+>>> set_generator_state(g, saved)
+>>> g.random() == first
+True
 """
 from __future__ import annotations
 
 import contextlib
 import random
 import sys
-from typing import Any, Callable, Dict, Iterator, Tuple
+from typing import Any, Callable, Dict, Iterator, Tuple, Union
 
 import numpy as np
 
 _PROVIDERS: Dict[str, Tuple[Callable[[], Any], Callable[[Any], None]]] = {}
+
+#: the private generators :func:`generator_state` covers (torch's ``Generator`` is the torch adapter's)
+GENERATORS = (random.Random, np.random.Generator, np.random.RandomState)
+Generator = Union[random.Random, np.random.Generator, np.random.RandomState]
 
 
 def register(name: str, capture: Callable[[], Any], restore: Callable[[Any], None]) -> None:
@@ -63,3 +78,44 @@ def unchanged() -> Iterator[None]:
 
 def _as_tuple(x: Any) -> Any:
     return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+def generator_state(g: Generator) -> Dict[str, Any]:
+    """A private generator's state as a storable tree: a numpy bit generator's 128-bit integers as text
+    (JSON readers other than Python's cap integers), the rest as arrays and numbers."""
+    if isinstance(g, np.random.Generator):
+        return {"numpy_generator": _ints_as_text(g.bit_generator.state)}
+    if isinstance(g, np.random.RandomState):
+        name, keys, pos, has_gauss, gauss = g.get_state()
+        return {"numpy_legacy": [name, np.asarray(keys), int(pos), int(has_gauss), float(gauss)]}
+    version, internal, gauss = g.getstate()
+    return {"python": [version, np.asarray(internal, dtype=np.uint64), gauss]}
+
+
+def set_generator_state(g: Generator, state: Dict[str, Any]) -> None:
+    """Put back a state :func:`generator_state` took (into a generator of the same kind)."""
+    if "numpy_generator" in state:
+        g.bit_generator.state = _text_as_ints(state["numpy_generator"])  # type: ignore[union-attr]
+    elif "numpy_legacy" in state:
+        name, keys, pos, has_gauss, gauss = state["numpy_legacy"]
+        g.set_state((name, np.asarray(keys, dtype=np.uint32), int(pos), int(has_gauss),  # type: ignore[union-attr]
+                     float(gauss)))
+    else:
+        version, internal, gauss = state["python"]
+        g.setstate((int(version), tuple(int(v) for v in internal), gauss))  # type: ignore[union-attr]
+
+
+def _ints_as_text(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {k: _ints_as_text(v) for k, v in x.items()}
+    if isinstance(x, int) and not isinstance(x, bool):
+        return {"int": str(x)}
+    return x
+
+
+def _text_as_ints(x: Any) -> Any:
+    if isinstance(x, dict):
+        if set(x) == {"int"}:
+            return int(x["int"])
+        return {k: _text_as_ints(v) for k, v in x.items()}
+    return x

@@ -26,13 +26,10 @@ puts back the saved step's once the resumed pass is positioned.
 from __future__ import annotations
 
 import json
-import random
 import re
 import sys
 import types
 from typing import Any, Callable, Dict, Iterator, Optional
-
-import numpy as np
 
 from .. import rng
 from ..core import Checkpointer
@@ -73,36 +70,21 @@ def _same_source(saved: Any, live: Any) -> Any:
 
 
 class Generators:
-    """The private random generators registered for the data order (``data_rng=rng``): their states as
-    JSON text (a numpy bit generator's holds 128-bit integers, which JSON readers other than Python's cap)."""
+    """The private random generators registered for the data order (``data_rng=rng``): their states in
+    :func:`keepalive.rng.generator_state`'s format, as every adapter saves them."""
 
-    KINDS = (random.Random, np.random.Generator, np.random.RandomState)
+    KINDS = rng.GENERATORS
 
     def __init__(self) -> None:
         self.live: Dict[str, Any] = {}
 
-    def states(self) -> Dict[str, str]:
-        return {name: json.dumps(_state_of(g), default=lambda a: a.tolist()) for name, g in self.live.items()}
+    def states(self) -> Dict[str, Any]:
+        return {name: rng.generator_state(g) for name, g in self.live.items()}
 
-    def load(self, states: Optional[Dict[str, str]]) -> None:
-        for name, text in (states or {}).items():
+    def load(self, states: Optional[Dict[str, Any]]) -> None:
+        for name, state in (states or {}).items():
             if name in self.live:
-                _set_state(self.live[name], json.loads(text))
-
-
-def _state_of(g: Any) -> Any:
-    if isinstance(g, np.random.Generator):
-        return g.bit_generator.state
-    return list(g.get_state() if isinstance(g, np.random.RandomState) else g.getstate())
-
-
-def _set_state(g: Any, state: Any) -> None:
-    if isinstance(g, np.random.Generator):
-        g.bit_generator.state = state
-    elif isinstance(g, np.random.RandomState):
-        g.set_state((state[0], np.asarray(state[1], np.uint32), *state[2:]))
-    else:
-        g.setstate((state[0], tuple(state[1]), state[2]))
+                rng.set_generator_state(self.live[name], state)
 
 
 class Feed:

@@ -4,7 +4,6 @@ per-batch worker seeding. It is no adapter itself; adapters import it, never eac
 """
 from __future__ import annotations
 
-import random
 import types
 import weakref
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
@@ -13,6 +12,7 @@ import numpy as np
 import torch
 from torch.nn.parameter import is_lazy
 
+from .. import rng
 from ..adapter import check_fits
 from ..errors import StateMismatchError
 
@@ -378,57 +378,26 @@ def schedule_lrs(scheduler: Any) -> Optional[List[float]]:
 
 
 class RandomState:
-    """A private random generator as an object with ``state_dict`` / ``load_state_dict``."""
+    """A private random generator as an object with ``state_dict`` / ``load_state_dict`` (python and
+    numpy ones in :func:`keepalive.rng.generator_state`'s format, torch's as its state tensor)."""
 
     def __init__(self, gen: Any):
         self.gen = gen
 
     @staticmethod
     def wraps(obj: Any) -> bool:
-        return isinstance(obj, (random.Random, np.random.Generator, np.random.RandomState,
-                                torch.Generator))
+        return isinstance(obj, (*rng.GENERATORS, torch.Generator))
 
     def state_dict(self) -> Dict[str, Any]:
-        g = self.gen
-        if isinstance(g, torch.Generator):
-            return {"torch": g.get_state()}
-        if isinstance(g, np.random.Generator):
-            return {"numpy_generator": _ints_as_text(g.bit_generator.state)}
-        if isinstance(g, np.random.RandomState):
-            name, keys, pos, has_gauss, gauss = g.get_state()
-            return {"numpy_legacy": [name, np.asarray(keys), int(pos), int(has_gauss), float(gauss)]}
-        version, internal, gauss = g.getstate()
-        return {"python": [version, np.asarray(internal, dtype=np.uint64), gauss]}
+        if isinstance(self.gen, torch.Generator):
+            return {"torch": self.gen.get_state()}
+        return rng.generator_state(self.gen)
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        g = self.gen
         if "torch" in state:
-            g.set_state(state["torch"].clone())
-        elif "numpy_generator" in state:
-            g.bit_generator.state = _text_as_ints(state["numpy_generator"])
-        elif "numpy_legacy" in state:
-            name, keys, pos, has_gauss, gauss = state["numpy_legacy"]
-            g.set_state((name, np.asarray(keys, dtype=np.uint32), int(pos), int(has_gauss), float(gauss)))
+            self.gen.set_state(state["torch"].clone())
         else:
-            version, internal, gauss = state["python"]
-            g.setstate((int(version), tuple(int(v) for v in internal), gauss))
-
-
-def _ints_as_text(x: Any) -> Any:
-    """numpy bit-generator states hold 128-bit ints: kept as text (JSON readers cap integers)."""
-    if isinstance(x, dict):
-        return {k: _ints_as_text(v) for k, v in x.items()}
-    if isinstance(x, int) and not isinstance(x, bool):
-        return {"int": str(x)}
-    return x
-
-
-def _text_as_ints(x: Any) -> Any:
-    if isinstance(x, dict):
-        if set(x) == {"int"}:
-            return int(x["int"])
-        return {k: _text_as_ints(v) for k, v in x.items()}
-    return x
+            rng.set_generator_state(self.gen, state)
 
 
 def state_summary(obj: Any) -> Any:
