@@ -229,11 +229,16 @@ def test_a_spooled_run_is_given_back_when_its_loop_ends(tmp_path, monkeypatch):
             opt.zero_grad()
             model(x).sum().backward()
             opt.step()
+    from keepalive.spool import uploader as uploader_module
+
+    uploaders = uploader_module.UPLOADERS.values()  # this test's, and any an earlier test left running
     dest = CheckpointStore(tmp_path / "dest")
     end = time.monotonic() + 30
     while not (dest.lease.read() or {}).get("released") and time.monotonic() < end:
         time.sleep(0.05)  # the uploader gives the destination back after its last upload
-    assert (dest.lease.read() or {}).get("released"), dest.lease.read()
+    states = [(u.spool.folder, u.dest.url, u.exited, u.fatal, u.last_error, len(u.pending()),
+               u._thread is not None and u._thread.is_alive()) for u in uploaders]
+    assert (dest.lease.read() or {}).get("released"), (dest.lease.read(), states)
     assert [i.step for i in dest.list()][-1] == 8
     leases = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / "spool") for f in fs if f == "LEASE.json"]
     assert leases and all(json.load(open(p)).get("released") for p in leases), leases
