@@ -87,6 +87,14 @@ if args.hold_lazy_copy or args.skip_lazy_copy:
             copy(self)
 
     PendingCopy.run = held_copy
+    if args.skip_lazy_copy:
+        # nobody copies, whichever thread comes first: the writer's (run, above) or the training's,
+        # which helps with the copy when it must wait for it (PendingCopy.wait) before its next step
+        def skipped_pieces(self, *_, **__):
+            self._done.set()
+            self._safe.set()
+
+        PendingCopy._copy_pieces = skipped_pieces
 for epoch in ckpt.epochs(args.epochs):
     model.train()
     if args.accum > 1:
