@@ -23,6 +23,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+import hfkit  # noqa: E402
 from keepalive import runidentity  # noqa: E402
 from keepalive.callbacks.torch import DriveCheckpoint  # noqa: E402
 from keepalive.store import CheckpointStore  # noqa: E402
@@ -325,12 +326,7 @@ def test_a_stage_with_another_optimizer_is_a_stage(tmp_path, monkeypatch, capsys
 
 def test_hf_trainer_with_another_learning_rate_is_another_training(tmp_path, monkeypatch, capsys):
     """The same for a Hugging Face Trainer: its TrainingArguments (learning_rate, weight_decay, seed...)."""
-    for name in ("torchvision::nms", "torchvision::qnms"):  # the CUDA torchvision here (DESIGN.md)
-        try:
-            torch.library.define(name, "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-        except Exception:  # noqa: BLE001 - already defined
-            pass
-    pytest.importorskip("transformers")
+    hfkit.importorskip("transformers")  # with the op schemas the CUDA torchvision here needs (DESIGN.md)
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
     from transformers import logging as hf_logging
 
@@ -370,12 +366,8 @@ def test_hf_trainer_with_another_learning_rate_is_another_training(tmp_path, mon
 
 def test_lightning_module_with_another_learning_rate_is_another_training(tmp_path, monkeypatch, capsys):
     """The same for Lightning: the module's hyper-parameters (``save_hyperparameters()``)."""
-    for name in ("torchvision::nms", "torchvision::qnms"):  # the CUDA torchvision here (DESIGN.md)
-        try:
-            torch.library.define(name, "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-        except Exception:  # noqa: BLE001 - already defined
-            pass
-    L = pytest.importorskip("lightning")
+    hfkit.importorskip("lightning")
+    import lightning as L
     from torch.utils.data import DataLoader, TensorDataset
 
     from keepalive import notebook
