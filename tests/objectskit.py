@@ -15,7 +15,7 @@ SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "ob
 
 def forks_fixture() -> Any:
     """A module fixture (assign it to ``forks``): a fork server that has imported torch, closed at the
-    module's end."""
+    module's end (also tests/test_persistent_workers.py's)."""
 
     @pytest.fixture(scope="module")
     def forks():

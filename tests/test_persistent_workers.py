@@ -24,18 +24,12 @@ import pytest
 import torch
 
 from crashkit import assert_differs, assert_same
-from forkserver import ForkServer
+from objectskit import forks_fixture
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "persistent_train.py")
 
 
-@pytest.fixture(scope="module")
-def forks():
-    server = ForkServer(["torch", "torch.utils.data"], dict(os.environ, PYTHONUNBUFFERED="1"))
-    try:
-        yield server
-    finally:
-        server.close()
+forks = forks_fixture()  # a fork server that has imported torch, for the module
 
 
 def _run(forks, root, name, *args, killed=False):
