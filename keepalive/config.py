@@ -76,6 +76,16 @@ class CheckpointConfig:
             False: none are saved, none named.
         track: the names of the loop's variables to save instead (only these, e.g.
             ``["best_val_loss", "patience"]``): globals of the loop's script or cell.
+        notify: where to tell of the run's events (started / resumed, stopped, crashed, stalled,
+            finished): one Apprise URL (``"ntfy://topic"``, ``"discord://..."``, ``"json://host/path"``,
+            ``"mailto://..."``) or a list of them; default ``$KEEPALIVE_NOTIFY``. Sent in the
+            background: a failing notifier never slows or breaks the training, and is said once.
+        resume_from: another run folder (or URL) to resume from when this run has no checkpoint yet,
+            read only: a checkpoint shared read-only, a Kaggle version's ``/kaggle/input/...`` copy,
+            a Drive folder moved to a bucket. New checkpoints go to ``path``.
+        memory_budget: the host memory a save may use for its copy of the state (bytes, or a size such
+            as ``"2GiB"``); default: what the machine (or the container's limit) has available, minus a
+            margin. A state that does not fit is streamed to the destination through a bounded buffer.
     """
 
     path: Union[str, "os.PathLike[str]", None] = None
@@ -97,6 +107,9 @@ class CheckpointConfig:
     remaining_fn: Optional[Callable[[], Optional[float]]] = None
     track_globals: bool = True
     track: Optional[Sequence[str]] = None
+    notify: Union[str, Sequence[str], None] = None
+    resume_from: Union[str, "os.PathLike[str]", None] = None
+    memory_budget: Union[str, int, None] = None
 
     @classmethod
     def field_names(cls) -> Tuple[str, ...]:

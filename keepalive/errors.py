@@ -5,6 +5,12 @@ import sys
 from types import TracebackType
 from typing import Any, Callable, Optional, Tuple, Type
 
+#: the exit status of a script whose training keepalive stopped before its end (SIGTERM, a cloud's
+#: preemption notice, the session's deadline) after a durable save: "stopped, run me again to
+#: continue". 128 + SIGTERM, what a process stopped by SIGTERM reports, so torchrun, a job scheduler
+#: and ``keepalive run`` restart it alike; 0 means the training ran to its end.
+EXIT_STOPPED = 143
+
 
 class KeepaliveError(Exception):
     """Base class of keepalive's own errors."""
