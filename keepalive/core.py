@@ -40,6 +40,7 @@ from .interrupts import DeferredSignals
 from .lifecycle import Capture, resuming
 from .lifecycle.between_steps import BetweenSteps
 from .lifecycle.boundaries import BoundaryDriver, BoundaryMachine
+from .lifecycle.events import RunEvents, install_crash_hook
 from .lifecycle.messages import Messages
 from .lifecycle.saving import ALIVE, Saver
 from .lifecycle.snapshots import LazySnapshots
@@ -96,6 +97,10 @@ class Checkpointer:
         #: called with each WriteResult after a checkpoint is committed, whatever the save path
         self.on_commit: List[Callable[[WriteResult], None]] = self.writer.on_commit
         self.on_commit.append(self.saver.committed)
+        #: the run's events for listeners (notifications, the heartbeat): :mod:`keepalive.lifecycle.events`
+        self.events = RunEvents(self)
+        self.on_commit.append(self.events.saved)
+        install_crash_hook()
         self.framework = framework
         self.takeover = cfg.takeover
         self.quiet = cfg.quiet
@@ -325,7 +330,8 @@ class Checkpointer:
                                                  can_save=can_save, pending=pending, requested=requested,
                                                  length=length)
             self.between_steps.remember(capture, consistent=can_save and not pending)
-            return decision
+        self.events.stepped()
+        return decision
 
     def end_epoch(self, capture: Capture, *, last: bool = False, epoch: Optional[int] = None,
                   requested: bool = False, count: bool = True) -> Decision:
@@ -353,6 +359,7 @@ class Checkpointer:
                        f"epoch(s){of}; nothing to do{detail}")
         self.machine.feed(bd.Finish(True))
         self.saver.give_back_lease()  # nothing to train: another session may open the run
+        self.events.ended("finished", "already complete")
 
     def end_stage(self, capture: Capture, *, reason: str, epoch_end: bool = True,
                   finished: bool = False) -> Decision:
@@ -416,6 +423,9 @@ class Checkpointer:
             if self._progress:
                 self._progress.close()
             self.saver.close()
+            if self.events.running:  # an end no boundary told (a loop left early, a framework's own end)
+                self.events.ended("finished" if self.finished else "stopped" if self.stopped else "closed",
+                                  self.stop_reason or "")
         self.stops.raise_stop()
 
 

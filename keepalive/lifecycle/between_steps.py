@@ -247,6 +247,7 @@ class BetweenSteps:
             ckpt.say(f"{signal_name(signum)}: saved {where} to {ckpt.url} during a pause of the training loop"
                      f"{exit_words(signum)}")
             ckpt.saver.give_back_lease()
+            ckpt.events.ended("stopped", signal_name(signum))
             if in_thread:
                 # the signal is still queued: the handler, run again in the main thread, acts at once
                 # (a real signal, so that a sleep or a wait in the main thread ends now)

@@ -170,6 +170,7 @@ class BoundaryDriver:
             ckpt.warn(f"{signal_name(decision.signal)}: this loop cannot be saved inside an epoch "
                       f"({ckpt.mid_epoch_obstacle or 'see the earlier warning'}); stopping without a new "
                       f"checkpoint: a restart continues from the last one (epoch {c.epoch} begins again)")
+            ckpt.events.ended("stopped", signal_name(decision.signal))
             raise_for(decision.signal)
         if decision.save:
             ckpt.save(capture, sync=decision.sync, reason=decision.reason, finished=decision.finished)
@@ -181,8 +182,13 @@ class BoundaryDriver:
             ckpt.saver.give_back_lease()  # the save above is durable (sync); the process stops or idles
             had = "training had finished; " if decision.signal_note == "finished" else ""
             ckpt.say(f"{signal_name(decision.signal)}: {had}saved {where} to {ckpt.url}{exit_words(decision.signal)}")
+            ckpt.events.ended("finished" if had else "stopped", signal_name(decision.signal))
             raise_for(decision.signal)
         ckpt.stops.after_decision(decision, where)
+        if decision.finished:
+            ckpt.events.ended("finished", "end of training")
+        elif decision.stop:
+            ckpt.events.ended("stopped", decision.reason)
         if decision.finished or decision.stop:
             ckpt.saver.give_back_lease()  # the training is over (the save is durable: sync)
         return decision

@@ -35,6 +35,7 @@ def load(ckpt: "Checkpointer", describe: Optional[Callable[[StateTree], str]] = 
     ckpt.messages.tell_budget_used_up()
     found = ckpt.path.localize(found, ckpt.url, lambda text: ckpt.warn(text, key="world-size"))
     if found is None:
+        ckpt.events.started(None)
         return None
     info, tree, previous = found
     if check is not None:
@@ -57,4 +58,5 @@ def load(ckpt: "Checkpointer", describe: Optional[Callable[[StateTree], str]] = 
     if not ckpt.quiet:
         words = (lambda: describe(tree)) if describe is not None else None
         ckpt.say(resuming_line(ckpt.store.run, info, ckpt.state.counters.as_dict(), previous, words))
+    ckpt.events.started(info)
     return tree
