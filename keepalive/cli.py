@@ -502,9 +502,47 @@ def cmd_bench_report(args) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------------------- report
+def add_report(sub) -> None:
+    p = sub.add_parser("report", help="a run across its sessions: a picture, the redone work, the ETA",
+                       description="Draw a run from the session records its heartbeat keeps (RUN/sessions/): "
+                                   "the sessions along the step axis, interruptions and redone steps, the "
+                                   "loss over all sessions, and the ETA in steps, time and sessions of this "
+                                   "platform's budget. Writes a PNG (--png) and prints a summary.")
+    p.add_argument("run", metavar="RUN", help="the run folder or URL (gs://, s3://, a Drive path)")
+    p.add_argument("--png", default=None, metavar="FILE",
+                   help="where to write the picture (default: keepalive-report-<run>.png here)")
+    p.add_argument("--json", action="store_true", help="the summary as JSON on stdout, no picture")
+    add_storage_arguments(p)
+    p.set_defaults(func=cmd_report)
+
+
+def cmd_report(args) -> int:
+    from .runlog import read_sessions
+    from .runsummary import record_dict, summarize
+
+    options = storage_options(args)
+    check_reachable(args.run, options, timeout=30.0)
+    records = read_sessions(args.run, storage_options=options)
+    summary = summarize(args.run.rstrip("/"), [record_dict(r) for r in records])
+    if args.json:
+        print(json.dumps(summary.to_json(), indent=2, default=str))
+        return 0
+    print("\n".join(summary.lines()))
+    if not records:
+        return 0
+    from .runchart import draw
+
+    name = os.path.basename(args.run.rstrip("/")) or "run"
+    path = args.png or f"keepalive-report-{name}.png"
+    draw(summary, path)
+    print(f"picture: {path}")
+    return 0
+
+
 # ------------------------------------------------------------------------------------------ main
 # One builder per sub-command; `bench` (workloads) adds its own here.
-_BUILDERS = [add_ls, add_verify, add_status, add_sync, add_bench]
+_BUILDERS = [add_ls, add_verify, add_status, add_sync, add_report, add_bench]
 
 
 def build_parser() -> argparse.ArgumentParser:

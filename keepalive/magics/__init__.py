@@ -265,6 +265,10 @@ def keepalive_parser() -> _Parser:
     ls.add_argument("path", nargs="?", help="a run folder, a folder of runs or a checkpoint folder")
     ls.add_argument("--json", action="store_true", help="one JSON object per checkpoint")
     ls.add_argument("--verify", action="store_true", help="re-read every file to check it")
+    r = sub.add_parser("report", help="a run across its sessions: picture, redone work, ETA",
+                       description="The run's sessions along the step axis, interruptions and redone steps, the "
+                                   "loss over all sessions and the ETA (as `keepalive report`), drawn inline.")
+    r.add_argument("run", nargs="?", help="the run folder or URL (default: the run trained in this kernel)")
     return p
 
 
@@ -303,7 +307,7 @@ class KeepaliveMagics(Magics):
     # ------------------------------------------------------------------------------ %keepalive
     @line_magic("keepalive")  # type: ignore[arg-type]  # IPython's decorator types are loose
     def keepalive(self, line: str = "") -> None:
-        """%keepalive [status|dir|ls] ...: the session panel, the checkpoint dir, the runs. --help for more."""
+        """%keepalive [status|dir|ls|report] ...: the session panel, the checkpoint dir, the runs. --help for more."""
         argv = _split(line) or ["status"]
         if argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
             argv = ["status"] + argv
@@ -317,6 +321,10 @@ class KeepaliveMagics(Magics):
             return self._dir(args)
         if args.command == "ls":
             return self._ls(args)
+        if args.command == "report":
+            from .report import show_report
+
+            return show_report(args.run)
         keepalive_parser().print_help()
         return None
 

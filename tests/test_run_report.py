@@ -1,0 +1,79 @@
+"""`keepalive report`: a run across its sessions from the records its heartbeat keeps -- the sessions
+along the step axis, redone steps, the state (a stale heartbeat is DIED), the ETA in steps, time and
+sessions of a platform's budget, the picture and the JSON."""
+import json
+
+import pytest
+
+from keepalive import cli
+from keepalive.runchart import draw, metric_name
+from keepalive.runsummary import estimate_eta, state_of, summarize
+
+
+def record(session, first, step, state, started, updated, **more):
+    return {"session": session, "first_step": first, "step": step, "state": state, "started": started,
+            "updated": updated, "heartbeat_s": 10, "total_steps": 1000, **more}
+
+
+def killed_three_times():
+    # session 2 and 3 were SIGKILLed (their records stay "running", heartbeat stale); 4 is stopped by
+    # the deadline; 5 runs. Each resumed from a checkpoint behind where the previous one died.
+    return [
+        record("a", 0, 120, "running", 0, 120),
+        record("b", 100, 260, "running", 200, 360),
+        record("c", 250, 400, "crashed", 400, 550, reason="RuntimeError: CUDA out of memory"),
+        record("d", 400, 600, "stopped", 600, 800, reason="deadline: 5 min left"),
+        record("e", 600, 700, "running", 900, 1000, steps_per_s=1.0, budget_s=500, platform="kaggle"),
+    ]
+
+
+def test_sessions_redone_steps_and_states():
+    s = summarize("runs/x", killed_three_times(), now=1001)
+    assert [(g.start_step, g.end_step, g.redone) for g in s.segments] == [
+        (0, 120, 0), (100, 260, 20), (250, 400, 10), (400, 600, 0), (600, 700, 0)]
+    assert [g.state for g in s.segments] == ["died", "died", "crashed", "stopped", "running"]
+    assert s.redone_steps == 30 and s.state == "RUNNING" and s.step == 700
+
+
+def test_a_heartbeat_is_stale_only_after_three_beats_and_a_grace():
+    beat = {"state": "running", "updated": 1000.0, "heartbeat_s": 10}
+    assert state_of(beat, now=1000.0 + 3 * 10 + 29)[0] == "RUNNING"  # control: fresh enough
+    assert state_of(beat, now=1000.0 + 3 * 10 + 31)[0] == "DIED"
+    assert state_of({"state": "stopped", "reason": "SIGTERM"})[0] == "STOPPED"
+    assert state_of({"state": "closed"})[0] == "STOPPED"
+    assert state_of({"state": "finished"})[0] == "FINISHED"
+
+
+def test_eta_in_steps_time_and_sessions_of_the_budget():
+    s = summarize("runs/x", killed_three_times(), now=1001)
+    # 300 steps at 1 step/s = 300 s; the running session (budget 500 s, started at 900) has 399 s left
+    assert s.eta.steps_left == 300 and s.eta.seconds == pytest.approx(300) and s.eta.sessions == 0
+    assert "it ends in this session" in s.eta.words()
+    eta = estimate_eta(3000, 1.0, budget_s=1000, session_left_s=400, platform="kaggle")
+    assert eta.sessions == 3 and "about 3 more Kaggle sessions" in eta.words()
+    assert estimate_eta(10, None) is None
+
+
+def test_a_finished_run_has_no_eta_and_a_new_one_no_sessions():
+    done = [record("a", 0, 1000, "finished", 0, 100)]
+    assert summarize("r", done).eta is None and summarize("r", done).state == "FINISHED"
+    assert summarize("r", []).state == "NEW"
+
+
+def test_the_picture_and_the_json(tmp_path):
+    records = killed_three_times()
+    for r in records:
+        r["metrics"] = [{"step": s, "loss": 1.0 / (1 + s), "acc": 0.5} for s in range(r["first_step"], r["step"], 20)]
+    s = summarize("runs/x", records, now=1001)
+    assert metric_name(s.metrics) == "loss"
+    png = draw(s, str(tmp_path / "r.png"))
+    assert png[:4] == b"\x89PNG" and (tmp_path / "r.png").read_bytes() == png
+    data = json.loads(json.dumps(s.to_json()))
+    assert [g["redone"] for g in data["segments"]] == [0, 20, 10, 0, 0]
+    assert data["eta"]["steps_left"] == 300 and "words" in data["eta"]
+    assert {p["session"] for p in data["metrics"]} == {0, 1, 2, 3, 4}
+
+
+def test_the_cli_on_a_folder_without_sessions_says_so(tmp_path, capsys):
+    assert cli.main(["report", str(tmp_path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["state"] == "NEW"
