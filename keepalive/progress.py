@@ -174,6 +174,16 @@ def upload_progress(url: str) -> Optional[Callable[[Mapping[str, Any], int], Opt
     return factory
 
 
+def _epochs_eta(epochs_left: int, per_epoch: float, remaining: float) -> Any:
+    """The ETA of the epochs left, as ``keepalive report`` estimates it (:func:`keepalive.runsummary.estimate_eta`):
+    the same arithmetic, with the session's budget for the sessions still needed."""
+    from .runsummary import estimate_eta
+    from .session import detect
+
+    budget = detect().budget_seconds
+    return estimate_eta(max(0, epochs_left), 1.0 / per_epoch, budget_s=budget, session_left_s=remaining)
+
+
 class TrainingProgress:
     """An epoch bar with the session time left next to tqdm's ETA (see module docstring).
 
@@ -202,18 +212,19 @@ class TrainingProgress:
         total = getattr(self.core, "total_epochs", None)
         per_epoch = self.core.trigger.epoch_seconds
         if total and per_epoch:
-            eta = (total - self.core.counters["epoch"]) * per_epoch
-            if eta > remaining:
+            eta = _epochs_eta(total - self.core.counters["epoch"], per_epoch, remaining)
+            if eta is not None and eta.seconds > remaining:
                 text += " (ETA past it)"
                 self._warn_eta(eta, remaining)
         return text
 
-    def _warn_eta(self, eta: float, remaining: float) -> None:
+    def _warn_eta(self, eta: Any, remaining: float) -> None:
         if self.warned:
             return
         self.warned = True
-        report.warn(f"run '{self.core.store.run}': the epochs left need about {format_duration(eta)}, the "
-                    f"session has {format_duration(max(0.0, remaining))} left; keepalive saves and stops "
+        more = f" (about {eta.sessions} more session{'s' if eta.sessions != 1 else ''})" if eta.sessions else ""
+        report.warn(f"run '{self.core.store.run}': the epochs left need about {format_duration(eta.seconds)}{more}, "
+                    f"the session has {format_duration(max(0.0, remaining))} left; keepalive saves and stops "
                     "before its end (run the cell again in a new session to continue)")
 
     def epoch_end(self, last: bool = False) -> None:
