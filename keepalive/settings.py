@@ -169,6 +169,17 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in [
     Setting("KEEPALIVE_CLOCK", None, _clock, "which start the session budget counts from: vm (the "
             "machine's start, Colab's rule), kernel (this kernel's start), process; default: the "
             "platform's", "vm|kernel|process"),
+    # Kaggle: a run resumed from the previous version's output, the next version pushed
+    Setting("KEEPALIVE_KAGGLE_WORKING", "/kaggle/working", lambda t: _path(t) or "/kaggle/working",
+            "Kaggle's working folder (kept as a version's output); for tests and other layouts", "path"),
+    Setting("KEEPALIVE_KAGGLE_INPUT", "/kaggle/input", lambda t: _path(t) or "/kaggle/input",
+            "where Kaggle mounts a notebook's data sources, read only (a run with no checkpoint under "
+            "the working folder resumes from its copy there)", "path"),
+    Setting("KEEPALIVE_KAGGLE_CHAIN", None, _positive_int, "opt-in: before Kaggle's session limit, "
+            "after the final save, push the next version of the notebook (at most this many versions "
+            "in the chain); needs KEEPALIVE_KAGGLE_NOTEBOOK", "number"),
+    Setting("KEEPALIVE_KAGGLE_NOTEBOOK", None, _text, "the notebook a chain pushes again, as "
+            "owner/slug (its URL's last two parts)", "owner/slug"),
     # a cloud VM's preemption notices
     Setting("KEEPALIVE_CLOUD", None, _cloud, "which cloud's preemption / maintenance notices to watch: "
             "gce, aws, azure, none (watch nothing); default auto: detected from the DMI files, never "

@@ -47,6 +47,7 @@ LAYERS: Dict[str, int] = {
     "rendezvous": 3,  # the restart-safe env:// rendezvous of torchrun workers (import keepalive installs it)
     "pauses": 3, "autointerval": 3,  # saves between steps (marks, the step gate, the guard); every="auto"
     "runidentity": 3,  # which run an unnamed checkpointer writes (an Optuna trial's own); the first save's line
+    "resumefrom": 3,  # resume_from=: another run folder (Kaggle's input copy) read, never written
     # 4 core
     "config": 4, "core": 4, "adapter": 4, "status": 4,
     "lifecycle": 4,  # the parts the core's Checkpointer is a facade over (boundaries, saves, pauses, ...)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable, Optional, cast
 
 from .. import boundary as bd
+from .. import resumefrom
 from ..runidentity import newest_of_own_run
 from ..runs import resuming_line
 from ..savepath import Found
@@ -29,6 +30,10 @@ def load(ckpt: "Checkpointer", describe: Optional[Callable[[StateTree], str]] = 
     # the run = its destination and this machine's spool of it: the newest valid checkpoint of both
     # (an unnamed checkpointer moves off a finished run of another training first: keepalive.runidentity)
     found = cast(Optional[Found], newest_of_own_run(ckpt, check))
+    elsewhere = None  # resume_from= (or Kaggle's input copy): read only, when the run has no checkpoint
+    if found is None:
+        found, elsewhere = resumefrom.newest_elsewhere(ckpt.url, ckpt.config.resume_from,
+                                                       ckpt.config.storage_options, ckpt.quiet)
     # Take the writer lease now, at the start of training: a second session on the same run
     # learns it at once instead of after its first epoch.
     ckpt.saver.open()
@@ -57,6 +62,7 @@ def load(ckpt: "Checkpointer", describe: Optional[Callable[[StateTree], str]] = 
     ckpt.trigger.saved()
     if not ckpt.quiet:
         words = (lambda: describe(tree)) if describe is not None else None
-        ckpt.say(resuming_line(ckpt.store.run, info, ckpt.state.counters.as_dict(), previous, words))
+        line = resuming_line(ckpt.store.run, info, ckpt.state.counters.as_dict(), previous, words)
+        ckpt.say(resumefrom.told(line, info.name, elsewhere, ckpt.url) if elsewhere else line)
     ckpt.events.started(info)
     return tree
