@@ -21,6 +21,7 @@ import threading
 from typing import Any, Dict, List, Optional
 
 from ._version import __version__
+from .supervise import add_run
 
 #: seconds a remote store gets to answer its first request before the command gives up
 CONNECT_TIMEOUT = 15.0
@@ -542,7 +543,7 @@ def cmd_report(args) -> int:
 
 # ------------------------------------------------------------------------------------------ main
 # One builder per sub-command; `bench` (workloads) adds its own here.
-_BUILDERS = [add_ls, add_verify, add_status, add_sync, add_report, add_bench]
+_BUILDERS = [add_ls, add_verify, add_status, add_sync, add_report, add_bench, add_run]
 
 
 def build_parser() -> argparse.ArgumentParser:

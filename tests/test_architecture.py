@@ -47,6 +47,8 @@ LAYERS: Dict[str, int] = {
     "rendezvous": 3,  # the restart-safe env:// rendezvous of torchrun workers (import keepalive installs it)
     "pauses": 3, "autointerval": 3,  # saves between steps (marks, the step gate, the guard); every="auto"
     "runidentity": 3,  # which run an unnamed checkpointer writes (an Optuna trial's own); the first save's line
+    "endrecord": 0,  # how a supervised process ended (refused or crashed), for `keepalive run`
+    "supervise": 4,  # `keepalive run -- CMD`: the command started again after a stop or a crash
     "resumefrom": 3,  # resume_from=: another run folder (Kaggle's input copy) read, never written
     # 4 core
     "config": 4, "core": 4, "adapter": 4, "status": 4,

@@ -30,6 +30,8 @@ import weakref
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, List, Optional, Type
 
+from ..endrecord import record_at_exit
+
 if TYPE_CHECKING:
     from ..store import CheckpointInfo, WriteResult
 
@@ -136,6 +138,7 @@ def install_crash_hook() -> None:
     ``stopped``) before Python prints it; the previous ``sys.excepthook`` still runs. Installed
     once, by the first checkpointer."""
     global _HOOK_INSTALLED
+    record_at_exit()  # and, under `keepalive run`, how the process ended (keepalive.endrecord)
     if _HOOK_INSTALLED:
         return
     _HOOK_INSTALLED = True
