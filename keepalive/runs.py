@@ -55,8 +55,8 @@ from .store import (
 )
 from .units import format_bytes, format_duration
 
-__all__ = ["Run", "Location", "resuming_line", "position", "open_run", "find_runs", "spooled_runs", "locate",
-           "checkpoints_at", "read_state", "pending_summary", "format_pending", "RUN_INDEX", "record_run",
+__all__ = ["Run", "Location", "resuming_line", "read_from", "position", "open_run", "find_runs", "spooled_runs",
+           "locate", "checkpoints_at", "read_state", "pending_summary", "format_pending", "RUN_INDEX", "record_run",
            "read_run_index", "indexed_runs", "answered_within", "RUN_RECORDS"]
 
 log = logging.getLogger("keepalive.runs")
@@ -680,8 +680,9 @@ def format_pending(pending: Optional[Mapping[str, Any]], size: Callable[[float],
 
 def resuming_line(run: str, info: Any, counters: Mapping[str, int], previous: Optional[Mapping[str, Any]],
                   describe: Optional[Callable[[], str]] = None) -> str:
-    """The one line said when a run resumes: from which checkpoint, where, how old, what is redone,
-    and the adapter's own words (``describe()``, e.g. what is restored; never fatal)."""
+    """The one line said when a run resumes: from which checkpoint, where it lies (the destination or
+    this machine's spool: :func:`read_from`), how old, what is redone, and the adapter's own words
+    (``describe()``, e.g. what is restored; never fatal)."""
     detail = ""
     try:
         detail = (describe() or "") if describe is not None else ""
@@ -696,7 +697,22 @@ def resuming_line(run: str, info: Any, counters: Mapping[str, int], previous: Op
         redone = f"; the last session got to step {previous['step']} or further: the steps after {step} are redone"
     finished = " (this run had finished)" if (info.manifest or {}).get("metadata", {}).get("finished") else ""
     return (f"resuming run '{run}' from {info.name}: {position(counters)}, saved "
-            f"{format_duration(age)} ago{redone}{finished}{'; ' + detail if detail else ''}")
+            f"{format_duration(age)} ago{read_from(info)}{redone}{finished}{'; ' + detail if detail else ''}")
+
+
+def read_from(info: Any) -> str:
+    """Where the copy a resume read lies, as the resume line says it: ``, from the destination URL``,
+    ``, from this machine's spool FOLDER (not uploaded yet)``, or ``, from this machine's copy in
+    FOLDER (uploaded already)``; "" when the copy does not say (a checkpoint described by hand)."""
+    source, url = getattr(info, "source", None), getattr(info, "url", None)
+    if source not in ("spool", "destination") or not isinstance(url, str) or "/" not in url:
+        return ""
+    folder = url.rsplit("/", 1)[0]
+    if source == "destination":
+        return f", from the destination {folder}"
+    if getattr(info, "cached", False):
+        return f", from this machine's copy in {folder} (uploaded already)"
+    return f", from this machine's spool {folder} (not uploaded yet)"
 
 
 def position(counters: Mapping[str, int], batches: Optional[int] = None) -> str:

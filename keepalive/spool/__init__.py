@@ -16,11 +16,14 @@ to its destination by a background **uploader**. One concept per module:
   the newest uploaded one as a local cache, retries with backoff for as long as the process lives.
   Its jobs are its collaborators: :mod:`~keepalive.spool.backlog` (which checkpoint goes next, which
   are dropped or kept), :mod:`~keepalive.spool.transfer` (one checkpoint copied and verified),
-  :mod:`~keepalive.spool.outage` (an outage told once when it begins, once when it ends).
+  :mod:`~keepalive.spool.outage` (an outage told once when it begins, once when it ends; which errors
+  no retry fixes), :mod:`~keepalive.spool.torn` (the torn folders of cut-short writes at the
+  destination, removed by the lease holder after its next successful write).
 * :mod:`~keepalive.spool.spooled` -- :class:`SpooledStore`, what :class:`keepalive.core.Checkpointer`'s
   writer commits through: the destination directly, or the spool (remote URLs and Drive always;
   failing or slow local paths from then on). It uses the uploader; the uploader calls back into it
-  only through a listener (imports go one way).
+  only through a listener (imports go one way). How long its flushes wait:
+  :mod:`~keepalive.spool.flushing`.
 * :mod:`~keepalive.spool.mount` -- :class:`MountWatch` / :class:`MountVanished` (a destination whose
   mount vanished), Colab's Drive.
 * :mod:`~keepalive.spool.sync` -- :func:`sync`, ``keepalive sync``: upload what a crashed process left.
@@ -39,9 +42,11 @@ Bounds:
   checkpoints are dropped (oldest first, with a warning) only if ``keep`` newer checkpoints supersede
   them, never the newest; if that is not enough, a warning says so and nothing else is dropped.
 * Flush (normal end, SIGTERM, atexit, deadline stop, ``Checkpointer.flush()``) waits for the uploads
-  at most ``flush_timeout`` seconds (default 120 s, ``KEEPALIVE_FLUSH_TIMEOUT``) and never past the
-  session's end; a flush that timed out is not repeated in full while nothing moves. What is still
-  pending is printed with what to do (``keepalive sync``).
+  that matter (not those ``keep`` newer ones supersede) at most ``flush_timeout`` seconds (default
+  120 s, ``KEEPALIVE_FLUSH_TIMEOUT``), never past the session's end, once (flushes in a row share one
+  bound), and not at all for a destination that failed with an error no retry fixes (full,
+  read-only, quota, permission) beyond one more attempt. What is still pending is printed with where
+  it is and what to do (``keepalive sync``).
 
 A vanished mount (the destination's folder disappears, a different filesystem sits there now, or
 ``ENOTCONN``) is reported once, with the remount command, and uploads resume by themselves when it is

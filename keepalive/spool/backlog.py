@@ -78,6 +78,12 @@ class Backlog:
         self.in_flight = chosen.name
         return chosen, len(keep) != len(pending)
 
+    def needed(self, dest: CheckpointStore) -> List[CheckpointInfo]:
+        """The pending checkpoints that will be uploaded, oldest first: not the damaged ones nor those
+        that ``keep`` newer ones supersede (by the destination's list at the last look)."""
+        pending = [c for c in self.pending() if not c.error]
+        return [c for c in pending if not self.superseded(c, pending, self.dest_known, dest)]
+
     def uploaded(self, c: CheckpointInfo) -> None:
         """``c`` landed: mark it uploaded (the local cache now) and drop older cached copies."""
         with self.lock:

@@ -6,18 +6,66 @@ lock, and remembers whether the user was told of the current outage: by the uplo
 store that saw the destination fail first and said so itself (:meth:`Outage.note_told`). The warnings'
 texts are :func:`outage_warning` and :func:`recovery_warning`: what failed, where the checkpoints wait
 meanwhile, and what the user can do (remount Drive, free space).
+
+:func:`is_permanent` tells an error that retrying does not fix (a full or read-only destination, a
+quota, no permission) from one that may go away by itself (a network hiccup, a 503): the uploader
+retries both, but a flush does not wait for the first (:mod:`keepalive.spool.flushing`).
 """
 from __future__ import annotations
 
 import errno
 import threading
 import time
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
 from ..units import format_duration
 from .mount import REMOUNT_HINT, describe_error, is_mount_error
 
-__all__ = ["Outage", "outage_warning", "recovery_warning"]
+__all__ = ["Outage", "outage_warning", "recovery_warning", "is_permanent"]
+
+#: errno values no retry fixes: the destination is full, over its quota, read-only, or not ours to write
+PERMANENT_ERRNOS = frozenset(code for code in (errno.ENOSPC, getattr(errno, "EDQUOT", None), errno.EROFS,
+                                               errno.EACCES, errno.EPERM) if code is not None)
+#: HTTP statuses no retry fixes: unauthorised, forbidden (permission or quota), insufficient storage
+_PERMANENT_STATUS = frozenset({401, 403, 507})
+#: error codes of object stores (botocore's ``response["Error"]["Code"]``) no retry fixes
+_PERMANENT_CODES = frozenset({"AccessDenied", "AllAccessDisabled", "AccountProblem", "InvalidAccessKeyId",
+                              "SignatureDoesNotMatch", "QuotaExceeded", "EntityTooLarge",
+                              "storageQuotaExceeded", "quotaExceeded", "forbidden"})
+_PERMANENT_WORDS = ("quota exceeded", "quotaexceeded", "storage quota", "insufficient storage",
+                    "no space left", "read-only file system")
+
+
+def _status_and_code(exc: BaseException) -> Tuple[Any, Any]:
+    """The HTTP status and the service's error code an fsspec backend's error carries, if any
+    (gcsfs: ``HttpError.code``; botocore: ``response``; aiohttp: ``status``)."""
+    status = getattr(exc, "code", None) or getattr(exc, "status", None)
+    code = None
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):
+        status = status or response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        code = (response.get("Error") or {}).get("Code")
+    return status, code
+
+
+def is_permanent(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an error it was raised from) is one that retrying does not fix: ENOSPC,
+    EDQUOT, EROFS, EACCES / EPERM, an HTTP 401 / 403 / 507, an object store's access or quota code.
+    A transient fault (EIO, ENOTCONN, timeouts, 5xx) is not, nor is a vanished mount (it comes back)."""
+    seen = 0
+    current: Optional[BaseException] = exc
+    while current is not None and seen < 6:
+        seen += 1
+        if isinstance(current, PermissionError) or getattr(current, "errno", None) in PERMANENT_ERRNOS:
+            return True
+        status, code = _status_and_code(current)
+        if status in _PERMANENT_STATUS or code in _PERMANENT_CODES:
+            return True
+        text = str(current).lower()
+        if any(word in text for word in _PERMANENT_WORDS):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
 
 
 class Outage:
@@ -28,6 +76,7 @@ class Outage:
         self.failing: Optional[str] = None     # what fails now, None while healthy
         self.since: Optional[float] = None     # when it began (time.time())
         self.last_error: Optional[str] = None  # the last failed attempt's error, outage over or not
+        self.permanent = False                 # that error is one no retry fixes (is_permanent)
         self._told = False                     # the user has been told of the current outage
 
     def note_told(self, exc: BaseException) -> bool:
@@ -37,6 +86,7 @@ class Outage:
             if self.failing is not None:
                 return False
             self.failing, self.since = describe_error(exc), time.time()
+            self.permanent = is_permanent(exc)
             self._told = True
             return True
 
@@ -44,8 +94,9 @@ class Outage:
         """Record a failed attempt: ``"ongoing"`` (the outage goes on: a log line), ``"tell"`` (a new
         one the user must hear of), or ``""`` (a new one a store has told the user of already)."""
         what = describe_error(exc)
+        permanent = is_permanent(exc)
         with self._lock:
-            self.last_error = what
+            self.last_error, self.permanent = what, permanent
             if self.failing is not None:
                 return "ongoing"
             self.failing, self.since = what, time.time()
@@ -62,6 +113,7 @@ class Outage:
                 return None
             took = time.time() - (self.since or time.time())
             self.failing = self.since = None
+            self.permanent = False
             told, self._told = self._told, False
         return took, told
 

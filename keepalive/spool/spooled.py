@@ -7,6 +7,10 @@ switch to the spool when a direct write fails with a storage error (until the de
 again and the spool is empty) or takes longer than ``KEEPALIVE_SPOOL_SLOW`` (10 s; then for the rest
 of the session). ``spool=True`` / ``False`` (or ``KEEPALIVE_SPOOL_MODE=always|never``) force it.
 
+How long a flush waits is :class:`~keepalive.spool.flushing.FlushWait`'s job; the torn folders that
+failed direct writes leave are removed after the next one that succeeds
+(:class:`~keepalive.spool.torn.TornFolders`).
+
 Imports go one way: this module uses :mod:`~keepalive.spool.uploader` (through the uploader's
 methods), and the uploader calls back into a store only through the listener the store attaches.
 """
@@ -18,13 +22,13 @@ import logging
 import os
 import shutil
 import threading
-import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Union
 
 from .. import report, settings
 from ..errors import LeaseLostError, RunLockedError
 from ..store import CheckpointInfo, CheckpointStore, RetryPolicy, WriteResult
-from ..units import format_bytes, format_duration, parse_bytes
+from ..units import format_bytes, parse_bytes
+from .flushing import FlushWait
 from .local import Spool, spool_dir_for
 from .mount import (
     REMOUNT_HINT,
@@ -35,6 +39,7 @@ from .mount import (
     is_mount_error,
     on_colab,
 )
+from .torn import TornFolders
 from .uploader import UPLOADERS, Uploader
 
 log = logging.getLogger("keepalive.spool")
@@ -128,7 +133,8 @@ class SpooledStore:
         # why the spool is in use: "destination" (remote / Drive / forced), "failure", "slow", None
         self.reason: Optional[str] = None
         remote = not self.local and dest.url.split("://", 1)[0] not in _IN_PROCESS
-        if self.mode == "always" or (self.mode == "auto" and (remote or self.drive)):
+        drive_like = self.mount is not None and self.mount.drive_like  # Drive, or any other FUSE mount
+        if self.mode == "always" or (self.mode == "auto" and (remote or drive_like)):
             self.reason = "destination"
             if dest.retry == RetryPolicy():
                 # The uploader retries for ever with its own backoff; the store's retries (5 attempts,
@@ -139,7 +145,9 @@ class SpooledStore:
         self._generation = _GENERATIONS.new(self.folder)
         self._listener = self._uploaded  # one object: the uploader's registry finds it again on detach
         self._bound_warned = False
-        self._stuck_at: Optional[int] = None
+        self.flushes = FlushWait(dest.url, self.folder, self.flush_timeout, remaining_fn=remaining_fn,
+                                 quiet=quiet)
+        self.torn = TornFolders(dest)  # torn folders of failed direct writes, removed after the next one
         self._end_done = False
         self._synced_said = False
 
@@ -208,6 +216,7 @@ class SpooledStore:
             try:
                 if self.mount is not None:
                     self.mount.check()
+                self.torn.opening()
                 self.dest.open_for_writing(takeover=takeover)
                 return
             except RunLockedError:
@@ -239,7 +248,7 @@ class SpooledStore:
                 if self.mount is not None:
                     self.mount.check()
                 result = self._commit_to_dest(up, files, step=step, epoch=epoch, metadata=metadata,
-                                              progress=progress)
+                                              progress=progress, clean=True)
             except (LeaseLostError, RunLockedError):
                 raise
             except OSError as exc:
@@ -304,11 +313,18 @@ class SpooledStore:
 
         return spool, commit_spooled
 
-    def _commit_to_dest(self, up: Optional[Uploader], files: Mapping[str, Any], **kwargs: Any) -> WriteResult:
-        """Commit to the destination itself, under the uploader's lock when one runs (it writes there)."""
-        if up is None:
-            return self.dest.commit(files, **kwargs)
-        return up.exclusive(lambda: self.dest.commit(files, **kwargs))
+    def _commit_to_dest(self, up: Optional[Uploader], files: Mapping[str, Any], clean: bool = False,
+                        **kwargs: Any) -> WriteResult:
+        """Commit to the destination itself, under the uploader's lock when one runs (it writes there);
+        ``clean``: then remove the torn folders earlier writes left (not on the sharded path, where
+        other ranks may already write the next checkpoint's folder)."""
+        def commit() -> WriteResult:
+            result = self.dest.commit(files, **kwargs)
+            if clean:
+                self.torn.remove()
+            return result
+
+        return commit() if up is None else up.exclusive(commit)
 
     def _spool_and_uploader(self) -> "tuple[Spool, Uploader]":
         """This machine's spool and its uploader, the spool numbering on from what was uploaded."""
@@ -365,8 +381,9 @@ class SpooledStore:
         return []
 
     def flush(self, timeout: Optional[float] = None, *, end_of_run: bool = False) -> bool:
-        """Wait (bounded) until the spool is settled: every spooled checkpoint uploaded and verified,
-        the local copies it supersedes evicted, the destination's retention applied; on Colab with a
+        """Wait (bounded, once, not for a destination that failed for good: :mod:`~keepalive.spool.flushing`)
+        until the spool is settled: every spooled checkpoint that matters uploaded and verified, the
+        local copies it supersedes evicted, the destination's retention applied; on Colab with a
         Drive destination also sync (and at the end of a run flush Drive when asked). True when
         nothing is left to do."""
         ok = True
@@ -375,44 +392,10 @@ class SpooledStore:
         # Not only "nothing pending": the last upload is marked done before the older local copy it
         # supersedes is evicted and before the destination's retention runs.
         if self.pending() or (self.uploader is not None and not self.uploader.settled()):
-            up = self._attach()
-            bound = self.flush_timeout if timeout is None else float(timeout)
-            remaining = self.remaining_fn() if self.remaining_fn is not None else None
-            if remaining is not None:
-                bound = min(bound, max(0.0, remaining - 5.0))
-            if self._stuck_at is not None and self._stuck_at == up.uploaded and up.failing is not None:
-                bound = min(bound, 1.0)  # an earlier flush timed out and nothing has moved since
-            first = min(bound, 2.0)
-            ok = up.wait_settled(first)
-            if not ok and bound > first:
-                pending = self.pending()
-                if pending:
-                    report.say(f"waiting up to {format_duration(bound)} for {len(pending)} checkpoint "
-                               f"upload(s) ({format_bytes(sum(c.size_bytes or 0 for c in pending))}) to "
-                               f"{self.url}", quiet=self.quiet)
-                ok = up.wait_settled(bound - first)
-            if ok:
-                self._stuck_at = None
-            else:
-                if self._stuck_at != up.uploaded:
-                    self._report_pending(up)
-                self._stuck_at = up.uploaded
+            ok = self.flushes.wait(self._attach(), timeout)
         if self.drive and on_colab():
             self._drive_sync(end_of_run, ok)
         return ok
-
-    def _report_pending(self, up: Uploader) -> None:
-        pending = self.pending()
-        if not pending:
-            return
-        oldest = min((c.created for c in pending if c.created), default=time.time())
-        why = f" ({up.last_error})" if up.failing and up.last_error else ""
-        report.warn(f"{len(pending)} checkpoint(s) ({format_bytes(sum(c.size_bytes or 0 for c in pending))}, "
-                    f"oldest {format_duration(time.time() - oldest)} old, newest step {pending[-1].step}) "
-                    f"are not uploaded to {self.url} yet{why}. They are safe on this machine's disk in "
-                    f"{self.folder} (not if the VM itself is recycled); uploads go on while this process "
-                    f"lives. After a restart, running the training again resumes from them and uploads "
-                    f"them, or run: keepalive sync {self.url}", quiet=self.quiet)
 
     def _drive_sync(self, end_of_run: bool, uploaded: bool = True) -> None:
         try:
@@ -455,7 +438,10 @@ class SpooledStore:
             self.spool.close()
         up = self.uploader
         if up is None:
-            self.dest.close()
+            # closed before (the end of the loop, then close()): an uploader still at work holds this
+            # destination's lease and releases it after its last upload
+            if not any(u.dest is self.dest and u.usable for u in UPLOADERS.values()):
+                self.dest.close()
             return
         UPLOADERS.detach(up, self._listener)
         self.uploader = None

@@ -56,8 +56,9 @@ class CheckpointCopy:
         self.stopped = stopped
 
     def run(self) -> None:
-        """Copy and verify every file, the manifest last (after a check that the lease is still
-        this session's); raises :class:`SourceGone`, :class:`StorageError` or the backend's error."""
+        """Copy and verify every file, the manifest last (the lease checked to be this session's before
+        the first file and again before the manifest); raises :class:`SourceGone`,
+        :class:`StorageError` or the backend's error."""
         c, b = self.c, self.dest.backend
         folder = b.join(self.dest.path, c.name)
         manifest = c.manifest or {}
@@ -66,6 +67,9 @@ class CheckpointCopy:
             raw = self.source.read_bytes(os.path.join(c.path, MANIFEST))
         except FileNotFoundError:
             raise SourceGone(c.name) from None
+        # LeaseLostError before the first byte too: a session whose run was taken over must not begin
+        # a folder there again after the new holder removed its torn ones
+        self.dest.lease.check()
         bar = self._bar(c.size_bytes or 0)
         try:
             b.makedirs(folder)

@@ -4,7 +4,8 @@ One :class:`Uploader` thread per spool folder and process (:data:`UPLOADERS`; th
 a notebook cell run again share it). Each spooled checkpoint is copied data files first and
 ``MANIFEST.json`` last, and what landed is verified (local and mounted destinations: every byte
 re-hashed; object stores: every size read back; the manifest always read back) before the
-destination's retention runs and the spooled copy is marked uploaded. The newest uploaded checkpoint
+destination's retention runs, the torn folders of failed attempts are removed
+(:class:`~keepalive.spool.torn.TornFolders`) and the spooled copy is marked uploaded. The newest uploaded checkpoint
 stays in the spool as the local cache; older uploaded ones are deleted. A spooled checkpoint that at
 least ``keep`` newer ones supersede (retention would delete it at once) is not uploaded. Failures are
 retried with exponential backoff (0.5 s doubling to 30 s, with jitter) for as long as the process
@@ -38,6 +39,7 @@ from .backlog import Backlog
 from .local import Spool
 from .mount import MountWatch
 from .outage import Outage, outage_warning, recovery_warning
+from .torn import TornFolders
 from .transfer import CheckpointCopy, SourceGone
 
 log = logging.getLogger("keepalive.spool")
@@ -61,10 +63,11 @@ class Uploader:
     reported once per outage (:func:`keepalive.report.warn`), the recovery once too.
 
     Other threads (the spooled store's writer, a flush) use it through its methods; they read its
-    status (``fatal``, ``failing``, ``last_error``, ``uploaded``, ``dropped``, :attr:`seq_floor`) and
-    never write its fields. It owns its locks: ``_dest_lock`` while the destination is in use
-    (:meth:`exclusive` lends it), its backlog's lock while spooled checkpoints are chosen or dropped,
-    ``_state`` for the fields both sides touch (the outage's fields have their own).
+    status (``fatal``, ``failing``, ``permanent``, ``last_error``, ``uploaded``, ``attempts``,
+    ``dropped``, :attr:`seq_floor`) and never write its fields. It owns its locks: ``_dest_lock``
+    while the destination is in use (:meth:`exclusive` lends it), its backlog's lock while spooled
+    checkpoints are chosen or dropped, ``_state`` for the fields both sides touch (the outage's fields
+    have their own).
     """
 
     def __init__(self, spool: Spool, dest: CheckpointStore, *, takeover: bool = False,
@@ -82,6 +85,7 @@ class Uploader:
         self._dest_lock = threading.RLock()    # held while the destination is used (uploads, direct commits)
         self.backlog = Backlog(spool, quiet=quiet)  # its lock: choosing / dropping spooled checkpoints
         self.outage = Outage()
+        self.torn = TornFolders(dest)               # torn folders at the destination, removed between uploads
         # guards what other threads set or read together: the next destination, the open request,
         # the sequence floor, the work counter; waiters for a pass wait on it
         self._state = threading.Condition()
@@ -106,6 +110,9 @@ class Uploader:
         self.uploaded = 0
         self.bytes_uploaded = 0
         self.last_ok: Optional[float] = None
+        #: passes over the spool that ended (uploaded, failed or found nothing to do): a flush waits for
+        #: the next one to learn whether a destination that failed for good works again
+        self.attempts = 0
 
     @property
     def failing(self) -> Optional[str]:
@@ -119,6 +126,12 @@ class Uploader:
     @property
     def last_error(self) -> Optional[str]:
         return self.outage.last_error
+
+    @property
+    def permanent(self) -> bool:
+        """The current outage's last error is one no retry fixes (full, read-only, quota, permission):
+        uploads go on being retried, but a flush does not wait for them."""
+        return self.failing is not None and self.outage.permanent
 
     @property
     def dropped(self) -> int:
@@ -197,6 +210,11 @@ class Uploader:
     def pending(self) -> List[CheckpointInfo]:
         return self.backlog.pending()
 
+    def needed(self) -> List[CheckpointInfo]:
+        """The pending checkpoints that will be uploaded, oldest first: not those that ``keep`` newer
+        ones supersede (they are dropped, not uploaded). What a flush waits for."""
+        return self.backlog.needed(self.dest)
+
     def settled(self) -> bool:
         """Whether every spooled checkpoint is uploaded (or dropped as superseded) and nothing the
         uploader does for them is still going on: no upload, no verification, no eviction of an older
@@ -214,21 +232,34 @@ class Uploader:
         is :meth:`settled`: a store may write to the destination directly again."""
         return self.failing is None and self.last_ok is not None and self.settled()
 
-    def wait_settled(self, timeout: Optional[float]) -> bool:
+    def wait_settled(self, timeout: Optional[float], *, until_permanent: bool = False) -> bool:
         """Wait until the spool is :meth:`settled` (True) or ``timeout`` seconds pass / uploads stop
-        (False)."""
+        / (``until_permanent``) the destination fails with an error no retry fixes (False)."""
         self.notify()  # a flush cuts a backoff short: try now
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             if self.settled():
                 return True
-            if self.fatal is not None or (self.exited and not self.alive):
+            if self.fatal is not None or (self.exited and not self.alive) or (until_permanent and self.permanent):
                 return False
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 return False
             with self._state:
                 self._state.wait(0.25 if left is None else min(0.25, left))
+
+    def wait_attempt(self, after: int, timeout: float) -> bool:
+        """Wait until a pass after the ``after``-th has ended (True), at most ``timeout`` seconds, the
+        current backoff cut short."""
+        self.notify()
+        deadline = time.monotonic() + timeout
+        with self._state:
+            while self.attempts <= after:
+                left = deadline - time.monotonic()
+                if left <= 0 or self.fatal is not None or (self.exited and not self.alive):
+                    return self.attempts > after
+                self._state.wait(min(0.25, left))
+        return True
 
     # ---------------------------------------------------------------------------------- loop
     def _run(self) -> None:
@@ -247,6 +278,7 @@ class Uploader:
                 except Exception as exc:  # noqa: BLE001 - every storage fault is retried
                     self._fault(exc)
                     self._opened.set()
+                    self._attempted()
                     self._wake.wait(delay * (0.5 + random.random()))
                     delay = min(delay * 2, BACKOFF_MAX)
                     continue
@@ -258,6 +290,7 @@ class Uploader:
                 delay = BACKOFF_INITIAL
                 if touched:
                     self._recovered()
+                self._attempted()
                 if worked:
                     continue
                 if UPLOADERS.retire_if_idle(self):
@@ -274,11 +307,18 @@ class Uploader:
             with self._state:
                 self._state.notify_all()
 
+    def _attempted(self) -> None:
+        """A pass ended, and what it taught (an outage begun or over) is recorded."""
+        with self._state:
+            self.attempts += 1
+            self._state.notify_all()
+
     def _pass(self) -> Tuple[bool, bool]:
         """One round: ``(touched the destination successfully, uploaded or dropped something)``."""
         with self._state:
             if self._next_dest is not None:
                 self.dest, self._next_dest = self._next_dest, None
+                self.torn = TornFolders(self.dest)
             want_open = self._want_open
         if want_open and self.dest.lease.held:
             self._opened_done()
@@ -317,6 +357,8 @@ class Uploader:
         # ``ours``: an earlier spooled store of this very process (a notebook cell run again) holds it
         ours = (lease is not None and lease.get("host") == socket.gethostname()
                 and lease.get("pid") == os.getpid())
+        if not ours:
+            self.torn.opening()
         self.dest.open_for_writing(takeover=self.takeover or ours)
         newest = self.dest.newest_committed()
         if newest is not None and newest.seq:
@@ -331,9 +373,11 @@ class Uploader:
     # -------------------------------------------------------------------------------- upload
     def _upload(self, c: CheckpointInfo) -> None:
         t0 = time.perf_counter()
+        self.torn.began(c.name)
         CheckpointCopy(c, self.spool.backend, self.dest, bars=self.bars, progress=self.progress,
                        stopped=lambda: self._stop).run()
         seconds = time.perf_counter() - t0
+        self.torn.ours.discard(c.name)  # committed there now: never removed as torn
         self.backlog.uploaded(c)
         self.uploaded += 1
         self.bytes_uploaded += c.size_bytes or 0
@@ -343,6 +387,7 @@ class Uploader:
             self.dest.lease.renew()
         except OSError as exc:  # the checkpoint is there; old ones go at the next upload
             log.info("retention at %s failed: %s", self.dest.url, exc)
+        self.torn.remove()  # earlier attempts cut short (a full destination: one per checkpoint tried)
         log.info("uploaded %s (%s) to %s in %.1f s", c.name, format_bytes(c.size_bytes), self.dest.url,
                  seconds)
         for listener in list(self._listeners):
@@ -369,10 +414,7 @@ class Uploader:
         if ended is None or not ended[1]:
             return
         report.warn(recovery_warning(self.dest.url, ended[0], len(self.pending())), quiet=self.quiet)
-        try:
-            self.dest.collect_garbage()  # folders of writes the outage cut short
-        except OSError as exc:
-            log.debug("garbage collection at %s failed: %s", self.dest.url, exc)
+        self.exclusive(self.torn.remove)  # folders of writes the outage cut short
 
     def _set_fatal(self, exc: BaseException) -> None:
         self.fatal = exc
