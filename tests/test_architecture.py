@@ -49,6 +49,7 @@ LAYERS: Dict[str, int] = {
     "runidentity": 3,  # which run an unnamed checkpointer writes (an Optuna trial's own); the first save's line
     "endrecord": 0,  # how a supervised process ended (refused or crashed), for `keepalive run`
     "supervise": 4,  # `keepalive run -- CMD`: the command started again after a stop or a crash
+    "kagglechain": 3,  # opt-in: the next version of a Kaggle notebook pushed at the session's deadline
     "resumefrom": 3,  # resume_from=: another run folder (Kaggle's input copy) read, never written
     # 4 core
     "config": 4, "core": 4, "adapter": 4, "status": 4,

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable, Optional, cast
 
 from .. import boundary as bd
-from .. import resumefrom
+from .. import kagglechain, resumefrom
 from ..runidentity import newest_of_own_run
 from ..runs import resuming_line
 from ..savepath import Found
@@ -34,6 +34,7 @@ def load(ckpt: "Checkpointer", describe: Optional[Callable[[StateTree], str]] = 
     if found is None:
         found, elsewhere = resumefrom.newest_elsewhere(ckpt.url, ckpt.config.resume_from,
                                                        ckpt.config.storage_options, ckpt.quiet)
+    kagglechain.attach(ckpt)  # opt-in: on Kaggle, the next version pushed at the session's deadline
     # Take the writer lease now, at the start of training: a second session on the same run
     # learns it at once instead of after its first epoch.
     ckpt.saver.open()
