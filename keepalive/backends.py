@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import io
 import os
+import re
 import shutil
 import sys
 from dataclasses import dataclass
@@ -294,27 +295,61 @@ class WritebackFile(io.FileIO):
 _UNSAFE_TO_MAP = ("fuse", "nfs", "cifs", "smb", "9p", "sshfs", "davfs", "afs", "ceph", "glusterfs", "lustre")
 
 
+#: the mount table read (a test feeds a fixture of /proc/mounts' format instead)
+MOUNTS_FILE = "/proc/self/mounts"
+#: FUSE file systems that are this machine's own storage, not a daemon's window on a remote one: a
+#: rootless container's root (fuse-overlayfs), lxcfs, the desktop's document portal, snaps
+_LOCAL_FUSE = ("fuse.fuse-overlayfs", "fuse.lxcfs", "fuse.portal", "fuse.snapfuse", "fuse.squashfuse")
+
+
+def _unescape(field: str) -> str:
+    """A mount table's field: the kernel writes a space, tab, newline or backslash as ``\\ooo``."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
 def _mounts() -> List[tuple]:
     """(mount point, file system type) of every mount, longest mount point first."""
     out = []
     try:
-        with open("/proc/self/mounts", encoding="utf-8", errors="replace") as f:
+        with open(MOUNTS_FILE, encoding="utf-8", errors="replace") as f:
             for line in f:
                 parts = line.split()
                 if len(parts) >= 3:
-                    out.append((parts[1].replace("\\040", " "), parts[2]))
+                    out.append((_unescape(parts[1]), parts[2]))
     except OSError:
         return []
     return sorted(out, key=lambda m: len(m[0]), reverse=True)
 
 
-def filesystem_type(path: str) -> Optional[str]:
-    """The type of the file system holding ``path`` (``ext4``, ``fuse.drive``, ...), or None."""
+def _mount_of(path: str) -> Optional[tuple]:
+    """(mount point, file system type) of the mount holding ``path``, or None."""
     real = os.path.realpath(path)
     for point, kind in _mounts():
         if real == point or real.startswith(point.rstrip("/") + "/"):
-            return kind
+            return point, kind
     return None
+
+
+def filesystem_type(path: str) -> Optional[str]:
+    """The type of the file system holding ``path`` (``ext4``, ``fuse.drive``, ...), or None."""
+    mount = _mount_of(path)
+    return mount[1] if mount else None
+
+
+def fuse_mount_of(path: str) -> Optional[str]:
+    """The mount point of the FUSE mount holding ``path`` (from the mount table), or None: Google
+    Drive on Colab wherever it is mounted (``/content/drive``, old tutorials' ``/content/gdrive``),
+    rclone, gcsfuse, s3fs-fuse, sshfs. A daemon serves those from a remote store: a write may stall,
+    and the mount may vanish (``Transport endpoint is not connected``). Not the FUSE file systems
+    that are local storage (:data:`_LOCAL_FUSE`), nor a root file system served through FUSE."""
+    mount = _mount_of(path)
+    if mount is None:
+        return None
+    point, kind = mount
+    kind = kind.lower()
+    if not (kind == "fuse" or kind.startswith("fuse.")) or kind in _LOCAL_FUSE or point == "/":
+        return None
+    return point
 
 
 def maps_safely(path: str) -> bool:
@@ -456,6 +491,84 @@ def missing_google_credentials(storage_options: Optional[dict] = None,
             "not a Google Cloud VM")
 
 
+#: storage options that give s3fs its credentials, or say that none are needed
+_AWS_OPTIONS = ("key", "secret", "token", "username", "password", "anon", "session")
+
+
+def missing_aws_credentials(storage_options: Optional[dict] = None,
+                            session_options: Optional[Mapping[str, Any]] = None) -> Optional[str]:
+    """Why s3fs would find no credentials for an ``s3://`` URL (what was looked for), or None when it
+    may find some: given in ``storage_options`` or fsspec's configuration, or found by botocore's
+    own search (the environment, ``AWS_PROFILE``, ``~/.aws``, an EC2 instance's role), the one s3fs
+    makes. ``session_options``: what s3fs passes to its botocore session (its filesystem's
+    ``kwargs``: ``profile``, or an option it does not know, which raises ``TypeError`` here as there).
+
+    Without this check a store without credentials fails at its first request: at the first
+    ``ckpt.epochs()``, with botocore's ``NoCredentialsError`` at the end of thirty frames."""
+    options = storage_options or {}
+    client = options.get("client_kwargs") or {}
+    if any(options.get(k) for k in _AWS_OPTIONS) or client.get("aws_access_key_id"):
+        return None
+    if any(k.startswith("FSSPEC_S3") for k in os.environ):
+        return None  # fsspec's own configuration passes options from the environment
+    try:
+        import fsspec.config
+
+        if any((fsspec.config.conf.get("s3") or {}).get(k) for k in _AWS_OPTIONS):
+            return None
+    except Exception:  # noqa: BLE001 - no fsspec configuration to read
+        pass
+    try:
+        import botocore.exceptions
+        import botocore.session
+    except ImportError:
+        return None  # no s3fs: its import error says so
+    session = botocore.session.Session(**(session_options or {}))  # TypeError: an unknown option
+    try:
+        if session.get_credentials() is not None:
+            return None
+    except botocore.exceptions.ProfileNotFound as exc:
+        return str(exc)
+    except Exception:  # noqa: BLE001 - a configuration botocore cannot read: s3fs will say more
+        return None
+    return ("no AWS_ACCESS_KEY_ID, no AWS_PROFILE, no ~/.aws/credentials, no key in storage_options, "
+            "not an EC2 instance with a role")
+
+
+def _forget_s3_filesystems() -> None:
+    """Drop s3fs's cached filesystems: one built while no credentials were set keeps its client
+    without them, and fsspec would hand it out again (same arguments) after the user set them."""
+    s3fs = sys.modules.get("s3fs")
+    if s3fs is not None:
+        s3fs.S3FileSystem.clear_instance_cache()
+
+
+def _check_credentials(url: str, storage_options: Optional[dict], fs: Any = None) -> None:
+    """Raise one clear :class:`~keepalive.errors.StorageError` for a cloud URL without credentials,
+    at construction rather than at the first request. Asked before the filesystem is built for
+    ``gs://`` (gcsfs probes for a metadata server when it is built) and after it for ``s3://``
+    (s3fs first says which of the options it does not take)."""
+    from .errors import StorageError
+
+    protocol = url.split("://", 1)[0]
+    if protocol in ("gs", "gcs"):
+        missing = missing_google_credentials(storage_options)
+        if missing:
+            raise StorageError(f"no Google Cloud credentials for {url} ({missing}): on "
+                               "Colab run google.colab.auth.authenticate_user(); elsewhere set "
+                               "GOOGLE_APPLICATION_CREDENTIALS=/path/key.json or run `gcloud auth "
+                               "application-default login`, or pass storage_options={'token': "
+                               "'/path/key.json'} ({'token': 'anon'} for a public bucket)")
+    elif protocol in ("s3", "s3a"):
+        missing = missing_aws_credentials(storage_options, getattr(fs, "kwargs", None))
+        if missing:
+            _forget_s3_filesystems()
+            raise StorageError(f"no AWS credentials for {url} (Unable to locate credentials: {missing}): set "
+                               "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) and run this "
+                               "again, or pass storage_options={'key': '...', 'secret': '...'} "
+                               "({'anon': True} for a public bucket)")
+
+
 def backend_for(url: str, storage_options: Optional[dict] = None) -> "tuple[Backend, str]":
     """The backend for ``url`` and the backend-native path of it."""
     url = os.fspath(url)
@@ -466,16 +579,10 @@ def backend_for(url: str, storage_options: Optional[dict] = None) -> "tuple[Back
 
     protocol = url.split("://", 1)[0]
     if protocol in ("gs", "gcs"):
-        missing = missing_google_credentials(storage_options)
-        if missing:
-            from .errors import StorageError
-
-            raise StorageError(f"no Google Cloud credentials for {url} ({missing}): on "
-                               "Colab run google.colab.auth.authenticate_user(); elsewhere set "
-                               "GOOGLE_APPLICATION_CREDENTIALS=/path/key.json or run `gcloud auth "
-                               "application-default login`, or pass storage_options={'token': "
-                               "'/path/key.json'} ({'token': 'anon'} for a public bucket)")
+        _check_credentials(url, storage_options)
     fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    if protocol not in ("gs", "gcs"):
+        _check_credentials(url, storage_options, fs)
     if protocol == "memory" and not path.startswith("/"):
         path = "/" + path
     return FsspecBackend(fs, protocol), path.rstrip("/")
@@ -490,4 +597,5 @@ def read_chunks(f: BinaryIO, chunk: int = 16 << 20) -> Iterator[bytes]:
 
 
 __all__ = ["Backend", "LocalBackend", "FsspecBackend", "Entry", "backend_for", "local_path", "read_chunks",
-           "missing_google_credentials"]
+           "missing_google_credentials", "missing_aws_credentials", "fuse_mount_of", "filesystem_type",
+           "maps_safely"]

@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from .. import report, settings
+from ..backends import fuse_mount_of
 from ..units import format_duration, parse_duration
 from .clock import ancestor_kernel, iso_time, parse_start, read_clock
 from .frontend import frontend_name, in_kernel
@@ -533,11 +534,12 @@ def run_index_dir() -> Optional[str]:
 
 def storage_warning(platform: str, checkpoint_dir: str) -> Optional[str]:
     """The advice when ``checkpoint_dir`` does not outlive a ``platform`` session (Colab's VM disk,
-    outside Kaggle's /kaggle/working), None when it does or cannot be judged (a URL)."""
+    outside Kaggle's /kaggle/working), None when it does or cannot be judged (a URL). A FUSE mount
+    (Drive mounted at /content/gdrive as old tutorials do, rclone, gcsfuse) outlives the VM."""
     if _is_url(checkpoint_dir):
         return None
     path = os.path.abspath(checkpoint_dir[7:] if checkpoint_dir.startswith("file://") else checkpoint_dir)
-    if platform == "colab" and not path.startswith("/content/drive/"):
+    if platform == "colab" and not path.startswith("/content/drive/") and fuse_mount_of(path) is None:
         return (f"checkpoint dir {path} is on the Colab VM's disk and is lost when the runtime is "
                 "recycled: mount Drive (drive.mount('/content/drive')) or use a gs:// URL")
     if platform == "kaggle" and not (path == "/kaggle/working" or path.startswith("/kaggle/working/")):

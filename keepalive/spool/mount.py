@@ -2,7 +2,9 @@
 errors are worded for the user.
 
 Without :class:`MountWatch`, a write into a vanished mount (Drive's FUSE daemon gone, a folder
-unmounted) would silently create the folders again on the VM's own disk.
+unmounted) would silently create the folders again on the VM's own disk. Any FUSE mount in the mount
+table (Drive wherever a tutorial mounted it, rclone, gcsfuse: :func:`keepalive.backends.fuse_mount_of`)
+is treated as Drive is: written through the spool, and watched.
 """
 from __future__ import annotations
 
@@ -11,13 +13,17 @@ import os
 import sys
 from typing import Optional
 
+from ..backends import filesystem_type, fuse_mount_of
 from ..errors import StorageError
 
 DRIVE_ROOT = "/content/drive"
 REMOUNT_HINT = "from google.colab import drive; drive.mount('/content/drive', force_remount=True)"
 
-__all__ = ["MountVanished", "MountWatch", "DRIVE_ROOT", "REMOUNT_HINT", "is_drive_path", "is_mount",
-           "on_colab", "is_mount_error", "describe_error", "flush_and_unmount_drive"]
+#: the file system type of Google Drive's FUSE mount on Colab, wherever it is mounted
+DRIVE_FUSE_TYPE = "fuse.drive"
+
+__all__ = ["MountVanished", "MountWatch", "DRIVE_ROOT", "DRIVE_FUSE_TYPE", "REMOUNT_HINT", "is_drive_path",
+           "is_mount", "on_colab", "is_mount_error", "describe_error", "flush_and_unmount_drive"]
 
 
 def is_mount(path: str) -> bool:
@@ -25,9 +31,16 @@ def is_mount(path: str) -> bool:
     return os.path.ismount(path)
 
 
+def _under(path: str, root: str) -> bool:
+    return os.path.abspath(path).startswith(root.rstrip("/") + "/")
+
+
 def is_drive_path(path: str) -> bool:
-    """Whether a local path lies on the Colab Drive mount."""
-    return os.path.abspath(path).startswith(DRIVE_ROOT.rstrip("/") + "/")
+    """Whether a local path lies on Colab's Google Drive mount: under ``/content/drive``, or on a
+    FUSE mount of Drive's type wherever it is (old tutorials mount it at ``/content/gdrive``)."""
+    if _under(path, DRIVE_ROOT):
+        return True
+    return fuse_mount_of(path) is not None and (filesystem_type(path) or "").lower() == DRIVE_FUSE_TYPE
 
 
 def on_colab() -> bool:
@@ -61,11 +74,14 @@ class MountVanished(StorageError):
 class MountWatch:
     """Checks that a local destination is still where it was: its nearest existing ancestor at the
     start (the run folder's parent when it exists) still exists, on the same device; for a path on
-    the Drive mount, that ``/content/drive`` is still a mount point."""
+    the Drive mount, that ``/content/drive`` is still a mount point; for one on another FUSE mount,
+    that its mount point is still in the mount table."""
 
     def __init__(self, path: str):
         self.path = path
         self.drive = is_drive_path(path)
+        #: the FUSE mount the destination lies on (None: a local disk, or the Drive at DRIVE_ROOT)
+        self.fuse_point = None if _under(path, DRIVE_ROOT) else fuse_mount_of(path)
         anchor = os.path.dirname(os.path.abspath(path).rstrip("/")) or "/"
         while True:
             try:
@@ -82,9 +98,18 @@ class MountWatch:
         except OSError:
             self.dev = None
 
+    @property
+    def drive_like(self) -> bool:
+        """Whether the destination lies on Drive or another FUSE mount: written through the spool."""
+        return self.drive or self.fuse_point is not None
+
     def check(self) -> None:
         """Raise :class:`MountVanished` when the destination is no longer where it was."""
-        if self.drive and not is_mount(DRIVE_ROOT):
+        if self.fuse_point is not None:
+            if fuse_mount_of(self.fuse_point) != self.fuse_point:  # unmounted: a plain folder of the disk
+                what = "Google Drive" if self.drive else "the FUSE mount"
+                raise MountVanished(self.path, f"{what} is not mounted at {self.fuse_point} any more")
+        elif self.drive and not is_mount(DRIVE_ROOT):
             raise MountVanished(self.path, f"Google Drive is not mounted at {DRIVE_ROOT}")
         try:
             st = os.stat(self.anchor)
