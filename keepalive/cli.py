@@ -172,7 +172,24 @@ def cmd_ls(args) -> int:
         print(f"no checkpoints under {where}")
         return 0
     print_checkpoint_table(rows)
+    print_run_states(rows, options)
     return 0
+
+
+def print_run_states(rows: list, options: Optional[dict]) -> None:
+    """Below ``keepalive ls``'s table: each listed run's state from its session records (RUNNING /
+    STOPPED / DIED / FINISHED, step, heartbeat age); nothing for a run without records."""
+    from .runlog import run_summary
+
+    folders = list(dict.fromkeys(c.url.rsplit("/", 1)[0] for c in rows))
+    for folder in folders:
+        try:
+            summary = run_summary(folder, options)
+        except Exception as exc:  # noqa: BLE001 - the table is shown; the state is a bonus
+            print(f"run {folder}: state unknown ({describe_error(exc, folder)})")
+            continue
+        if summary["state"] != "NEW":
+            print(f"run {folder}: {summary['state']} ({summary['state_detail']})")
 
 
 def print_checkpoint_table(rows: list) -> None:
@@ -263,6 +280,9 @@ def add_status(sub) -> None:
                        description="Show where this session runs, how much session time and idle margin "
                                    "is left, and the hardware. Overrides: KEEPALIVE_BUDGET, KEEPALIVE_IDLE, "
                                    "KEEPALIVE_SESSION_START.")
+    p.add_argument("path", nargs="?", default=None,
+                   help="a run folder or folder of runs (path or URL) whose runs to show with their state "
+                        "(RUNNING / STOPPED / DIED / FINISHED); default: the default checkpoint dir")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--dir", default=None, help="checkpoint folder to report on (default: the default dir)")
     p.add_argument("--settings", action="store_true",
@@ -279,7 +299,7 @@ def cmd_status(args) -> int:
         rows = settings.table()
         print(json.dumps(rows, indent=2, default=str) if args.json else status.format_settings(rows))
         return 0
-    report = status.status_report(checkpoint_dir=args.dir)
+    report = status.status_report(checkpoint_dir=args.path or args.dir)
     if args.json:
         print(json.dumps(report, indent=2, default=str))
     else:

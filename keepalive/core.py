@@ -41,6 +41,7 @@ from .lifecycle import Capture, resuming
 from .lifecycle.between_steps import BetweenSteps
 from .lifecycle.boundaries import BoundaryDriver, BoundaryMachine
 from .lifecycle.events import RunEvents, install_crash_hook
+from .lifecycle.heartbeat import Heartbeat
 from .lifecycle.messages import Messages
 from .lifecycle.saving import ALIVE, Saver
 from .lifecycle.snapshots import LazySnapshots
@@ -100,6 +101,7 @@ class Checkpointer:
         #: the run's events for listeners (notifications, the heartbeat): :mod:`keepalive.lifecycle.events`
         self.events = RunEvents(self)
         self.on_commit.append(self.events.saved)
+        self.heartbeat = Heartbeat.subscribed(self)  # the session's record in the run folder: keepalive.runlog
         install_crash_hook()
         self.framework = framework
         self.takeover = cfg.takeover
@@ -128,6 +130,8 @@ class Checkpointer:
     def _set_adapter_defaults(self, framework: str) -> None:
         """The attributes an adapter reads or sets (what it knows of its loop), before it does."""
         self.extras: Dict[str, Any] = {}
+        #: the newest value of each metric the training logged (``log``; what an adapter sees logged)
+        self.last_metrics: Dict[str, float] = {}
         self.metadata: Dict[str, Any] = {"framework": framework}
         self.resumed_from: Optional[CheckpointInfo] = None
         #: what the training code asks for (:mod:`keepalive.plan`), set by the adapter; saved with

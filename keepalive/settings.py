@@ -202,6 +202,8 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in [
             "switches the run to the spool", "duration"),
     Setting("KEEPALIVE_FLUSH_TIMEOUT", 120.0, parse_duration, "how long the end of training waits "
             "for uploads", "duration"),
+    Setting("KEEPALIVE_HEARTBEAT", 60.0, parse_duration, "how often a training rewrites its session "
+            "record in the run folder (its heartbeat: a run silent for 3 beats and 30 s is DIED)", "duration"),
     Setting("KEEPALIVE_DRIVE_FLUSH", False, _flag, "on Colab, call drive.flush_and_unmount() at the "
             "end of a run (it unmounts Drive)", "0|1"),
     # what the user sees

@@ -15,14 +15,14 @@ import os
 import time
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
-from . import runs, session
+from . import runlog, runs, session
 from ._version import __version__
 from .session import cloud as _cloud
 from .session.clock import CLOCK_MEANING, ancestor_kernel, clock_starts, iso_time
 from .store import describe_processes
 from .units import format_duration
 
-__all__ = ["status_report", "format_status", "format_settings", "other_run_state"]
+__all__ = ["status_report", "format_status", "format_settings", "other_run_state", "state_line", "with_state"]
 
 
 # ----------------------------------------------------------------------------------------- runs
@@ -43,8 +43,18 @@ def _runs(checkpoint_dir: str, warnings: List[str]) -> List[Dict[str, Any]]:
                      "newest_created": None, "checkpoints": 0, "error": str(exc)}
         if entry.get("error"):
             warnings.append(f"could not read run {run.url}: {entry['error']}")
-        entries.append(entry)
+        entries.append(with_state(run, entry))
     return entries
+
+
+def with_state(run: "runs.Run", entry: Dict[str, Any]) -> Dict[str, Any]:
+    """``entry`` with the run's state from its session records (:func:`keepalive.runlog.run_summary`:
+    ``state`` RUNNING / STOPPED / DIED / FINISHED / NEW, ``state_detail``, ``step``, ``heartbeat_age_s``)."""
+    try:
+        entry.update(runlog.run_summary(run.url, run.storage_options))
+    except Exception as exc:  # noqa: BLE001 - status never crashes
+        entry.update(state="UNKNOWN", state_detail=f"session records unreadable: {exc}")
+    return entry
 
 
 #: seconds ``status`` waits for the runs the index records elsewhere (a remote store may not answer)
@@ -71,7 +81,7 @@ def _indexed_runs(checkpoint_dir: str, warnings: List[str]) -> List[Dict[str, An
             entry["finished"] = run.finished
         except Exception as exc:  # noqa: BLE001
             entry = {"run": run.name, "url": run.url, "checkpoints": 0, "error": str(exc)}
-        entries.append(entry)
+        entries.append(with_state(run, entry))
     return entries
 
 
@@ -294,6 +304,15 @@ def other_run_state(run: Mapping[str, Any]) -> str:
     return "no committed checkpoint"
 
 
+def state_line(run: Mapping[str, Any]) -> str:
+    """`` -- RUNNING (step 245, heartbeat 12 s ago, 3.1 steps/s ...)``, the end of a run's line, for
+    a run whose sessions are recorded; empty for one without (an older keepalive's)."""
+    state = run.get("state")
+    if not state or state == "NEW":
+        return ""
+    return f" -- {state} ({run.get('state_detail')})"
+
+
 def _run_lines(r: Mapping[str, Any]) -> List[str]:
     lines = [f"  checkpoints in {r.get('checkpoint_dir')}:"]
     entries = r.get("runs") or []
@@ -305,14 +324,14 @@ def _run_lines(r: Mapping[str, Any]) -> List[str]:
         elif run.get("checkpoints"):
             lines.append(f"            {run['run']}: {run['checkpoints']} checkpoint(s), newest step "
                          f"{run.get('newest_step')}, {run.get('newest_epoch')} epoch(s) done{_processes(run)} "
-                         f"({run.get('newest_created') or 'time unknown'})")
+                         f"({run.get('newest_created') or 'time unknown'}){state_line(run)}")
         else:
-            lines.append(f"            {run['run']}: no committed checkpoint")
+            lines.append(f"            {run['run']}: no committed checkpoint{state_line(run)}")
     others = r.get("other_runs") or []
     if others:
         lines.append("  elsewhere (runs recorded in the index of runs):")
     for run in others:
-        lines.append(f"            {run['run']}: {other_run_state(run)} in {run['url']}")
+        lines.append(f"            {run['run']}: {other_run_state(run)} in {run['url']}{state_line(run)}")
     pending = r.get("pending_uploads")
     if pending is not None:
         lines.append(f"  uploads   {runs.format_pending(pending, size=session.both_units)}")

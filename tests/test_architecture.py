@@ -41,6 +41,7 @@ LAYERS: Dict[str, int] = {
     # 2 runs
     "spool": 2, "writer": 2, "resume": 2, "runs": 2, "dcp": 2,
     "jaxgroup": 2,  # keepalive's collectives over jax.distributed's coordination service
+    "runlog": 2,  # the run across sessions: each session's record (heartbeat, history) and the run's state
     # 3 session
     "session": 3, "trigger": 3, "progress": 3, "notebook": 3, "distributed": 3,
     "boundary": 3, "savepath": 3, "interrupts": 3,  # the boundary state machine, the save paths, deferred signals

@@ -340,6 +340,7 @@ class DriveCheckpoint(RunViews, Callback):  # RunViews: no epoch / step (a callb
             raise CancelFitException()
 
     def _epoch_end(self, learn: Learner, st: FitState) -> None:
+        self.core.heartbeat.log(recorded_values(learn))  # the Recorder's epoch row, into the session record
         st.epoch_ended = False
         st.epochs_done = learn.epoch + 1
         if learn.epoch + 1 >= learn.n_epoch:
@@ -430,3 +431,12 @@ def _then(first: Callable[[], Any], final: Callable[[], Any]) -> Callable[[], No
         first()
         final()
     return run
+
+
+def recorded_values(learn: Learner) -> dict:
+    """The Recorder's newest epoch row by name (``train_loss``, ``valid_loss``, the metrics); empty
+    without a Recorder or before its first epoch."""
+    rec = getattr(learn, "recorder", None)
+    if rec is None or not getattr(rec, "values", None):
+        return {}
+    return dict(zip(list(rec.metric_names)[1:], rec.values[-1]))

@@ -210,3 +210,8 @@ class DriveCheckpoint(CheckpointAdapter):
         # the arrays are copied after save() returned: settled now, since the code's next line may be a
         # step that donates them (inside the loops, keepalive settles before handing out a batch)
         self.core.settle_snapshot()
+
+    def log(self, **metrics: Any) -> None:
+        """Record logged values (``ckpt.log(loss=loss.item(), acc=acc)``): numbers only, kept in the
+        run's session record (its curve across sessions: ``keepalive report``) and as ``last_metrics``."""
+        self.core.heartbeat.log(metrics)

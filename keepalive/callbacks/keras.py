@@ -397,6 +397,7 @@ class DriveCheckpoint(CheckpointAdapter, keras.callbacks.Callback):
             self.core.active(self.capture)
 
     def on_epoch_end(self, epoch: int, logs: Logs = None) -> None:
+        self.core.heartbeat.log(logs or {})  # the epoch's history, into the run's session record
         if self._tail is None:  # no tail installed: do the epoch end here
             self._epoch_end(epoch)
 

@@ -347,6 +347,7 @@ class DriveCheckpoint(CheckpointAdapter, pl.Callback):
         self.data.forget_resume()
         if self.core.stopped:
             return  # the checkpoint of the deadline stop is the run's; this partial epoch's end is not
+        self.core.heartbeat.log(trainer.callback_metrics)  # the epoch's logged metrics, into the session record
         core = self.core
         decision = core.end_epoch(self.capture, last=fit.is_last_epoch(trainer),
                                   epoch=int(trainer.current_epoch))

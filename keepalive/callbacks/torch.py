@@ -245,3 +245,8 @@ class DriveCheckpoint(CheckpointAdapter):
             self._data.save_requested = True
             return
         super().save(sync=sync)
+
+    def log(self, **metrics: Any) -> None:
+        """Record logged values (``ckpt.log(loss=loss.item(), acc=acc)``): numbers only, kept in the
+        run's session record (its curve across sessions: ``keepalive report``) and as ``last_metrics``."""
+        self.core.heartbeat.log(metrics)

@@ -289,6 +289,11 @@ class DriveCheckpoint(CheckpointAdapter, TrainerCallback):
         if (self._batches >= steps) if steps > 0 else not control.should_training_stop:
             self._pending_epoch = self._epoch + 1
 
+    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+               logs: Optional[Dict[str, Any]] = None, **kwargs: Any) -> None:
+        if self._active and logs:  # the entry the Trainer appends to log_history, into the session record
+            self.core.heartbeat.log(logs, step=state.global_step)
+
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
         if not self._active:

@@ -113,9 +113,16 @@ def _other_runs_html(report: Dict[str, Any]) -> str:
     if not others:
         return ""
     items = [f"<b>{_esc(run['run'])}</b>: {_esc(status.other_run_state(run))} in <code>{_esc(run['url'])}</code>"
+             f"{_state_html(run)}"
              for run in others]
     return ("<b>elsewhere</b> (runs recorded in the index of runs)<ul style='margin:0'>"
             + "".join(f"<li>{i}</li>" for i in items) + "</ul>")
+
+
+def _state_html(run: Dict[str, Any]) -> str:
+    """The run's state line (:func:`keepalive.status.state_line`), its state word in bold."""
+    line = status.state_line(run)
+    return _esc(line).replace(str(run.get("state")), f"<b>{_esc(run.get('state'))}</b>", 1) if line else ""
 
 
 def _dir_runs_html(report: Dict[str, Any]) -> str:
@@ -130,9 +137,9 @@ def _dir_runs_html(report: Dict[str, Any]) -> str:
         elif run.get("checkpoints"):
             items.append(f"<b>{_esc(run['run'])}</b>: {run['checkpoints']} checkpoint(s), newest step "
                          f"{_esc(run.get('newest_step'))}, {_esc(run.get('newest_epoch'))} epoch(s) done "
-                         f"({_esc(run.get('newest_created') or 'time unknown')})")
+                         f"({_esc(run.get('newest_created') or 'time unknown')}){_state_html(run)}")
         else:
-            items.append(f"{_esc(run['run'])}: no committed checkpoint")
+            items.append(f"{_esc(run['run'])}: no committed checkpoint{_state_html(run)}")
     return head + "<ul style='margin:0'>" + "".join(f"<li>{i}</li>" for i in items) + "</ul>"
 
 
