@@ -57,14 +57,18 @@ class FlushWait:
         self._deadline = 0.0                  # when that bound ends (time.monotonic())
         self._stuck_at: Optional[int] = None  # uploads done when an earlier flush stopped waiting
         self._told: Optional[Tuple[object, object]] = None  # what the last warning was about
+        self._gave_up_on: Optional[float] = None  # the outage (its start) a flush stopped waiting for
 
     def wait(self, up: Uploader, timeout: Optional[float]) -> bool:
         """Wait (bounded) until ``up``'s spool is settled; True when it is. When it is not, one warning
         says what is not uploaded, where it is, and what to do (not again while nothing moved)."""
         start = time.monotonic()
         bound = self._bound(up, timeout)
-        if up.permanent and not self._works_again(up, min(bound, PERMANENT_PROBE)):
-            return self._stopped(up)
+        if up.permanent:
+            # one more attempt per outage for the flushes in a row; a caller's own timeout gets its own
+            again = timeout is not None or self._gave_up_on != up.failing_since
+            if not self._works_again(up, min(bound, PERMANENT_PROBE) if again else 0.0):
+                return self._stopped(up)
         bound = max(0.0, bound - (time.monotonic() - start))
         first = min(bound, FIRST_LOOK)
         ok = up.wait_settled(first, until_permanent=True)
@@ -108,6 +112,8 @@ class FlushWait:
     def _stopped(self, up: Uploader) -> bool:
         """The flush stops waiting with uploads left: say so, once while nothing moves."""
         self._stuck_at = up.uploaded
+        if up.permanent:
+            self._gave_up_on = up.failing_since
         # a destination that fails for good: said once per outage (each flush of a training that
         # saves on would say it again), else once while nothing moved
         told = ("failed for good", up.failing_since) if up.permanent else (self._newest(up), up.uploaded)
