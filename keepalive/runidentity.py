@@ -43,7 +43,7 @@ import sys
 import weakref
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any, Callable, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from .errors import StateMismatchError
 from .runs import Run, open_run
@@ -51,8 +51,9 @@ from .savepath import open_destination
 from .trigger import Schedule
 from .units import format_duration
 
-__all__ = ["TrialRun", "announce_first_save", "another_training", "interval_words", "move_to", "newest_of_own_run",
-           "optuna_run", "other_settings", "running_trial", "slug"]
+__all__ = ["TrialRun", "announce_first_save", "another_training", "by_fit", "differs_from_every_fit",
+           "interval_words", "move_to", "newest_of_own_run", "optuna_run", "other_settings", "recorded_fits",
+           "running_trial", "slug"]
 
 #: frames looked through for a running trial (Optuna's ``_run_trial`` is a few frames above the
 #: objective; a training helper called by the objective adds some)
@@ -222,6 +223,45 @@ def other_settings(now: Optional[Mapping[str, Any]], then: Optional[Mapping[str,
             for key in now if key in then and plain(then[key]) != plain(now[key])]
 
 
+def by_fit(index: int, settings: Mapping[str, Any]) -> Dict[str, Any]:
+    """One fit's settings as recorded for a run of several fits (Keras' and fastai's stages):
+    each key prefixed with the fit's index.
+
+    >>> by_fit(1, {"optimizer.lr": 0.01})
+    {'fit1.optimizer.lr': 0.01}
+    """
+    return {f"fit{index}.{key}": value for key, value in settings.items()}
+
+
+def recorded_fits(settings: Optional[Mapping[str, Any]]) -> Dict[int, Dict[str, Any]]:
+    """The per-fit settings a checkpoint recorded with :func:`by_fit`, by fit index."""
+    fits: Dict[int, Dict[str, Any]] = {}
+    for key, value in (settings or {}).items():
+        head, _, rest = key.partition(".")
+        if head.startswith("fit") and head[3:].isdigit() and rest:
+            fits.setdefault(int(head[3:]), {})[rest] = value
+    return fits
+
+
+def differs_from_every_fit(now: Mapping[str, Any], then: Optional[Mapping[str, Any]]) -> List[str]:
+    """What a fit's settings ``now`` set otherwise than each fit a finished run recorded (``then``,
+    :func:`by_fit`): nothing when one of them has the same (a fit of that training, whichever: a
+    script run again may leave its first fit out), else the differences from the closest one.
+
+    >>> then = {**by_fit(0, {"optimizer.lr": 0.01}), **by_fit(1, {"optimizer.lr": 0.001})}
+    >>> differs_from_every_fit({"optimizer.lr": 0.001}, then), differs_from_every_fit({"optimizer.lr": 0.003}, then)
+    ([], ['optimizer lr 0.01 → 0.003'])
+    """
+    closest: Optional[List[str]] = None
+    for _, settings in sorted(recorded_fits(then).items()):
+        changed = other_settings(now, settings)
+        if not changed:
+            return []
+        if closest is None or len(changed) < len(closest):
+            closest = changed
+    return closest or []
+
+
 def another_training(ckpt: Any, found: Optional[Tuple[Any, Any, Any]],
                      check: Optional[Callable[[Any], None]]) -> Optional[str]:
     """Why the finished run ``found`` (``(info, tree, previous)``) is another training than the one
@@ -238,8 +278,11 @@ def another_training(ckpt: Any, found: Optional[Tuple[Any, Any, Any]],
     if not then.get("finished"):
         return None
     # the settings first: another optimizer class is said as such, not as the misfit of its state
-    now = ckpt.training_settings() if ckpt.training_settings is not None else None
-    changed = other_settings(now, then.get("settings"))
+    if ckpt.settings_differ is not None:  # an adapter of several fits compares fit by fit
+        changed = ckpt.settings_differ(then.get("settings"))
+    else:
+        changed = other_settings(ckpt.training_settings() if ckpt.training_settings is not None else None,
+                                 then.get("settings"))
     if changed:
         more = ", …" if len(changed) > MAX_SHOWN else ""
         return f"other settings than run '{ckpt.store.run}', which finished: {', '.join(changed[:MAX_SHOWN])}{more}"

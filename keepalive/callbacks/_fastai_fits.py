@@ -20,6 +20,7 @@ from fastai.learner import Learner
 
 from ..core import Checkpointer
 from ..plan import change_words
+from ..runidentity import by_fit, differs_from_every_fit
 from ..statetree import Captured, StateTree
 from . import _fastai_data as data
 from . import _fastai_state as state
@@ -143,6 +144,8 @@ class RunFits:
             self.next_stage = len(live["fits"])
             self.tree, self.loaded = None, True
             return None
+        now = state.fit_settings(core.plan)  # a finished run is compared fit by fit (runidentity)
+        core.settings_differ = lambda then: differs_from_every_fit(now, then)
         tree = core.load(describe=state.describe, check=lambda t: state.check_fits(
             learn, t, core.loaded_url))
         self.tree = tree
@@ -181,7 +184,13 @@ class RunFits:
             resume, self.tree = tree, None
         if k is None:
             k = self.log.add(fit_id, phase)
+        self.record_settings(core)
         return k, resume
+
+    def record_settings(self, core: Checkpointer) -> None:
+        """Each checkpoint records the settings of every fit of the run (compared with a re-run's)."""
+        core.metadata["settings"] = {key: value for i, entry in enumerate(self.log.entries)
+                                     for key, value in by_fit(i, state.fit_settings(entry.get("plan") or {})).items()}
 
     def _number(self, core: Checkpointer, fit_id: Dict[str, Any], pos: Optional[Dict[str, Any]],
                 phase: Optional[int]) -> Optional[int]:

@@ -368,7 +368,12 @@ def fit_plan(learn: Learner, phase: Optional[int]) -> Dict[str, Any]:
     out: Dict[str, Any] = {"epochs": int(learn.n_epoch), "phase": phase}
     scheds = [cb.scheds for cb in learn.cbs if isinstance(cb, ParamScheduler) and getattr(cb, "scheds", None)]
     if scheds:
-        out["schedule"] = fingerprint(_schedule_values(s) for s in scheds)
+        sampled = [_schedule_values(s) for s in scheds]
+        out["schedule"] = fingerprint(sampled)
+        peaks = [max(values) for one in sampled for name, points in one if name == "lr" and isinstance(points, list)
+                 for values in points if values]
+        if peaks:  # the schedule's peak learning rate, in words where the fingerprint has none
+            out["lr_max"] = float(f"{max(peaks):.7g}")
     else:
         try:
             out["lr"] = plain([float(h["lr"]) for h in learn.opt.hypers])
@@ -378,6 +383,14 @@ def fit_plan(learn: Learner, phase: Optional[int]) -> Dict[str, Any]:
 
 
 FIT_PLAN_KEYS = ("epochs", "phase", "schedule", "lr")
+
+
+def fit_settings(plan: Mapping[str, Any]) -> Dict[str, Any]:
+    """A fit's settings as the code set them, from its plan: its hyper-parameter schedule (or learning
+    rates) and fine_tune's phase, not its epochs (more epochs train a finished run on). Recorded per
+    fit with each checkpoint, compared with a finished unnamed run's (:mod:`keepalive.runidentity`)."""
+    names = {"lr_max": "lr_max", "schedule": "hyper-parameter schedule", "lr": "lr", "phase": "fine_tune phase"}
+    return {names[key]: plan[key] for key in names if plan.get(key) is not None}
 
 
 def plan_changes(saved: Optional[Mapping[str, Any]], now: Mapping[str, Any]) -> List[Tuple[str, Any, Any]]:

@@ -18,10 +18,11 @@ from typing import Any, Dict, List, Optional
 
 from ..core import Checkpointer
 from ..plan import Resumed, by_plan, changes, describe
+from ..runidentity import by_fit, differs_from_every_fit
 from ..statetree import StateTree
 from . import _keras_state as kstate
 
-__all__ = ["ModelFits", "Stages", "code_plan", "fits_of"]
+__all__ = ["ModelFits", "Stages", "code_plan", "fit_settings", "fits_of"]
 
 
 @dataclass
@@ -65,6 +66,30 @@ def code_plan(model: Any, epochs: int, fits: ModelFits) -> Dict[str, Any]:
     return found
 
 
+def fit_settings(model: Any) -> Dict[str, Any]:
+    """The optimizer settings this fit's code set, flat (``{"optimizer": "Adam",
+    "optimizer.learning_rate": 0.001, "optimizer.beta_1": 0.9, ...}``): recorded per fit with each
+    checkpoint, and compared with a finished unnamed run's (:mod:`keepalive.runidentity`)."""
+    optimizer = model.optimizer
+    if optimizer is None:
+        return {}
+    inner = getattr(optimizer, "inner_optimizer", optimizer)  # LossScaleOptimizer: the one it wraps
+    found: Dict[str, Any] = {"optimizer": type(inner).__name__}
+    rate = kstate.learning_rate_plan(optimizer)
+    if isinstance(rate, dict):
+        found.update({f"optimizer.learning_rate.{key}": value for key, value in rate.items()})
+    else:
+        found["optimizer.learning_rate"] = rate
+    try:
+        config = inner.get_config()
+    except Exception:  # noqa: BLE001 - an optimizer without a config: its class and rate
+        config = {}
+    for key, value in config.items():
+        if key not in ("name", "learning_rate") and isinstance(value, (bool, int, float, str)):
+            found[f"optimizer.{key}"] = value
+    return found
+
+
 class Stages:
     """The stage of the run the running ``fit`` is, and where it began (``base``: the run's counters
     then). One per callback; ``fits`` is the model's record, set at each fit's start."""
@@ -74,6 +99,7 @@ class Stages:
         self.index = 0  # this fit's stage
         self.fits = ModelFits()  # this model's fits on this run (set at the start of each fit)
         self.base = {"epoch": 0, "step": 0}  # the counters where this stage began
+        self.settings: Dict[str, Any] = {}  # this fit's optimizer settings (fit_settings)
 
     # ------------------------------------------------------------------------------ the start
     def start(self, model: Any, epochs: int) -> Optional[StateTree]:
@@ -81,6 +107,10 @@ class Stages:
         goes on from the state in memory, or the run is new)."""
         fits = self.fits = fits_of(model, self.core.url)
         self.core.plan = code_plan(model, epochs, fits)
+        self.settings = fit_settings(model)
+        if not fits.loaded:  # this fit reads the run: a finished one is compared fit by fit
+            now = dict(self.settings)
+            self.core.settings_differ = lambda then: differs_from_every_fit(now, then)
         return self._read(fits)
 
     def _read(self, fits: ModelFits) -> Optional[StateTree]:
@@ -116,7 +146,16 @@ class Stages:
                 fits.done.append({"epochs": keras_part.get("epochs"), "plan": tree.get("plan"),
                                   "history": keras_part.get("history")})
             self.index = self._which(saved, tree)
+        self._record_settings(tree)
         return saved
+
+    def _record_settings(self, tree: Optional[StateTree]) -> None:
+        """Each checkpoint records the settings of every fit of the run so far (this one's now)."""
+        core = self.core
+        then = ((core.resumed_from.manifest or {}).get("metadata") or {}).get("settings") \
+            if tree is not None and core.resumed_from is not None else None
+        core.metadata["settings"] = {**(then or {}), **(core.metadata.get("settings") or {}),
+                                     **by_fit(self.index, self.settings)}
 
     def _which(self, saved: Dict[str, Any], tree: StateTree) -> int:
         """The stage of the run this fit is: by position (the model's n-th fit here), unless its plan
