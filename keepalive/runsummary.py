@@ -3,6 +3,7 @@
 The heartbeat writes one record per session into the run folder (:mod:`keepalive.runlog`); this
 module reads them as plain mappings and answers what ``keepalive report`` shows:
 
+* the run's state (RUNNING, STOPPED, DIED, FINISHED: :func:`keepalive.runlog.run_state`);
 * the sessions as segments along the step axis, each with how it ended and the steps it had to do
   again (those between the previous session's last step and the checkpoint it resumed from);
 * the ETA from the measured throughput, in steps, in time and in sessions of this platform's budget
@@ -30,16 +31,12 @@ import dataclasses
 import math
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
+from .runlog import SessionRecord, run_state
 from .units import format_duration
 
-__all__ = ["Segment", "Eta", "RunSummary", "summarize", "estimate_eta", "state_of", "record_dict"]
-
-#: a running session whose heartbeat is older than this many intervals (plus a grace) has died
-STALE_BEATS = 3
-STALE_GRACE_S = 30.0
-
+__all__ = ["Segment", "Eta", "RunSummary", "summarize", "estimate_eta", "record_dict"]
 
 @dataclass
 class Segment:
@@ -50,7 +47,7 @@ class Segment:
     end_step: int
     started: float
     ended: float
-    state: str          # the record's: running, stopped, finished, crashed, closed (running + stale: died)
+    state: str          # the record's: running, stopped, finished, crashed, closed; died: killed outright
     reason: str
     redone: int         # steps done again: the previous session had gone past this one's checkpoint
     steps_per_s: Optional[float]
@@ -133,23 +130,6 @@ def _num(record: Mapping[str, Any], key: str, default: float = 0.0) -> float:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else default
 
 
-def state_of(record: Mapping[str, Any], now: Optional[float] = None) -> Tuple[str, str]:
-    """A session record's state as a run's: RUNNING, STOPPED, DIED or FINISHED, and why."""
-    now = time.time() if now is None else now
-    state, reason = str(record.get("state") or "running"), str(record.get("reason") or "")
-    if state == "running":
-        age = now - _num(record, "updated", now)
-        beat = _num(record, "heartbeat_s", 60.0)
-        if age > STALE_BEATS * beat + STALE_GRACE_S:
-            return "DIED", f"no heartbeat for {format_duration(age)}, no clean stop"
-        return "RUNNING", f"heartbeat {format_duration(max(0.0, age))} ago"
-    if state == "finished":
-        return "FINISHED", reason
-    if state == "crashed":
-        return "DIED", reason
-    return "STOPPED", reason
-
-
 def _segments(records: Sequence[Mapping[str, Any]], now: float) -> List[Segment]:
     segments: List[Segment] = []
     previous_end: Optional[int] = None
@@ -157,8 +137,8 @@ def _segments(records: Sequence[Mapping[str, Any]], now: float) -> List[Segment]
         start = int(_num(record, "first_step"))
         end = max(start, int(_num(record, "step", start)))
         state = str(record.get("state") or "running")
-        if state == "running" and state_of(record, now)[0] == "DIED":
-            state = "died"
+        if state == "running" and run_state([SessionRecord.from_json(record)], now)[0] == "DIED":
+            state = "died"  # killed outright: a stale heartbeat, or its process gone
         rate = record.get("steps_per_s")
         segments.append(Segment(
             session=str(record.get("session") or len(segments)), start_step=start, end_step=end,
@@ -217,7 +197,7 @@ def summarize(run: str, records: Sequence[Mapping[str, Any]], now: Optional[floa
         return RunSummary(run=run, state="NEW", detail="no session recorded", step=0, total_steps=None,
                           redone_steps=0)
     newest = records[-1]
-    state, detail = state_of(newest, now)
+    state, detail = run_state([SessionRecord.from_json(r) for r in records], now)
     segments = _segments(records, now)
     total = newest.get("total_steps")
     total_steps = int(total) if isinstance(total, (int, float)) and total > 0 else None

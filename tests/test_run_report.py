@@ -7,7 +7,7 @@ import pytest
 
 from keepalive import cli
 from keepalive.runchart import draw, metric_name
-from keepalive.runsummary import estimate_eta, state_of, summarize
+from keepalive.runsummary import estimate_eta, summarize
 
 
 def record(session, first, step, state, started, updated, **more):
@@ -35,13 +35,13 @@ def test_sessions_redone_steps_and_states():
     assert s.redone_steps == 30 and s.state == "RUNNING" and s.step == 700
 
 
-def test_a_heartbeat_is_stale_only_after_three_beats_and_a_grace():
-    beat = {"state": "running", "updated": 1000.0, "heartbeat_s": 10}
-    assert state_of(beat, now=1000.0 + 3 * 10 + 29)[0] == "RUNNING"  # control: fresh enough
-    assert state_of(beat, now=1000.0 + 3 * 10 + 31)[0] == "DIED"
-    assert state_of({"state": "stopped", "reason": "SIGTERM"})[0] == "STOPPED"
-    assert state_of({"state": "closed"})[0] == "STOPPED"
-    assert state_of({"state": "finished"})[0] == "FINISHED"
+def test_a_killed_session_is_died_only_once_its_heartbeat_is_stale():
+    # the rule is keepalive.runlog's (three promised beats and a slack); a fresh one is running (control)
+    fresh = [record("a", 0, 10, "running", 0, 1000)]
+    assert summarize("r", fresh, now=1000 + 3 * 10 + 29).state == "RUNNING"
+    stale = summarize("r", fresh, now=1000 + 3 * 10 + 31)
+    assert stale.state == "DIED" and stale.segments[0].state == "died"
+    assert summarize("r", [record("a", 0, 10, "closed", 0, 10)]).state == "STOPPED"
 
 
 def test_eta_in_steps_time_and_sessions_of_the_budget():
