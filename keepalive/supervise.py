@@ -10,8 +10,9 @@ not fit the model, another live session holds the run: :mod:`keepalive.endrecord
 keepalive writes to the file named in ``KEEPALIVE_END_FILE``), a usage error (status 2) or a command
 that cannot be run (126, 127).
 
-SIGTERM and SIGINT sent to the supervisor are forwarded to the command (started in a process group of
-its own, so a terminal's Ctrl-C reaches it once, through the supervisor); the supervisor waits for it
+SIGTERM and SIGINT sent to the supervisor are forwarded to the command (started in a session and process
+group of its own, so a terminal's Ctrl-C reaches it once, through the supervisor; a hang-up is forwarded
+as SIGTERM); the supervisor waits for it
 to save and stop, then ends with its status, without a restart. One line is said per restart, and each
 restart, stop, refusal and the finish is notified (``notify=`` URLs or ``KEEPALIVE_NOTIFY``:
 :mod:`keepalive.notify`).
@@ -100,12 +101,22 @@ class Supervisor:
         self._wake.set()
         child = self._child
         if child is not None and child.poll() is None:
-            os.killpg(child.pid, signum)  # its group: the command and whatever it started
+            # its group: the command and whatever it started. A hang-up (the terminal closed) asks
+            # for a save as SIGTERM does: the training's default for SIGHUP is to die unsaved.
+            try:
+                os.killpg(child.pid, signal.SIGTERM if signum == signal.SIGHUP else signum)
+            except ProcessLookupError:  # it has just ended
+                pass
 
     def _once(self, folder: str) -> Tuple[int, Optional[Dict[str, Any]]]:
         end_file = os.path.join(folder, f"end-{self.restarts}.json")
         env = dict(os.environ, **{endrecord.ENV: end_file})
-        self._child = subprocess.Popen(list(self.command), env=env, process_group=0)
+        try:
+            # a session (and process group) of its own: a terminal's Ctrl-C reaches it once, forwarded
+            self._child = subprocess.Popen(list(self.command), env=env, start_new_session=True)
+        except OSError as exc:  # not found, not executable: as a shell would say it
+            self.say(f"cannot run {self.words}: {exc.strerror or exc}")
+            return (127 if isinstance(exc, FileNotFoundError) else 126), None
         try:
             code = self._child.wait()
         finally:

@@ -111,3 +111,9 @@ def test_what_each_exit_means():
     assert judge(143, {"outcome": "crashed"})[0] == "stopped"
     assert judge(1, {"outcome": "refused", "error": "RunLockedError: run 'r' is held"}) == (
         "refused", "RunLockedError: run 'r' is held")
+
+
+def test_a_command_that_cannot_run_is_not_restarted(tmp_path):
+    lines: List[str] = []
+    assert Supervisor([str(tmp_path / "no-such-program")], say=lines.append).run() == 127
+    assert lines[0].startswith("cannot run ") and lines[1] == "not restarted: exit 127: the command was not found"
