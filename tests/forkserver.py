@@ -19,6 +19,15 @@ seeded from the OS again (as at a fresh start); the fork leaves through the inte
 threads joined, ``atexit`` run) with the script's exit code. What it does not: the server's environment
 applies to what the server imported (OMP_NUM_THREADS, for instance, is read by torch's import).
 
+``ForkServer(..., listen=True)``: the server also takes requests from other processes, on the Unix
+socket ``socket_path``, sent by tests/forkclient.py (``python -S forkclient.py script args...``, with
+``FORKSERVER_SOCKET`` naming the socket in its environment): the fork runs the script with the client's
+arguments, environment, working folder and stdin / stdout / stderr (passed over the socket), in a
+session of its own, as a fresh interpreter started in the client's place would; the client forwards
+the signals it gets to the fork and exits as the fork did (the same code, or killed by the same
+signal), and a client gone before its fork (SIGKILLed) takes the fork with it. For children that
+another program starts (torchrun's ranks: ``torchrunkit.RankForks``).
+
 ``quick_exit=True`` (``ForkServer``, ``ServerPool``; off by default): a fork's exit stops after the
 interpreter's own first steps (non-daemon threads joined, ``atexit`` run, stdout and stderr flushed)
 and skips the teardown of the modules the server imported (0.8 s of CPU per child with torch loaded,
@@ -82,11 +91,17 @@ class Forked:
 class ForkServer:
     """One server process per test module; ``spawn`` is safe from several threads."""
 
-    def __init__(self, modules: Sequence[str], env: Dict[str, str], setup: str = "", quick_exit: bool = False):
+    def __init__(self, modules: Sequence[str], env: Dict[str, str], setup: str = "", quick_exit: bool = False,
+                 listen: bool = False):
         """``setup``: Python code the server runs before it imports ``modules`` (what the children's
-        scripts do first, e.g. define operator schemas). ``quick_exit``: see the module's docstring."""
+        scripts do first, e.g. define operator schemas). ``quick_exit``, ``listen``: see the module's
+        docstring."""
         self._dir = tempfile.mkdtemp(prefix="forkserver-")
         self._quick_exit = quick_exit
+        self.socket_path: Optional[str] = None
+        if listen:
+            self.socket_path = os.path.join(self._dir, "socket")
+            env = dict(env, **{LISTEN_ENV: self.socket_path, QUICK_EXIT_ENV: "1" if quick_exit else ""})
         self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), setup, *modules], env=env,
                                      text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self._lock = threading.Lock()  # one request and its answer at a time
@@ -247,21 +262,34 @@ class ForkingSubprocess:
 
 # ------------------------------------------------------------------------------------ the server
 _SCRIPT_GLOBALS: List[Dict[str, object]] = []
+#: the server's environment: the socket it listens on (``listen=True``), and whether the forks of
+#: socket requests leave quickly
+LISTEN_ENV = "_FORKSERVER_LISTEN"
+QUICK_EXIT_ENV = "_FORKSERVER_QUICK_EXIT"
 
 
-def _run_child(request: Dict[str, object]) -> None:
+def _run_child(request: Dict[str, object], fds: Sequence[int] = ()) -> None:
     """In the fork: become the script's process. Never returns: raises SystemExit with its exit code,
-    which unwinds the server's frames to the interpreter's normal exit."""
+    which unwinds the server's frames to the interpreter's normal exit. ``fds``: a socket client's
+    stdin, stdout and stderr (else stdout and stderr go to the request's FIFO, stdin is /dev/null)."""
     import random
     import runpy
 
-    out = os.open(str(request["out"]), os.O_WRONLY)
-    os.dup2(out, 1)
-    os.dup2(out, 2)
-    os.close(out)
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)
-    os.close(devnull)
+    if fds:
+        os.setsid()  # as torchrun starts its ranks (start_new_session): no signal of the server's group
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+        for fd in fds:
+            if fd > 2:
+                os.close(fd)
+    else:
+        out = os.open(str(request["out"]), os.O_WRONLY)
+        os.dup2(out, 1)
+        os.dup2(out, 2)
+        os.close(out)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.close(devnull)
     sys.stdin = open(0, closefd=False)
     sys.stdout = open(1, "w", buffering=1, closefd=False)
     sys.stderr = open(2, "w", buffering=1, closefd=False)
@@ -325,24 +353,76 @@ def _leave_quickly(code: object) -> None:
 def _serve(setup: str, modules: List[str]) -> None:
     import importlib
     import select
+    import socket
 
     exec(setup, {})  # noqa: S102 - the test's own code
     for name in modules:
         importlib.import_module(name)
     answer = os.fdopen(os.dup(1), "w", buffering=1)
+    listener = None
+    if os.environ.get(LISTEN_ENV):
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(os.environ[LISTEN_ENV])
+        listener.listen(64)
     answer.write("READY\n")
     pending = b""
-    children = set()
+    children = set()  # the forks of the test's requests (stdin)
+    clients: Dict[int, "socket.socket"] = {}  # a socket client's fork -> the connection to that client
+    orphans = set()  # forks whose client went away (killed, not reaped yet)
     quick_exit = False
+
+    def fork(request: Dict[str, object], fds: Sequence[int] = ()) -> int:
+        pid = os.fork()
+        if pid == 0:  # none of the server's streams stays open in a child
+            answer.close()
+            for sock in [*([listener] if listener else []), *clients.values()]:
+                sock.close()
+            _run_child(request, fds)
+        return pid
+
     while True:  # one thread only: a fork copies no other thread's held lock
-        readable, _, _ = select.select([0], [], [], 0.05)
-        while children:
+        watched: list = [0, *([listener] if listener else []), *clients.values()]
+        readable, _, _ = select.select(watched, [], [], 0.05)
+        while children or clients or orphans:
             pid, status = os.waitpid(-1, os.WNOHANG)
             if not pid:
                 break
-            children.discard(pid)
-            answer.write(f"EXIT {pid} {os.waitstatus_to_exitcode(status)}\n")
-        if not readable:
+            code = os.waitstatus_to_exitcode(status)
+            orphans.discard(pid)
+            if pid in children:
+                children.discard(pid)
+                answer.write(f"EXIT {pid} {code}\n")
+            elif pid in clients:
+                conn = clients.pop(pid)
+                with contextlib.suppress(OSError):
+                    conn.sendall(f"EXIT {code}\n".encode())
+                conn.close()
+        for pid, conn in list(clients.items()):
+            if conn in readable and not conn.recv(64):  # the client is gone (SIGKILLed): its fork too
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, 9)
+                conn.close()
+                del clients[pid]
+                orphans.add(pid)
+        if listener is not None and listener in readable:
+            conn, _ = listener.accept()
+            data, fds, _, _ = socket.recv_fds(conn, 1 << 16, 3)
+            while data and not data.endswith(b"\n"):
+                more = conn.recv(1 << 16)
+                if not more:
+                    break
+                data += more
+            if len(fds) == 3 and data.endswith(b"\n"):
+                request = json.loads(data)
+                request["quick_exit"] = bool(os.environ.get(QUICK_EXIT_ENV))
+                pid = fork(request, fds)
+                conn.sendall(f"STARTED {pid}\n".encode())
+                clients[pid] = conn
+            else:
+                conn.close()
+            for fd in fds:
+                os.close(fd)
+        if 0 not in readable:
             continue
         data = os.read(0, 1 << 16)
         if not data:
@@ -354,13 +434,10 @@ def _serve(setup: str, modules: List[str]) -> None:
             if "argv" not in request:  # closing, with quick_exit: this server ends as its forks do
                 quick_exit = True
                 continue
-            pid = os.fork()
-            if pid == 0:
-                answer.close()
-                _run_child(request)
+            pid = fork(request)
             children.add(pid)
             answer.write(f"STARTED {pid}\n")
-    for pid in children:  # the test is gone: no child outlives it
+    for pid in [*children, *clients, *orphans]:  # the test is gone: no child outlives it
         try:
             os.kill(pid, 9)
         except ProcessLookupError:

@@ -42,13 +42,24 @@ except ImportError:  # pragma: no cover
     pytest.skip("this torch has no FSDP2 (fully_shard)", allow_module_level=True)
 
 from keepalive.store import MANIFEST, CheckpointStore  # noqa: E402
-from torchrunkit import TorchrunJob, kill_ranks_at_random  # noqa: E402
+from torchrunkit import TorchrunJob, forked_ranks, kill_ranks_at_random  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "scripts", "fsdp_train.py")
 ROOT = os.path.dirname(HERE)
 STEPS_PER_EPOCH = 12  # 96 samples, batch 4, 2 ranks
 RESUME_RE = re.compile(r"resuming run .*? step (\d+)")  # the first: the line also says how far the last session got
+
+
+#: what every rank imports before its training (forked from a server that has: tests/torchrunkit.py)
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict",
+           "torch.distributed.device_mesh", "torch.distributed.fsdp", "torch.utils.data"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ranks_forked():
+    with forked_ranks(PRELOAD):
+        yield
 
 
 class Job(TorchrunJob):

@@ -1,8 +1,15 @@
 """``torchrun`` jobs for the distributed tests (DDP, FSDP2): one job in its own process session, its
 output collected by a thread, each restart attempt's rank PIDs read from the files the training script
-writes (``pid.<attempt>.<rank>``), and the whole job stopped by its process group."""
+writes (``pid.<attempt>.<rank>``), and the whole job stopped by its process group.
+
+``with forked_ranks(modules):`` (a test module's fixture): the jobs started inside it run each rank as a
+fork of a server that has imported ``modules`` (tests/forkserver.py, ``listen=True``): torchrun starts
+tests/forkclient.py in the rank's place (``--no-python``), which has the server fork the script with the
+rank's arguments, environment and streams. Importing torch and its distributed modules, then tearing
+them down at exit, is most of a small rank's CPU time, paid for every rank of every attempt."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -11,9 +18,43 @@ import threading
 import time
 from typing import Dict, List, Optional
 
+from forkserver import ForkServer  # tests/forkserver.py
 from servers import free_port  # tests/servers.py
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CLIENT = os.path.join(ROOT, "tests", "forkclient.py")
+SOCKET_ENV = "FORKSERVER_SOCKET"  # forkclient.py's
+_RANK_SERVER: List[ForkServer] = []  # the one of forked_ranks(), while it is open
+
+
+@contextlib.contextmanager
+def forked_ranks(modules: List[str], pythonpath: str = ""):
+    """The ranks of the jobs started inside are forks of one server that has imported ``modules``
+    with ``pythonpath`` (a fork's ``sys.path`` is the server's, its first entry the script's folder):
+    the PYTHONPATH the jobs' ranks get. Imports that read the environment read the server's (this
+    process's, with ``OMP_NUM_THREADS=1`` as the jobs have it)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
+               PYTHONPATH=pythonpath or os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p))
+    server = ForkServer(modules, env, quick_exit=True, listen=True)
+    _RANK_SERVER.append(server)
+    try:
+        yield server
+    finally:
+        _RANK_SERVER.remove(server)
+        server.close()
+
+
+def rank_entry(script: str) -> List[str]:
+    """What follows torchrun's options in place of the script: the fork client's command inside
+    :func:`forked_ranks`, else the script."""
+    if not _RANK_SERVER:
+        return [script]
+    return ["--no-python", sys.executable, "-S", CLIENT, script]
+
+
+def rank_env() -> Dict[str, str]:
+    """The environment a job adds for :func:`rank_entry`'s command."""
+    return {SOCKET_ENV: str(_RANK_SERVER[-1].socket_path)} if _RANK_SERVER else {}
 
 
 class TorchrunJob:
@@ -28,7 +69,8 @@ class TorchrunJob:
         extra = dict(env or {})
         # the caller's PYTHONPATH (tests/shims for lightning) goes after the repository's
         path = os.pathsep.join(p for p in (ROOT, extra.pop("PYTHONPATH", ""), os.environ.get("PYTHONPATH", "")) if p)
-        full_env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PYTHONPATH=path, **extra)
+        full_env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PYTHONPATH=path, **rank_env(),
+                        **extra)
         self.proc = subprocess.Popen(self.command(nproc, restarts), env=full_env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, start_new_session=True)
         self.output: List[str] = []
@@ -38,7 +80,7 @@ class TorchrunJob:
         return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
                 f"--max-restarts={restarts}", "--monitor-interval=0.2",
                 "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-                self.script, self.run_dir, self.out_dir]
+                *rank_entry(self.script), self.run_dir, self.out_dir]
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
