@@ -297,6 +297,8 @@ class ShardedSave:
 
     def close(self) -> None:
         self.sharded.close()  # its staging buffers and side process group
+        if self._thread is None:
+            self.snapshot.release()  # the host copy of the unsharded rest
 
     def move(self, where: "Destination") -> None:
         self.spooled, self.url, self.folder = where.spooled, where.store.url, where.store
@@ -335,7 +337,7 @@ def open_destination(url: str, cfg: Any, *, remaining_fn: Callable[[], Optional[
     spooled = SpooledStore(store, cfg.spool, storage_options=cfg.storage_options, flush_timeout=cfg.flush_timeout,
                            drive_flush=cfg.drive_flush, quiet=cfg.quiet, remaining_fn=remaining_fn,
                            on_durable=on_durable)
-    writer = AsyncWriter(spooled, background=cfg.background)
+    writer = AsyncWriter(spooled, background=cfg.background, memory_budget=cfg.memory_budget)
     if on_commit is not None:
         writer.on_commit = on_commit
     if not cfg.quiet:

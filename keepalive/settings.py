@@ -204,6 +204,9 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in [
             "for uploads", "duration"),
     Setting("KEEPALIVE_HEARTBEAT", 60.0, parse_duration, "how often a training rewrites its session "
             "record in the run folder (its heartbeat: a run silent for 3 beats and 30 s is DIED)", "duration"),
+    Setting("KEEPALIVE_MEMORY_BUDGET", None, _bytes_or_none, "host memory a save may use for its copy "
+            "of the state (default: what the machine or its container has available, minus a margin); "
+            "a larger state is streamed while the training waits", "size"),
     Setting("KEEPALIVE_DRIVE_FLUSH", False, _flag, "on Colab, call drive.flush_and_unmount() at the "
             "end of a run (it unmounts Drive)", "0|1"),
     # what the user sees

@@ -14,7 +14,9 @@ naming where in the state they sit.
 
 :class:`HostSnapshot` copies the tensors of a state into one reusable host buffer laid out exactly as
 the safetensors data section, so a background thread can write it while training goes on, and the
-next snapshot reuses the memory (host memory stays at about one extra copy of the state).
+next snapshot reuses the memory (host memory stays at about one extra copy of the state, given back
+at the end of the training). :func:`prepare` encodes a state without copying anything, so the writer
+can first ask whether a full copy fits in memory (:mod:`keepalive.memory`).
 
 Every dtype safetensors knows is stored bit for bit, bfloat16 and float8 included: torch's own, and
 numpy's through ``ml_dtypes`` (what ``np.asarray`` of a bf16 JAX array gives). A numpy-written one is
@@ -237,12 +239,36 @@ def layout(tensors: List[TensorRef]) -> Tuple[bytes, int]:
     return struct.pack("<Q", len(raw)) + raw, offset
 
 
+@dataclass
+class Encoded:
+    """A state tree split for writing: its JSON form, its tensors laid out, the safetensors header
+    and the size of the data section (what a host copy of the tensors takes)."""
+
+    json_tree: Any
+    tensors: List[TensorRef]
+    header: bytes
+    size: int
+
+    def state_json(self) -> bytes:
+        return json.dumps(self.json_tree, separators=(",", ":"), allow_nan=True).encode()
+
+
+def prepare(tree: Any) -> Encoded:
+    """Encode ``tree`` and lay its tensors out (nothing is copied yet)."""
+    json_tree, tensors = encode(tree)
+    header, size = layout(tensors)
+    return Encoded(json_tree, tensors, header, size)
+
+
 class HostSnapshot:
     """A reusable host-memory buffer holding a copy of a state's tensors.
 
     ``take(tree)`` copies every tensor into the buffer (the only part that blocks training) and
     returns the files to commit. The buffer is reused by the next ``take`` when the state has the
-    same size or less; so at most one extra copy of the state lives in host memory.
+    same size or less; so at most one extra copy of the state lives in host memory, and none after
+    :meth:`release` (the end of the training). Whether a full copy may be made at all is the
+    writer's question (:mod:`keepalive.memory`); a state that does not fit is streamed instead
+    (:mod:`keepalive.hoststream`).
     """
 
     def __init__(self) -> None:
@@ -256,24 +282,25 @@ class HostSnapshot:
     def capacity(self) -> int:
         return 0 if self._buffer is None else self._buffer.nbytes
 
-    def reserve(self, tree: Any) -> None:
+    def reserve(self, tree: Any, fits: Optional[Callable[[int], bool]] = None) -> None:
         """Allocate the buffer for ``tree`` and touch every page in a background thread.
 
         Called when training starts, so that the first save copies into memory that is already
         mapped: faulting in a fresh buffer costs more than the copy itself (0.2-1.3 s per GiB seen
-        here). ``ctypes.memset`` releases the GIL, so training runs on meanwhile.
+        here). ``ctypes.memset`` releases the GIL, so training runs on meanwhile. ``fits(size)``:
+        whether a full copy may be held at all (the memory budget); if not, nothing is allocated.
         """
         if self._buffer is not None or self._reserving is not None:
             return
         _, tensors = encode(tree)
         _, size = layout(tensors)
-        if size < (64 << 20):
-            return  # small states fault in quickly at the first save
+        if size < (64 << 20) or fits is not None and not fits(size):
+            return  # small states fault in quickly at the first save; a state too large is streamed
 
         def run() -> None:
             import ctypes
 
-            buf = _host_buffer(size)
+            buf = host_buffer(size)
             ctypes.memset(buf.ctypes.data, 0, buf.nbytes)
             self._buffer = buf
 
@@ -281,7 +308,18 @@ class HostSnapshot:
         self._reserving.start()
 
     def take(self, tree: Any, *, defer: Optional[Callable[[TensorRef], bool]] = None) -> Dict[str, Any]:
-        """Copy ``tree``'s tensors into the buffer and return the files to commit.
+        """Copy ``tree``'s tensors into the buffer and return the files to commit (:meth:`fill`)."""
+        return self.fill(prepare(tree), defer=defer)
+
+    def held(self) -> int:
+        """The bytes of the buffer held (once a reservation under way has finished)."""
+        if self._reserving is not None:
+            self._reserving.join()
+            self._reserving = None
+        return self.capacity
+
+    def fill(self, encoded: Encoded, *, defer: Optional[Callable[[TensorRef], bool]] = None) -> Dict[str, Any]:
+        """Copy an encoded state's tensors into the buffer and return the files to commit.
 
         With ``defer``, the tensors it accepts are not copied now: :attr:`pending` holds them, with
         each one's version counter at this moment, for :meth:`PendingCopy.run` to copy later (the
@@ -289,14 +327,11 @@ class HostSnapshot:
         JAX arrays never change in place, so with ``defer`` given (the caller settles the copy before
         the loop's next step, which may donate them) every one of them is copied later, and each
         one's transfer to the host starts here. The files are complete only once that copy has run."""
-        if self._reserving is not None:
-            self._reserving.join()
-            self._reserving = None
-        json_tree, tensors = encode(tree)
-        header, size = layout(tensors)
+        self.held()
+        tensors, header, size = encoded.tensors, encoded.header, encoded.size
         if self._buffer is None or self._buffer.nbytes < size:
-            self._release_buffer()  # free the old buffer before allocating the bigger one
-            self._buffer = _host_buffer(size)
+            self.release()  # free the old buffer before allocating the bigger one
+            self._buffer = host_buffer(size)
         buf = self._buffer
         _start_host_transfers(tensors)
         later: List[Tuple[TensorRef, np.ndarray]] = []
@@ -307,13 +342,18 @@ class HostSnapshot:
             else:
                 copy_into(t, slot)
         self.pending = PendingCopy(later, self) if later else None
-        state_json = json.dumps(json_tree, separators=(",", ":"), allow_nan=True).encode()
-        return {STATE_FILE: state_json, TENSOR_FILE: [header, memoryview(buf)[:size]]}  # type: ignore[arg-type]
+        return {STATE_FILE: encoded.state_json(), TENSOR_FILE: [header, buf[:size].data]}
 
-    def _release_buffer(self) -> None:
+    def release(self) -> None:
+        """Give the buffer back (unpinned first), and the lazy copy that refers to it: the training
+        is over, or the next copy needs a larger one, or none (a streamed save). A later
+        :meth:`fill` allocates a new one."""
+        if self._reserving is not None:
+            self._reserving.join()
+            self._reserving = None
         if self._buffer is not None and self._pinned is not None:
-            _unpin(self._pinned)
-        self._buffer, self._pinned = None, None
+            unpin_host(self._pinned)
+        self._buffer, self._pinned, self.pending = None, None, None
 
     def pin_for(self, tensors: List[TensorRef]) -> None:
         """Page-lock the buffer once when the state holds CUDA tensors, so device-to-host copies run
@@ -323,7 +363,7 @@ class HostSnapshot:
             return
         if not any(t.kind == "torch" and t.value.is_cuda for t in tensors):
             return
-        self._pinned = _pin(self._buffer)
+        self._pinned = pin_host(self._buffer)
 
 
 def copy_into(t: TensorRef, slot: np.ndarray) -> None:
@@ -400,7 +440,7 @@ class PendingCopy:
         self._pieces: List[Tuple[Any, TensorRef, np.ndarray, int, int]] = []
         if not self._cuda:
             for t, slot in sorted(items, key=lambda item: item[0].key in held):
-                flat = _bytes_of(t.value) if t.kind == "torch" else None  # a JAX array: copied whole
+                flat = cpu_bytes(t.value) if t.kind == "torch" else None  # a JAX array: copied whole
                 if flat is None:
                     self._pieces.append((None, t, slot, 0, t.nbytes))
                     continue
@@ -554,7 +594,7 @@ def _in_host_memory(a: Any) -> bool:
     return all(d.platform == "cpu" for d in a.devices())
 
 
-def _bytes_of(t: Any) -> Any:
+def cpu_bytes(t: Any) -> Any:
     """A CPU tensor's bytes as a flat uint8 view (no copy), or None where there is none."""
     import torch
 
@@ -564,7 +604,7 @@ def _bytes_of(t: Any) -> Any:
     return src.reshape(-1).view(torch.uint8)
 
 
-def _host_buffer(size: int) -> np.ndarray:
+def host_buffer(size: int) -> np.ndarray:
     """A fresh buffer for snapshots. Large ones are anonymous mappings advised to use transparent
     huge pages: the first save touches every page, and 2 MiB pages make that ~3x cheaper than 4 KiB
     ones (0.18 s vs 0.55 s per GiB measured here)."""
@@ -618,7 +658,7 @@ def _record(stream: Any) -> Any:
     return event
 
 
-def _pin(buf: np.ndarray) -> Any:
+def pin_host(buf: np.ndarray) -> Any:
     """Register ``buf`` with CUDA as page-locked memory (None where that fails: copies stay correct,
     only slower and synchronous)."""
     try:
@@ -632,7 +672,7 @@ def _pin(buf: np.ndarray) -> Any:
         return None
 
 
-def _unpin(ptr: Any) -> None:
+def unpin_host(ptr: Any) -> None:
     try:
         import torch
 

@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from . import runlog, runs, session
 from ._version import __version__
+from .memory import MemoryBudget
 from .session import cloud as _cloud
 from .session.clock import CLOCK_MEANING, ancestor_kernel, clock_starts, iso_time
 from .store import describe_processes
@@ -186,10 +187,27 @@ def status_report(checkpoint_dir: Optional[str] = None) -> Dict[str, Any]:
         "runs": run_entries,
         "other_runs": _indexed_runs(checkpoint_dir, warnings),
         "pending_uploads": _pending_uploads(),
+        "largest_async_save_bytes": _largest_async_save(),
         "warnings": warnings,
         "keepalive_version": __version__,
     }
 
+
+
+def _largest_async_save() -> Optional[int]:
+    """The largest training state whose save can hold a full copy of it and write it in the
+    background here (:mod:`keepalive.memory`; None: unknown). A larger one streams."""
+    try:
+        return MemoryBudget().limit()
+    except Exception:  # noqa: BLE001 - status never crashes
+        return None
+
+
+def _save_memory_line(largest: Optional[int]) -> str:
+    if largest is None:
+        return "  save mem  no memory limit known: every save copies the state and writes it in the background"
+    return (f"  save mem  a state up to {session.both_units(largest)} is copied and written in the background "
+            "(the memory free now, minus a margin); a larger one is streamed while the training waits")
 
 
 def _default_dir(warnings: List[str]) -> str:
@@ -351,6 +369,7 @@ def format_status(report: Mapping[str, Any]) -> str:
     lines = [head]
     lines += _time_lines(r)
     lines += _hardware_lines(r.get("hardware") or {})
+    lines.append(_save_memory_line(r.get("largest_async_save_bytes")))
     lines.append(f"  cloud     {_cloud.describe(r.get('cloud') or {})}")
     for run in r.get("training_here") or []:
         auto = run.get("auto")

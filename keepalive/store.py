@@ -35,7 +35,7 @@ import time
 import uuid
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, TypeVar, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, TypeVar, Union
 
 from . import report
 from ._version import __version__
@@ -524,7 +524,10 @@ class CheckpointStore:
         Each piece is hashed into ``hasher`` right after it is written, while it is still in the CPU
         cache: the bytes are read once, not again in a second pass over the whole file. A transient
         failure rewrites the whole file, and ``hasher`` (a fresh one) starts over with that attempt,
-        so it ends with the digest of the bytes the file holds."""
+        so it ends with the digest of the bytes the file holds. A chunk that is no buffer is a
+        source of buffers made while the file is written (a streamed save's tensors,
+        :mod:`keepalive.hoststream`): each is written and hashed before the next is asked for, and
+        a retry iterates the source again."""
         piece_size = self.backend.write_piece
         chunks = list(chunks)
 
@@ -533,8 +536,7 @@ class CheckpointStore:
                 hasher.reset()
             n = 0
             with self.backend.open_write(path) as f:
-                for chunk in chunks:
-                    view = memoryview(chunk).cast("B")
+                for view in _buffers(chunks):
                     for i in range(0, len(view), piece_size):
                         piece = view[i:i + piece_size]
                         _write_all(f, piece)
@@ -774,6 +776,18 @@ class CheckpointStore:
 
     def remove(self, info: CheckpointInfo) -> None:
         self._remove_checkpoint(info)
+
+
+def _buffers(chunks: Iterable[Any]) -> Iterator[memoryview]:
+    """The bytes of a file's chunks in order: each chunk a buffer, or a re-iterable source of them."""
+    for chunk in chunks:
+        try:
+            view = memoryview(chunk)
+        except TypeError:  # a source of buffers (bytes-like objects do not raise here)
+            for part in chunk:
+                yield memoryview(part).cast("B")
+            continue
+        yield view.cast("B")
 
 
 def _write_all(f: Any, piece: memoryview) -> None:

@@ -12,7 +12,13 @@ the next forward and backward. Before that step changes them, the training threa
 :meth:`AsyncWriter.settle`: it waits for what is not copied yet and checks every deferred tensor's
 version counter. The write is committed only after that check passed; a tensor changed in place
 before its copy (the copy may hold new values: not one state) drops the write, and ``settle``
-returns its name. The writer's thread runs at a lower priority (``nice``), so on a
+returns its name.
+
+Before a full copy is made, the writer asks the memory budget (:mod:`keepalive.memory`) whether it
+fits. If not, the save streams (:mod:`keepalive.hoststream`): it is written while the training waits,
+from the tensors' own memory or through a bounded buffer, with no full copy (a lazy snapshot falls
+back to this too), and says so once. :meth:`AsyncWriter.release` gives the buffers back at the end of
+the training. The writer's thread runs at a lower priority (``nice``), so on a
 machine whose cores all train it takes what the training leaves (:data:`WRITER_NICE`, 0 for now).
 """
 from __future__ import annotations
@@ -21,11 +27,13 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol
+from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Union
 
 from . import report
 from .errors import LeaseLostError
-from .state import HostSnapshot, PendingCopy, TensorRef
+from .hoststream import StreamBuffer, Streamed, buffered, streamed_files
+from .memory import MemoryBudget
+from .state import Encoded, HostSnapshot, PendingCopy, TensorRef, prepare
 from .store import WriteResult
 
 log = logging.getLogger("keepalive.writer")
@@ -74,10 +82,19 @@ class _Verdict:
 class AsyncWriter:
     """Commits snapshots of the state in a background thread, one at a time."""
 
-    def __init__(self, store: CommitTarget, *, background: bool = True):
+    def __init__(self, store: CommitTarget, *, background: bool = True,
+                 memory_budget: Union[str, int, None] = None):
         self.store = store
         self.background = background
         self.snapshot = HostSnapshot()
+        #: what a full host copy of the state may take (:mod:`keepalive.memory`); a state that does
+        #: not fit is streamed through :attr:`stream` while the training waits
+        self.budget = MemoryBudget(memory_budget)
+        self.stream = StreamBuffer()
+        #: the figures of the last save that was streamed (None: the last save made a full copy)
+        self.streamed: Optional[Streamed] = None
+        #: told the line of a streamed save (the checkpointer's ``warn``, once); None: said here
+        self.on_stream: Optional[Callable[[str], None]] = None
         self._thread: Optional[threading.Thread] = None
         self._result: Optional[WriteResult] = None
         self._error: Optional[BaseException] = None
@@ -97,8 +114,8 @@ class AsyncWriter:
         self.settle_seconds = 0.0
 
     def reserve(self, tree: Any) -> None:
-        """Prepare the host buffer of the first save (its size) ahead of it."""
-        self.snapshot.reserve(tree)
+        """Prepare the host buffer of the first save (its size) ahead of it, if a full copy fits."""
+        self.snapshot.reserve(tree, fits=self.budget.fits)
 
     @property
     def in_flight(self) -> bool:
@@ -115,13 +132,19 @@ class AsyncWriter:
         self.wait()
         lazy = defer is not None and self.background and not sync and check is None
         t0 = time.perf_counter()
-        files = self.snapshot.take(tree, defer=defer if lazy else None)
+        encoded = prepare(tree)
+        held = self.snapshot.held()
+        if encoded.size > held and not self.budget.fits(encoded.size, held):
+            files = self._streamed_files(encoded, checked=check is not None)
+        else:
+            self.streamed = None
+            files = self.snapshot.fill(encoded, defer=defer if lazy else None)
         self.snapshot_seconds = time.perf_counter() - t0
         changed = check() if check is not None else None
         if changed:
             raise SnapshotChanged(changed)
         job: Dict[str, Any] = dict(files=files, step=step, epoch=epoch, metadata=dict(metadata or {}))
-        if sync or not self.background:
+        if sync or not self.background or self.streamed is not None:  # a streamed save reads the live state
             self._run(job)
             return self.wait()
         pending = self.snapshot.pending
@@ -132,6 +155,32 @@ class AsyncWriter:
         self._thread = threading.Thread(target=self._run, args=(job,), name="keepalive-writer")
         self._thread.start()
         return None
+
+    def _streamed_files(self, encoded: Encoded, *, checked: bool) -> Dict[str, Any]:
+        """The files of a save that streams (no full copy fits): the full buffer given back, the
+        line said (once). A save that must prove the state unchanged after its copy (a save between
+        steps, from another thread) cannot stream, the state being read while it is written: it is
+        refused, and the next boundary saves."""
+        if checked:
+            raise SnapshotChanged("the state does not fit in memory for a copy; it is streamed at the next boundary")
+        self.snapshot.release()
+        limit = self.budget.limit() or 0
+        piece = min(self.budget.piece_bytes(limit), -(-encoded.size // 4096) * 4096)  # (never above the state)
+        self.streamed = Streamed(encoded.size, limit, piece, self.budget.source(), buffered(encoded.tensors))
+        line = self.streamed.line()
+        if self.on_stream is not None:
+            self.on_stream(line)
+        else:
+            report.warn(line, key=f"{self.store.url}:save-streamed")
+        return streamed_files(encoded, self.stream, self.streamed.piece)
+
+    def release(self) -> None:
+        """Give back the host buffers (the full copy's, the streamed saves' bounded one) when no
+        write is in flight: the training is over. The next save allocates what it needs again."""
+        if self._thread is not None or self._pending is not None:
+            return  # still in use: the caller waits for the write first
+        self.snapshot.release()
+        self.stream.release()
 
     @property
     def unsettled(self) -> bool:

@@ -36,8 +36,10 @@ LAYERS: Dict[str, int] = {
     # 0 base
     "_version": 0, "units": 0, "errors": 0, "settings": 0, "report": 0, "statetree": 0, "plan": 0,
     "loopstate": 0,  # the loop's own variables, read from its code (stdlib only: every adapter may use it)
+    "memory": 0,  # the memory budget of a save's host copy (the VM's and the container's room)
     # 1 storage
     "backends": 1, "state": 1, "store": 1, "rng": 1, "dataorder": 1,
+    "hoststream": 1,  # a save that streams the state through a bounded buffer (no full copy)
     # 2 runs
     "spool": 2, "writer": 2, "resume": 2, "runs": 2, "dcp": 2,
     "jaxgroup": 2,  # keepalive's collectives over jax.distributed's coordination service

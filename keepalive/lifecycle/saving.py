@@ -97,6 +97,7 @@ class Saver:
             if self._path is not None:
                 self._path.wait()
             self.ckpt.writer.wait()
+        self.ckpt.writer.release()  # the host copy's buffers: the notebook's next cells get the memory back
         # also when given back before: waiting for uploads (flush) attaches the uploader again
         self.ckpt.spooled.close()  # uploads go on; the destination's lease is released after the last
         self.opened = False
@@ -147,6 +148,7 @@ class Saver:
             if tree is None:
                 tree = ckpt.build_tree(capture)
             self.tracked = _pauses.tensors_of(tree)
+            ckpt.writer.on_stream = self.say_streamed
             if check is not None:
                 ckpt.writer.submit(tree, step=c.step, epoch=c.epoch, metadata=meta, sync=sync, check=check)
             else:
@@ -159,6 +161,10 @@ class Saver:
         ckpt.machine.feed(bd.Saved())
         ckpt.trigger.saved()
         announce_first_save(ckpt, ckpt.say)  # a run never interrupted shows that it is protected, and where
+
+    def say_streamed(self, line: str) -> None:
+        """The state does not fit in memory for a copy: its saves stream (said once per run)."""
+        self.ckpt.warn(line, key="save-streamed")
 
     def committed(self, result: WriteResult) -> None:
         """Each committed checkpoint, whatever the save path: its cost teaches the schedule."""
@@ -182,4 +188,5 @@ class Saver:
         self.ckpt.spooled.close()
         if self._path is not None:
             self._path.close()
+        self.ckpt.writer.release()
         self.opened = False
