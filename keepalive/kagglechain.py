@@ -121,17 +121,18 @@ def _save_request(source: Any, meta: Any, notebook: str) -> Any:
     return request
 
 
-def push_next_version(notebook: str, most: int, *, step: Optional[int] = None,
-                      working: Optional[str] = None, input_root: Optional[str] = None) -> Optional[int]:
+def push_next_version(notebook: str, most: int, *, step: Optional[int] = None, working: Optional[str] = None,
+                      input_root: Optional[str] = None, notify: Any = None) -> Optional[int]:
     """Push the next version of ``notebook`` with its own output as a data source, unless the chain
     has ``most`` versions already; record the push in the working folder. Returns the new version's
-    number (0 when Kaggle did not say it), None when nothing was pushed."""
+    number (0 when Kaggle did not say it), None when nothing was pushed. ``notify``: the training's
+    ``notify=`` URLs (default ``KEEPALIVE_NOTIFY``), told of the push or of the chain's end."""
     working = working or str(settings.get("KEEPALIVE_KAGGLE_WORKING"))
     input_root = input_root or str(settings.get("KEEPALIVE_KAGGLE_INPUT"))
     done, pushes = chain_length(working, input_root)
     if done >= most:
         _tell(f"Kaggle chain: {done} version(s) pushed already (KEEPALIVE_KAGGLE_CHAIN={most}): the next version "
-              f"of {notebook} is not pushed; run it by hand to continue", "warning")
+              f"of {notebook} is not pushed; run it by hand to continue", "warning", notify)
         return None
     from kagglesdk.kernels.types.kernels_api_service import ApiGetKernelRequest
 
@@ -148,17 +149,17 @@ def push_next_version(notebook: str, most: int, *, step: Optional[int] = None,
     with open(os.path.join(working, CHAIN_FILE), "w", encoding="utf-8") as f:
         json.dump({"notebook": notebook, "pushes": pushes}, f, indent=1)
     _tell(f"Kaggle chain: pushed version {version or '?'} of {notebook} ({done + 1} of {most}); it resumes from "
-          f"this version's output{f' at step {step}' if step is not None else ''}", "info")
+          f"this version's output{f' at step {step}' if step is not None else ''}", "info", notify)
     return version
 
 
-def _tell(line: str, kind: str) -> None:
+def _tell(line: str, kind: str, notify: Any) -> None:
     (report.say if kind == "info" else report.warn)(line)
     try:
         from .notify import notifier_from
     except ImportError:  # a keepalive without its notifications: said all the same
         return
-    notifier = notifier_from(None)
+    notifier = notifier_from(notify)
     if notifier is not None:
         notifier.send("keepalive: Kaggle chain", line, kind=kind)
         notifier.flush()
@@ -190,7 +191,8 @@ class ChainListener:
             return
         try:
             ckpt.flush()  # the final save is in the working folder before the next version is asked for
-            push_next_version(self.notebook, self.most, step=ckpt.state.counters.as_dict().get("step"))
+            push_next_version(self.notebook, self.most, step=ckpt.state.counters.as_dict().get("step"),
+                              notify=getattr(ckpt.config, "notify", None))
         except Exception as exc:  # noqa: BLE001 - the stop stands; the chain is said to be broken
             report.warn(f"Kaggle chain: the next version of {self.notebook} could not be pushed "
                         f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); run it by hand "

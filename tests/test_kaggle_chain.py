@@ -158,7 +158,20 @@ def test_the_chain_stops_at_its_most_versions(kaggle_api, tmp_path, monkeypatch)
     for name, value in kaggle_env(tmp_path, str(tmp_path / "working")).items():
         monkeypatch.setenv(name, value)
     (tmp_path / "working").mkdir()
-    assert kagglechain.push_next_version(NOTEBOOK, 2) is None
+    notify = pytest.importorskip("keepalive.notify")
+    sent: List[Tuple[str, str, str]] = []
+
+    class Recorder:
+        def send(self, title: str, body: str, kind: str = "info") -> None:
+            sent.append((title, body, kind))
+
+        def flush(self, timeout=None) -> bool:
+            return True
+
+    monkeypatch.setattr(notify, "notifier_from", lambda urls: Recorder() if urls == "json://here" else None)
+    assert kagglechain.push_next_version(NOTEBOOK, 2, notify="json://here") is None
     assert kaggle_api == []  # nothing asked of Kaggle
-    assert kagglechain.push_next_version(NOTEBOOK, 3) == 2
+    assert kagglechain.push_next_version(NOTEBOOK, 3, notify="json://here") == 2
+    assert [(kind, "not pushed" in body, "pushed version 2" in body) for _, body, kind in sent] == [
+        ("warning", True, False), ("info", False, True)]  # each push (and the chain's end) notified
     assert [p["version"] for p in json.load(open(tmp_path / "working" / kagglechain.CHAIN_FILE))["pushes"]] == [2, 3, 2]
