@@ -20,7 +20,7 @@ import glob
 import os
 from typing import Any, Optional, Tuple
 
-from . import settings
+from . import report, settings
 from .runs import Run
 from .session import platforms
 
@@ -60,7 +60,9 @@ def newest_elsewhere(url: str, resume_from: Any, storage_options: Optional[dict]
                      quiet: bool) -> Tuple[Optional[Any], Optional[str]]:
     """``(found, where)``: the newest valid checkpoint (``(info, tree, previous)``, as
     :meth:`keepalive.runs.Run.load_newest`) of ``resume_from``, or of the Kaggle input copy of the run
-    ``url`` when ``resume_from`` is not given; ``(None, None)`` when there is none. Read only."""
+    ``url`` when ``resume_from`` is not given; ``(None, None)`` when there is none (said, for a
+    ``resume_from`` given). Read only: a folder that cannot be read raises its error, as the run's own
+    would (starting over instead could bury its checkpoints)."""
     where = os.fspath(resume_from) if resume_from is not None else kaggle_input_copy(url)
     if where is None:
         return None, None
@@ -68,6 +70,9 @@ def newest_elsewhere(url: str, resume_from: Any, storage_options: Optional[dict]
     if where == url.rstrip("/"):
         return None, None  # the run itself: already looked at
     found = Run(where, storage_options=storage_options).load_newest(quiet=quiet)
+    if found is None and resume_from is not None:  # asked for by name: a wrong path must not pass unseen
+        report.warn(f"resume_from={where} holds no valid checkpoint: the training starts from scratch into {url}",
+                    key=f"resume-from-empty:{where}")
     return (found, where) if found is not None else (None, None)
 
 

@@ -90,3 +90,16 @@ def test_resume_from_a_read_only_folder_writes_elsewhere_bit_exact(forks, read_o
     delta = max((a["model"][k] - b["model"][k]).abs().max().item() for k in a["model"])
     print(f"negative control: max |delta| of the weights {delta:.3g}")
     assert_differs(a, b)
+
+
+def test_a_resume_from_without_checkpoints_is_said(tmp_path, capsys):
+    from keepalive.callbacks.torch import DriveCheckpoint
+
+    model = torch.nn.Linear(2, 1)
+    ckpt = DriveCheckpoint(str(tmp_path / "mine"), model=model, resume_from=str(tmp_path / "typo"))
+    for _ in ckpt.epochs(1):
+        pass
+    ckpt.close()
+    assert f"resume_from={tmp_path / 'typo'} holds no valid checkpoint: the training starts from scratch" \
+        in capsys.readouterr().err
+    assert not (tmp_path / "typo").exists()  # not even made
