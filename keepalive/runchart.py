@@ -23,6 +23,7 @@ __all__ = ["draw", "metric_name", "COLOURS"]
 COLOURS = {"finished": "#2e7d32", "stopped": "#1565c0", "closed": "#757575", "crashed": "#c62828",
            "died": "#c62828", "running": "#ef6c00"}
 _SKIP = {"step", "epoch", "time", "session", "batch"}
+_LINE_COLOURS = ("C0", "C1", "C4", "C5", "C6", "C7", "C8", "C9")
 
 
 def metric_name(points: Sequence[Dict[str, Any]]) -> Optional[str]:
@@ -78,8 +79,10 @@ def _draw_metric(ax: Any, summary: RunSummary) -> None:
         ax.set_axis_off()
         return
     for session, (xs, ys) in sorted(_series(summary.metrics, name).items()):
-        # one colour per session (not per end state: two stopped sessions must be told apart)
-        ax.plot(xs, ys, color=f"C{session % 10}", marker=".", linewidth=1, label=f"session {session + 1}")
+        # one colour per session (not per end state: two stopped sessions must be told apart), none of
+        # the end states' red and green
+        ax.plot(xs, ys, color=_LINE_COLOURS[session % len(_LINE_COLOURS)], marker=".", linewidth=1,
+                label=f"session {session + 1}")
     ax.set_ylabel(name)
     ax.set_xlabel("step")
     if len(summary.segments) > 1:

@@ -2,6 +2,9 @@
 along the step axis, redone steps, the state (a stale heartbeat is DIED), the ETA in steps, time and
 sessions of a platform's budget, the picture and the JSON."""
 import json
+import os
+import signal
+import time
 
 import pytest
 
@@ -77,3 +80,96 @@ def test_the_picture_and_the_json(tmp_path):
 def test_the_cli_on_a_folder_without_sessions_says_so(tmp_path, capsys):
     assert cli.main(["report", str(tmp_path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["state"] == "NEW"
+
+
+# ------------------------------------------------------------- a real run killed three times
+TRAIN = r'''
+import sys, time
+import torch
+from keepalive.callbacks.torch import DriveCheckpoint
+
+url, pause = sys.argv[1], float(sys.argv[2])
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+loader = torch.utils.data.DataLoader(torch.randn(80, 4), batch_size=4)
+ckpt = DriveCheckpoint(url, model=model, optimizer=opt, every="10 steps", quiet=True)
+for epoch in ckpt.epochs(4):
+    for x in ckpt.batches(loader):
+        loss = model(x).pow(2).mean()
+        opt.zero_grad(); loss.backward(); opt.step()
+        ckpt.log(loss=loss.item())
+        print("STEP", ckpt.step, flush=True)
+        time.sleep(pause)  # a steady step time
+print("DONE", time.time(), flush=True)
+'''
+
+
+@pytest.fixture(scope="module")
+def forks():
+    from forkserver import ForkServer
+
+    server = ForkServer(["torch", "torch.utils.data"], dict(os.environ, PYTHONUNBUFFERED="1"), quick_exit=True)
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+def _newest_record(url):
+    from keepalive import runlog
+
+    records = runlog.read_sessions(url)
+    return records[-1] if records else None
+
+
+def _record_past(url, child, step, timeout=120.0):
+    """The run's newest session record once it is ``child``'s and shows a step >= ``step``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = _newest_record(url)
+        if found is not None and found.pid == child.pid and found.step >= step:
+            return found
+        assert child.poll() is None, f"the child ended (exit {child.returncode}) first"
+        time.sleep(0.02)
+    raise AssertionError("timed out")
+
+
+def test_report_of_a_run_killed_three_times(forks, tmp_path, capsys):
+    """Three SIGKILLs, each after the session's record shows it past a step (so the record holds the
+    step the kill lost), then a session that runs to the end: the report has the four sessions, each
+    resumed session's redone steps are the steps its predecessor did past its checkpoint, and the ETA
+    read in the last session is within 10 % of the time it then took to the end."""
+    url = str(tmp_path / "run")
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", KEEPALIVE_HEARTBEAT="0.2s", KEEPALIVE_PROGRESS="0")
+    killed_at = []
+    for past in (15, 33, 52):  # checkpoints every 10 steps: 5, 3 and 2 steps past the newest
+        child = forks.spawn([str(script), url, "0.05"], env)
+        record = _record_past(url, child, past)
+        child.kill()
+        assert child.wait(30) == -signal.SIGKILL
+        killed_at.append(_newest_record(url).step)
+        assert killed_at[-1] >= record.step
+    last = forks.spawn([str(script), url, "0.15"], env)
+    record = _record_past(url, last, 60)  # resumed at 50: 20 steps of 0.15 s left
+    assert cli.main(["report", url, "--json"]) == 0
+    mid = json.loads(capsys.readouterr().out)
+    done_at = float(next(line for line in last.stdout if line.startswith("DONE")).split()[1])
+    assert last.wait(60) == 0
+
+    assert cli.main(["report", url, "--json", "--png", str(tmp_path / "r.png")]) == 0
+    final = json.loads(capsys.readouterr().out)
+    segments = final["segments"]
+    assert final["state"] == "FINISHED" and final["step"] == 80 and len(segments) == 4
+    assert [s["state"] for s in segments] == ["died", "died", "died", "finished"]
+    starts = [s["start_step"] for s in segments]
+    assert starts == [0, 10, 30, 50]  # each resumed from the newest checkpoint before its kill
+    assert [s["end_step"] for s in segments[:3]] == killed_at
+    assert [s["redone"] for s in segments] == [0] + [k - s for k, s in zip(killed_at, starts[1:])]
+    assert final["redone_steps"] == sum(k - s for k, s in zip(killed_at, starts[1:])) >= 10
+
+    eta, actual = mid["eta"]["seconds"], done_at - record.updated
+    assert mid["eta"]["steps_left"] == 80 - mid["step"]
+    assert abs(eta - actual) <= 0.1 * actual, (eta, actual, mid["eta"])
