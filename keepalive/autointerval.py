@@ -29,7 +29,7 @@ from typing import Any, Callable, Dict, Optional
 from .units import format_duration
 
 __all__ = ["BUDGET", "FIRST_SAVE_SECONDS", "MIN_INTERVAL_SECONDS", "RETELL_FACTOR", "Uptime",
-           "young_daly", "expected_uptime", "AutoInterval"]
+           "young_daly", "expected_uptime", "SaveCostMeter", "AutoInterval"]
 
 #: the share of training time checkpointing may cost at most (CheckFreq keeps it within a few percent)
 BUDGET = 0.01
@@ -101,30 +101,31 @@ def _ewma(old: Optional[float], new: float, alpha: float = 0.3) -> float:
     return new if old is None else (1 - alpha) * old + alpha * new
 
 
-class AutoInterval:
-    """The interval between saves, from measured costs (fed by the trigger) and the expected uptime.
+class SaveCostMeter:
+    """What one save costs the training, measured from the step times around it (fed by the trigger).
 
     Fed: :meth:`step` (the seconds between two step boundaries), :meth:`skip_step` (the next interval
     is no plain step: an epoch's end or start lies in it), :meth:`stall` (a background save kept the
     training waiting this long; its write begins), :meth:`durable` (the write in flight is durable).
-    ``uptime_fn`` is asked once, when the interval is first needed.
+    Besides the moving averages it keeps running totals, so that a caller can tell what the saves of
+    a stretch of training cost in all (:mod:`keepalive.savecosts`).
     """
 
-    def __init__(self, uptime_fn: Callable[[], Uptime] = expected_uptime):
-        self._uptime_fn = uptime_fn
-        self._uptime: Optional[Uptime] = None
+    def __init__(self) -> None:
         #: seconds between boundaries while no write is in flight (the baseline)
         self.idle_step_seconds: Optional[float] = None
         #: the stall of one save (copy to host memory)
         self.stall_seconds: Optional[float] = None
         #: what one background write takes from the training: its steps' excess over the baseline
         self.write_seconds: Optional[float] = None
+        #: every stall and every measured write's cost so far, summed (seconds)
+        self.stall_total = 0.0
+        self.write_total = 0.0
         self._window: Optional[str] = None  # None | "open": a write in flight | "closing": it just ended
         self._excess = 0.0
         self._excess_steps = 0
         self._unpaid_stall = 0.0  # a stall inside the next step interval (the save ran at its start)
         self._skip = False
-        self._told: Optional[float] = None
         self._last_stall: Optional[float] = None
         self._stalls = 0
         self._last_write: Optional[float] = None
@@ -155,6 +156,7 @@ class AutoInterval:
         """A background save kept the training waiting ``seconds``; its write is in flight unless
         ``already_durable`` (a write that finished before the copy's end was timed)."""
         self.stall_seconds = _ewma(self.stall_seconds, seconds)
+        self.stall_total += seconds
         self._last_stall = seconds
         self._stalls += 1
         self._unpaid_stall = seconds
@@ -172,22 +174,22 @@ class AutoInterval:
             # noise can make the sum negative; a write never speeds the training up
             self._last_write = max(0.0, self._excess)
             self.write_seconds = _ewma(self.write_seconds, self._last_write)
+            self.write_total += self._last_write
         elif self.write_seconds is None:
             self.write_seconds = 0.0  # no baseline yet to compare with: the stall alone, until there is
         self._window, self._excess, self._excess_steps = None, 0.0, 0
 
     # ---------------------------------------------------------------------------------- answers
     @property
-    def uptime(self) -> Uptime:
-        if self._uptime is None:
-            self._uptime = self._uptime_fn()
-        return self._uptime
+    def saves(self) -> int:
+        """How many saves' stalls were measured."""
+        return self._stalls
 
     @property
     def measured(self) -> bool:
-        """Whether a save's stall has been measured (until then: :data:`FIRST_SAVE_SECONDS`). Its
-        write's cost counts from when it is known: a process that does not write (a rank other than
-        the writer under DDP) never learns it, and must not wait for it."""
+        """Whether a save's stall has been measured. Its write's cost counts from when it is known: a
+        process that does not write (a rank other than the writer under DDP) never learns it, and
+        must not wait for it."""
         return self.stall_seconds is not None
 
     @property
@@ -196,6 +198,31 @@ class AutoInterval:
         if self.stall_seconds is None:
             return None
         return self.stall_seconds + (self.write_seconds or 0.0)
+
+    @property
+    def spent_seconds(self) -> float:
+        """What every save so far cost the training, summed: the stalls and the measured writes."""
+        return self.stall_total + self.write_total
+
+
+class AutoInterval(SaveCostMeter):
+    """The interval between saves, from measured costs (fed by the trigger, as a
+    :class:`SaveCostMeter`) and the expected uptime. ``uptime_fn`` is asked once, when the interval
+    is first needed.
+    """
+
+    def __init__(self, uptime_fn: Callable[[], Uptime] = expected_uptime):
+        super().__init__()
+        self._uptime_fn = uptime_fn
+        self._uptime: Optional[Uptime] = None
+        self._told: Optional[float] = None
+
+    # ---------------------------------------------------------------------------------- answers
+    @property
+    def uptime(self) -> Uptime:
+        if self._uptime is None:
+            self._uptime = self._uptime_fn()
+        return self._uptime
 
     def young_daly_seconds(self) -> Optional[float]:
         cost = self.cost_seconds

@@ -25,6 +25,7 @@ from typing import Callable, Optional, Protocol, Union
 
 from .autointerval import AutoInterval, Uptime, expected_uptime
 from .boundary import Due
+from .savecosts import SaveCosts
 from .units import format_duration, parse_duration
 
 log = logging.getLogger("keepalive.trigger")
@@ -108,6 +109,8 @@ class SaveTrigger:
         self.schedule = Schedule(every)
         #: every="auto": the interval from measured costs (None for the other schedules)
         self.auto: Optional[AutoInterval] = AutoInterval(uptime_fn) if self.schedule.auto else None
+        #: what the saves of any other schedule cost, told once when too much (keepalive.savecosts)
+        self.costs = SaveCosts()
         #: when the last save became durable (clock): tells a write that ended before its stall was timed
         self._durable_at: Optional[float] = None
         # the writer's thread reports a durable write while the training's reports the save's stall:
@@ -149,6 +152,7 @@ class SaveTrigger:
 
     def start_epoch(self) -> None:
         now = self.clock()
+        self.costs.skip_step()
         if self.auto is not None:
             self.auto.skip_step()  # the first interval holds the loader's start, not a step
         self._epoch_start = now
@@ -162,12 +166,18 @@ class SaveTrigger:
         with self._save_lock:
             self.save_seconds = max(seconds, _ewma(self.save_seconds, seconds))
             self._durable_at = self.clock()
+            self.costs.durable()
             if self.auto is not None:
                 self.auto.durable()
 
     def take_news(self) -> Optional[str]:
         """A line the user should read once (the interval ``every="auto"`` chose), or None."""
         return self.auto.news() if self.auto is not None else None
+
+    def take_costs(self) -> Optional[str]:
+        """The line that says the saves cost too much of the training, once (never for
+        ``every="auto"``, which limits itself), or None."""
+        return self.costs.news(self.schedule.text, self.schedule.steps) if self.auto is None else None
 
     def auto_state(self) -> Optional[dict]:
         """``every="auto"``'s figures, JSON-safe (for ``keepalive status``); None for other schedules."""
@@ -178,9 +188,10 @@ class SaveTrigger:
         write goes on in the background."""
         with self._save_lock:
             self.stall_seconds = _ewma(self.stall_seconds, seconds)
+            began = self.clock() - seconds
+            durable = self._durable_at is not None and self._durable_at >= began
+            self.costs.stall(seconds, durable, began)
             if self.auto is not None:
-                began = self.clock() - seconds
-                durable = self._durable_at is not None and self._durable_at >= began
                 self.auto.stall(seconds, already_durable=durable)
 
     def saved(self) -> None:
@@ -200,6 +211,7 @@ class SaveTrigger:
         now = self.clock()
         if self._last_boundary is not None:
             self.step_seconds = _ewma(self.step_seconds, now - self._last_boundary)
+            self.costs.step(now - self._last_boundary)
             if self.auto is not None:
                 self.auto.step(now - self._last_boundary)
         self._last_boundary = now
@@ -229,6 +241,7 @@ class SaveTrigger:
         self._steps_in_epoch = 0
         if self.schedule.epoch:
             return self._with_deadline(Due(save="end of epoch"), now, at_epoch_end=True)
+        self.costs.skip_step()
         if self.auto is not None:
             self.auto.skip_step()  # the next interval holds the epoch's end (evaluation), not a step
             if not self.auto.measured:  # the first save measures what a save costs

@@ -49,6 +49,7 @@ LAYERS: Dict[str, int] = {
     "boundary": 3, "savepath": 3, "interrupts": 3,  # the boundary state machine, the save paths, deferred signals
     "rendezvous": 3,  # the restart-safe env:// rendezvous of torchrun workers (import keepalive installs it)
     "pauses": 3, "autointerval": 3,  # saves between steps (marks, the step gate, the guard); every="auto"
+    "savecosts": 3,  # the saves of a fixed every= that cost too much of the training, told once
     "runidentity": 3,  # which run an unnamed checkpointer writes (an Optuna trial's own); the first save's line
     "endrecord": 0,  # how a supervised process ended (refused or crashed), for `keepalive run`
     "supervise": 4,  # `keepalive run -- CMD`: the command started again after a stop or a crash

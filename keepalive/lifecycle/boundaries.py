@@ -165,6 +165,8 @@ class BoundaryDriver:
         news = ckpt.trigger.take_news()
         if news:
             ckpt.say(news)
+        if costly := ckpt.trigger.take_costs():  # saves that cost too much of the training: once
+            ckpt.warn(costly, key="save-costs")
         if decision.signal is not None and decision.signal_note == "unsaveable":
             ckpt.uninstall_signal_handlers()
             ckpt.warn(f"{signal_name(decision.signal)}: this loop cannot be saved inside an epoch "
