@@ -274,6 +274,11 @@ class RecordWriter:
         """Write soon (never blocks)."""
         self._wake.set()
 
+    def stop(self) -> None:
+        """Write the last record and stop, without waiting for it."""
+        self._closing.set()
+        self._wake.set()
+
     def close(self, timeout: float = 5.0) -> bool:
         """Write the last record and stop, waiting at most ``timeout`` seconds; whether it was written."""
         before = self.writes
@@ -322,7 +327,8 @@ class RecordWriter:
             backend.makedirs(backend.join(self.store.path, SESSIONS))
             self._replace = isinstance(backend, LocalBackend) and maps_safely(os.path.dirname(path))
         if self._replace:
-            tmp = os.path.join(os.path.dirname(path), f".{self.session}.{os.getpid()}.tmp")
+            # a name of this thread's own: the last rewrites of a session may come from two threads
+            tmp = os.path.join(os.path.dirname(path), f".{self.session}.{os.getpid()}.{threading.get_ident()}.tmp")
             with open(tmp, "wb") as f:
                 f.write(data)
             os.replace(tmp, path)

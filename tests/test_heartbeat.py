@@ -213,3 +213,31 @@ def test_keras_epoch_logs_and_last_metrics_in_the_record(tmp_path, monkeypatch):
     assert [p["loss"] for p in rec.metrics] == pytest.approx(history.history["loss"])
     assert [p["mae"] for p in rec.metrics] == pytest.approx(history.history["mae"])
     assert ckpt.core.last_metrics["loss"] == pytest.approx(history.history["loss"][-1])
+
+
+def test_a_checkpointer_closed_between_two_fits_ends_finished(tmp_path, monkeypatch):
+    """fastai's fine_tune closes the checkpointer after its first fit and trains on with it: the record
+    goes back to running, and the second fit's final save makes it finished (no end is told after
+    it). Control: after the first fit alone the record says closed (STOPPED)."""
+    import numpy as np
+
+    from keepalive.core import Checkpointer
+
+    monkeypatch.setenv("KEEPALIVE_HEARTBEAT", "0.2s")
+    core = Checkpointer(str(tmp_path / "run"), quiet=True, every="epoch")
+    capture = lambda: {"objects": {"w": np.zeros(2)}}  # noqa: E731
+    core.load()
+    core.start_epoch()
+    for _ in range(3):
+        core.advance(capture)
+    core.end_stage(capture, reason="end of fit 0", finished=False)
+    core.close()
+    assert [r.state for r in runlog.read_sessions(str(tmp_path / "run"))] == ["closed"]  # the control
+    for _ in range(3):
+        core.advance(capture)
+    core.heartbeat.log({"loss": np.float32(0.5), "name": "not a number"})
+    core.end_stage(capture, reason="end of fit 1", finished=True)
+    core.close()
+    (rec,) = runlog.read_sessions(str(tmp_path / "run"))
+    assert (rec.state, rec.step, rec.last_saved_step, rec.saves) == ("finished", 6, 6, 2)
+    assert [(p["step"], p["loss"]) for p in rec.metrics] == [(6, 0.5)] and core.last_metrics == {"loss": 0.5}

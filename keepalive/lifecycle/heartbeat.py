@@ -125,8 +125,14 @@ class Heartbeat(RunListener):
         self._start_writer()
 
     def stepped(self, ckpt: Any) -> None:
-        if self.record is not None:
+        record = self.record
+        if record is not None:
             self.throughput.note(ckpt.state.counters.step, time.monotonic())
+            if record.state == "closed":
+                # the checkpointer was closed between two fits of one training (fastai's fine_tune
+                # closes it after each fit) and trains on: the session is running again
+                record.state, record.reason = "running", ""
+                self._start_writer()
 
     def saved(self, ckpt: Any, result: "WriteResult") -> None:
         record = self.record
@@ -136,15 +142,27 @@ class Heartbeat(RunListener):
             record.saves += 1
             record.save_seconds = round(record.save_seconds + float(result.seconds or 0.0), 3)
             record.last_saved_step = result.info.step
-        if self.writer is not None:
-            self.writer.wake()
+        writer = self.writer
+        if writer is None:
+            return
+        if ((result.info.manifest or {}).get("metadata") or {}).get("finished"):
+            # the training's end is saved: its record says so even where no end is told after it
+            # (a further fit of a closed checkpointer ends without one); the end's rewrite follows
+            record.state, record.reason = "finished", record.reason or "end of training"
+            self.writer = None
+            writer.stop()
+        else:
+            writer.wake()
 
     def ended(self, ckpt: Any, outcome: str, reason: str) -> None:
-        record, writer = self.record, self.writer
-        if record is None or writer is None:
+        record = self.record
+        if record is None:
             return
         record.state, record.reason = outcome, reason
-        self.writer = None
+        writer, self.writer = self.writer, None
+        if writer is None:  # stopped at the final save: one more rewrite, with the end's words
+            writer = RecordWriter(ckpt.store, record.session, self.snapshot, record.heartbeat_s)
+            writer.start()
         if not writer.close(END_WAIT):
             log.info("keepalive: the session record of %s was not written at the end within %.0f s",
                      ckpt.url, END_WAIT)
@@ -162,8 +180,8 @@ class Heartbeat(RunListener):
         c = ckpt.state.counters
         if step is None:  # a value logged inside a batch belongs to the step the batch just made
             step = c.step + max(ckpt.state.steps_seen, default=0)
-        point: Dict[str, Any] = {"step": int(step), "epoch": c.epoch,
-                                 "time": round(time.time(), 3), **values}
+        # a logged "epoch" (the HF Trainer's fraction) or "step" does not replace the point's own
+        point: Dict[str, Any] = {**values, "step": int(step), "epoch": c.epoch, "time": round(time.time(), 3)}
         with self._lock:
             self._metrics.append(point)
             if len(self._metrics) > MAX_METRICS:  # thin the older half: the curve's shape stays
