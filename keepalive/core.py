@@ -43,6 +43,7 @@ from .lifecycle.boundaries import BoundaryDriver, BoundaryMachine
 from .lifecycle.events import RunEvents, install_crash_hook
 from .lifecycle.heartbeat import Heartbeat
 from .lifecycle.messages import Messages
+from .lifecycle.notifications import notify_events
 from .lifecycle.saving import ALIVE, Saver
 from .lifecycle.snapshots import LazySnapshots
 from .lifecycle.stops import Stops, cloud_notice
@@ -102,6 +103,7 @@ class Checkpointer:
         self.events = RunEvents(self)
         self.on_commit.append(self.events.saved)
         self.heartbeat = Heartbeat.subscribed(self)  # the session's record in the run folder: keepalive.runlog
+        self.notifications = notify_events(self)  # notify= / KEEPALIVE_NOTIFY: the events sent through Apprise
         install_crash_hook()
         self.framework = framework
         self.takeover = cfg.takeover
@@ -134,6 +136,8 @@ class Checkpointer:
         self.last_metrics: Dict[str, float] = {}
         self.metadata: Dict[str, Any] = {"framework": framework}
         self.resumed_from: Optional[CheckpointInfo] = None
+        #: how far the session that wrote the run before got (its lease's counters), when it resumed
+        self.last_writer_progress: Optional[Dict[str, Any]] = None
         #: what the training code asks for (:mod:`keepalive.plan`), set by the adapter; saved with
         #: every checkpoint; ``saved_plan`` is the loaded checkpoint's (None: a new run, or an older one)
         self.plan: Dict[str, Any] = {}

@@ -150,6 +150,35 @@ def _bytes_or_none(text: str) -> Optional[int]:
     return parse_bytes(value) if value else None
 
 
+class Private:
+    """A value that holds secrets (a notification URL's token): shown by its URLs' schemes only
+    (``keepalive status --settings`` prints values); ``.text`` is the value itself."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def __repr__(self) -> str:
+        words = self.text.replace(",", " ").split()
+        return " ".join(w.split("://", 1)[0] + "://..." for w in words if "://" in w) or "..."
+
+    __str__ = __repr__
+
+
+def _private(text: str) -> Optional[Private]:
+    value = text.strip()
+    return Private(value) if value else None
+
+
+def _watch(text: str) -> Optional[float]:
+    """A duration; None for ``auto`` (or empty): the caller's own default; 0.0 for ``off`` / ``0``."""
+    value = text.strip().lower()
+    if value in ("", "auto"):
+        return None
+    if value in ("0", "off", "no", "none", "never"):
+        return 0.0
+    return parse_duration(value)
+
+
 # --------------------------------------------------------------------------------------- table
 SETTINGS: Dict[str, Setting] = {s.name: s for s in [
     # where checkpoints go
@@ -217,6 +246,12 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in [
     Setting("KEEPALIVE_VERBOSITY", "normal", _choice("quiet", "normal", "debug"), "quiet: only "
             "warnings; normal: one line per resume / stop / problem; debug: also every save",
             "quiet|normal|debug"),
+    Setting("KEEPALIVE_NOTIFY", None, _private, "where to send the run's events (started, resumed, "
+            "stopped, crashed, stalled, finished): Apprise URLs separated by spaces or commas (ntfy://topic, "
+            "discord://..., json://host/path); a checkpointer's notify= replaces it", "URLs"),
+    Setting("KEEPALIVE_NOTIFY_STALL", None, _watch, "no training step for this long while the process "
+            "lives is told as stalled (once per stall); auto: max(10 min, 20 x the median step time); "
+            "off: not watched", "duration|auto|off"),
     Setting("KEEPALIVE_RECORD_CELLS", "all", _choice("all", "cell", "none", "0", "off", "no", "false"),
             "which notebook cells a run records for %resume_training: all (setup + training), cell "
             "(the training cell), none (cells may hold secrets)", "all|cell|none"),

@@ -51,6 +51,7 @@ LAYERS: Dict[str, int] = {
     "pauses": 3, "autointerval": 3,  # saves between steps (marks, the step gate, the guard); every="auto"
     "savecosts": 3,  # the saves of a fixed every= that cost too much of the training, told once
     "runidentity": 3,  # which run an unnamed checkpointer writes (an Optuna trial's own); the first save's line
+    "notify": 3,  # messages through Apprise URLs, sent in the background (the training's events, `keepalive run`)
     "endrecord": 0,  # how a supervised process ended (refused or crashed), for `keepalive run`
     "supervise": 4,  # `keepalive run -- CMD`: the command started again after a stop or a crash
     "kagglechain": 3,  # opt-in: the next version of a Kaggle notebook pushed at the session's deadline

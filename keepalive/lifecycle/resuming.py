@@ -51,7 +51,7 @@ def load(ckpt: "Checkpointer", describe: Optional[Callable[[StateTree], str]] = 
         except BaseException:
             ckpt.resumed_from = None
             raise
-    ckpt.resumed_from = info
+    ckpt.resumed_from, ckpt.last_writer_progress = info, previous
     ckpt.saved_plan = dict(tree.get("plan") or {}) or None
     ckpt.machine.feed(bd.Restored(bd.Counters.of(tree.get("counters") or {})))
     ckpt.between_steps.mark_checkpoint()

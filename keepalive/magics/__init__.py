@@ -43,6 +43,7 @@ from .. import (
     settings,
 )
 from .._version import __version__
+from ..lifecycle.events import tell_crash
 from ..runs import RUN_INDEX, Run, answered_within, find_runs, indexed_runs, locate
 from . import cells, tracebacks
 
@@ -705,12 +706,28 @@ def _storage_warning(root: str) -> Optional[str]:
 _loaded: List[Any] = []
 
 
+def tell_cell_error(result: Any = None) -> None:
+    """``post_run_cell``: an exception that ended a cell's training is told to its listeners as a
+    crash (notifications, the heartbeat); a notebook has no uncaught-exception hook for it."""
+    error = getattr(result, "error_in_exec", None)
+    if error is not None:
+        tell_crash(error)
+
+
+def hook_cell_errors(ip: Any) -> None:
+    """Register :func:`tell_cell_error` with ``ip`` (once; nothing without a shell)."""
+    callbacks = getattr(getattr(ip, "events", None), "callbacks", None)
+    if isinstance(callbacks, dict) and tell_cell_error not in callbacks.get("post_run_cell", []):
+        ip.events.register("post_run_cell", tell_cell_error)
+
+
 def load_ipython_extension(ip: Any) -> None:
     """``%load_ext keepalive``: magics, cell recording, idle tracking, the unfinished-run notice."""
     again = any(s is ip for s in _loaded)
     ip.register_magics(KeepaliveMagics)
     tracebacks.install(ip)
     notebook.register(ip)
+    hook_cell_errors(ip)
     try:
         session.tracker().register(ip)
     except Exception as exc:  # noqa: BLE001 - idle tracking is a convenience
@@ -742,6 +759,8 @@ def unload_ipython_extension(ip: Any) -> None:
     from . import widget
 
     notebook.unregister(ip)
+    if tell_cell_error in getattr(getattr(ip, "events", None), "callbacks", {}).get("post_run_cell", []):
+        ip.events.unregister("post_run_cell", tell_cell_error)
     tracebacks.uninstall(ip)
     try:
         session.tracker().unregister(ip)
@@ -757,8 +776,10 @@ def unload_ipython_extension(ip: Any) -> None:
 
 
 # Loaded inside a running IPython (``import keepalive`` in a notebook, before or without
-# ``%load_ext``): keepalive's own errors are shown short from now on.
+# ``%load_ext``): keepalive's own errors are shown short from now on, and a cell's error that ends a
+# training is told to its listeners.
 tracebacks.install(session.ipython_shell())
+hook_cell_errors(session.ipython_shell())
 
 __all__ = ["load_ipython_extension", "unload_ipython_extension", "KeepaliveMagics", "scan_runs",
            "known_runs", "resume_argument", "RunState", "unfinished_notice", "keepalive_parser",
