@@ -9,9 +9,9 @@ A flush (the end of training, ``close()``, SIGTERM, ``atexit``, a stop before th
 * **Bounded.** At most ``flush_timeout`` seconds (``KEEPALIVE_FLUSH_TIMEOUT``, default 120 s), never
   past the session's end (minus 5 s).
 * **Once.** Flushes without a timeout of their own (the end of the loop, then ``close()``, then
-  ``atexit``) share one bound per newest checkpoint: after one of them stopped waiting, the next
-  waits only for what is left of that bound, so two flushes in a row do not wait twice. A new
-  checkpoint starts a new bound. A timeout passed by the caller is the caller's: honoured each time
+  ``atexit``) wait once per newest checkpoint: after one of them stopped waiting with uploads left
+  (and said so), the next ones do not wait again for the same checkpoints. A new checkpoint starts a
+  new bound. A timeout passed by the caller is the caller's: honoured each time
   (1 s when an earlier flush timed out and nothing moved since).
 * **Not for a destination that failed for good.** When the destination's last error is one no retry
   fixes (full, read-only, over quota, no permission: :func:`~keepalive.spool.outage.is_permanent`),
@@ -68,7 +68,7 @@ class FlushWait:
             # one more attempt per outage for the flushes in a row; a caller's own timeout gets its own
             again = timeout is not None or self._gave_up_on != up.failing_since
             if not self._works_again(up, min(bound, PERMANENT_PROBE) if again else 0.0):
-                return self._stopped(up)
+                return self._stopped(up, timeout)
         bound = max(0.0, bound - (time.monotonic() - start))
         first = min(bound, FIRST_LOOK)
         ok = up.wait_settled(first, until_permanent=True)
@@ -81,7 +81,7 @@ class FlushWait:
         if ok:
             self._stuck_at, self._bound_for = None, _NO_BOUND
             return True
-        return self._stopped(up)
+        return self._stopped(up, timeout)
 
     def _bound(self, up: Uploader, timeout: Optional[float]) -> float:
         bound = self.flush_timeout if timeout is None else float(timeout)
@@ -109,8 +109,12 @@ class FlushWait:
         up.wait_attempt(up.attempts, limit)
         return up.settled() or not up.permanent
 
-    def _stopped(self, up: Uploader) -> bool:
-        """The flush stops waiting with uploads left: say so, once while nothing moves."""
+    def _stopped(self, up: Uploader, timeout: Optional[float]) -> bool:
+        """The flush stops waiting with uploads left: say so, once while nothing moves. Without a
+        timeout of the caller's own, the bound of this newest checkpoint is used up: the flushes that
+        follow (``close()``, ``atexit``) do not wait again."""
+        if timeout is None:
+            self._deadline = min(self._deadline, time.monotonic())
         self._stuck_at = up.uploaded
         if up.permanent:
             self._gave_up_on = up.failing_since
