@@ -277,3 +277,38 @@ def test_the_settings_table_never_shows_a_notification_token():
     assert settings.get("KEEPALIVE_NOTIFY_STALL", env=env) == 0.0
     assert settings.get("KEEPALIVE_NOTIFY_STALL", env={"KEEPALIVE_NOTIFY_STALL": "15min"}) == 900.0
     assert settings.get("KEEPALIVE_NOTIFY_STALL", env={}) is None  # auto
+
+
+def test_only_the_process_that_writes_checkpoints_notifies(monkeypatch):
+    from types import SimpleNamespace
+
+    from keepalive import distributed
+    from keepalive.boundary import Counters
+    from keepalive.lifecycle.notifications import Notifications, notify_events
+
+    class Recorder:
+        failing = False
+
+        def __init__(self):
+            self.sent = []
+
+        def send(self, title, body, kind="info"):
+            self.sent.append(title)
+
+        def flush(self, timeout=None):
+            return True
+
+    def fake(writes):
+        return SimpleNamespace(path=SimpleNamespace(writes=writes), store=SimpleNamespace(run="r"), url="/runs/r",
+                               state=SimpleNamespace(counters=Counters.of({"step": 7})), epoch_batches=None)
+
+    rank0 = ["keepalive: run 'r' started", "keepalive: run 'r' crashed at step 7: E: x"]
+    for writes, told in ((False, []), (True, rank0)):
+        notifier = Recorder()
+        listener = Notifications(notifier)
+        listener.started(fake(writes), None)
+        listener.stepped(fake(writes))
+        listener.ended(fake(writes), "crashed", "E: x")
+        assert notifier.sent == told  # a rank that does not write says nothing; the control: rank 0 does
+    monkeypatch.setattr(type(distributed.GROUP), "is_main", property(lambda self: False))
+    assert notify_events(SimpleNamespace(config=SimpleNamespace(notify="json://127.0.0.1:9/x"))) is None
