@@ -274,3 +274,17 @@ def test_a_local_disk_or_a_local_fuse_is_written_directly_control(mounts):
         assert not store.spooling, name
         store.mount.check()
         store.close()
+
+
+def test_the_default_folder_is_in_drive_wherever_a_tutorial_mounted_it(tmp_path, monkeypatch):
+    from keepalive.session import platforms
+
+    monkeypatch.delenv("KEEPALIVE_DIR", raising=False)
+    today, older = tmp_path / "content" / "drive" / "MyDrive", tmp_path / "content" / "gdrive" / "MyDrive"
+    monkeypatch.setattr(platforms, "MY_DRIVE_FOLDERS", (str(today), str(older)))
+    monkeypatch.chdir(tmp_path)
+    assert platforms.default_checkpoint_dir() == str(tmp_path / "keepalive-checkpoints")  # control: no Drive
+    older.mkdir(parents=True)  # drive.mount('/content/gdrive'), as older tutorials do
+    assert platforms.default_checkpoint_dir() == f"{older}/keepalive"
+    today.mkdir(parents=True)  # both: Colab's own mount point first
+    assert platforms.default_checkpoint_dir() == f"{today}/keepalive"

@@ -505,14 +505,21 @@ def _is_url(path: str) -> bool:
     return "://" in path and not path.startswith("file://")
 
 
+#: where a mounted Google Drive's own folder is: Colab's mount point today, and the one older tutorials
+#: use (``drive.mount('/content/gdrive')``; before 2020 the folder was "My Drive")
+MY_DRIVE_FOLDERS = ("/content/drive/MyDrive", "/content/gdrive/MyDrive", "/content/gdrive/My Drive")
+
+
 def default_checkpoint_dir() -> str:
-    """``KEEPALIVE_DIR``, else ``/content/drive/MyDrive/keepalive`` when Drive is mounted, else
-    ``/kaggle/working/keepalive`` on Kaggle, else ``./keepalive-checkpoints`` (made absolute)."""
+    """``KEEPALIVE_DIR``, else ``keepalive`` in the mounted Drive's own folder (``/content/drive/MyDrive``,
+    or where an older tutorial mounted it: :data:`MY_DRIVE_FOLDERS`), else ``/kaggle/working/keepalive``
+    on Kaggle, else ``./keepalive-checkpoints`` (made absolute)."""
     configured = settings.get("KEEPALIVE_DIR")
     if configured:
         return configured if "://" in configured else os.path.abspath(configured)
-    if os.path.isdir("/content/drive/MyDrive"):
-        return "/content/drive/MyDrive/keepalive"
+    for folder in MY_DRIVE_FOLDERS:
+        if os.path.isdir(folder):
+            return f"{folder}/keepalive"
     if detect().platform == "kaggle":
         return "/kaggle/working/keepalive"
     return os.path.abspath("keepalive-checkpoints")
@@ -527,7 +534,7 @@ def run_index_dir() -> Optional[str]:
     root = default_checkpoint_dir()
     if _is_url(root) or settings.is_set("KEEPALIVE_DIR") or os.path.isdir(root):
         return root
-    if root.startswith(("/content/drive/", "/kaggle/working/")) or detect().platform != "local":
+    if root.startswith(("/content/drive/", "/content/gdrive/", "/kaggle/working/")) or detect().platform != "local":
         return root
     return None
 
