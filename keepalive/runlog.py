@@ -315,6 +315,7 @@ class RecordWriter:
             self._put(json.dumps(body, default=_plain).encode())
         except Exception as exc:  # noqa: BLE001 - a heartbeat never breaks or slows a training
             self.failures += 1
+            self._replace = None  # the folder may be gone (a run folder deleted, a remount): made again next time
             log.debug("session record not written to %s (tried again at the next beat): %s", self.path, exc)
             return False
         self.writes += 1

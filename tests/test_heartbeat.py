@@ -184,7 +184,9 @@ def test_a_failing_destination_is_skipped_and_tried_again(tmp_path):
     body = record(session="20261129T003000Z-11111111").to_json()
     writer = runlog.RecordWriter(store, body["session"], lambda: body, interval=0.05, min_gap=0.01)
     writer.start()
-    time.sleep(0.3)
+    deadline = time.monotonic() + 30
+    while writer.failures < 2 and time.monotonic() < deadline:  # two beats failed, none raised
+        time.sleep(0.02)
     assert writer.failures >= 2 and writer.writes == 0 and runlog.read_sessions(store) == []
     failing["on"] = False
     body["state"] = "finished"
