@@ -57,7 +57,8 @@ class FlushWait:
         self._deadline = 0.0                  # when that bound ends (time.monotonic())
         self._stuck_at: Optional[int] = None  # uploads done when an earlier flush stopped waiting
         self._told: Optional[Tuple[object, object]] = None  # what the last warning was about
-        self._gave_up_on: Optional[float] = None  # the outage (its start) a flush stopped waiting for
+        # (newest checkpoint, start of the outage) a flush stopped waiting for
+        self._gave_up_on: Optional[Tuple[Optional[str], Optional[float]]] = None
 
     def wait(self, up: Uploader, timeout: Optional[float]) -> bool:
         """Wait (bounded) until ``up``'s spool is settled; True when it is. When it is not, one warning
@@ -65,8 +66,9 @@ class FlushWait:
         start = time.monotonic()
         bound = self._bound(up, timeout)
         if up.permanent:
-            # one more attempt per outage for the flushes in a row; a caller's own timeout gets its own
-            again = timeout is not None or self._gave_up_on != up.failing_since
+            # one more attempt per outage and newest checkpoint for the flushes in a row; a caller's own
+            # timeout gets its own
+            again = timeout is not None or self._gave_up_on != (self._newest(up), up.failing_since)
             if not self._works_again(up, min(bound, PERMANENT_PROBE) if again else 0.0):
                 return self._stopped(up, timeout)
         bound = max(0.0, bound - (time.monotonic() - start))
@@ -117,7 +119,7 @@ class FlushWait:
             self._deadline = min(self._deadline, time.monotonic())
         self._stuck_at = up.uploaded
         if up.permanent:
-            self._gave_up_on = up.failing_since
+            self._gave_up_on = (self._newest(up), up.failing_since)
         # a destination that fails for good: said once per outage (each flush of a training that
         # saves on would say it again), else once while nothing moved
         told = ("failed for good", up.failing_since) if up.permanent else (self._newest(up), up.uploaded)
