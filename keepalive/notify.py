@@ -34,7 +34,7 @@ from . import report, settings
 
 log = logging.getLogger("keepalive")
 
-__all__ = ["Notifier", "notifier_from", "split_urls", "KINDS", "SEND_TIMEOUT"]
+__all__ = ["Notifier", "notifier_from", "split_urls", "KINDS", "SEND_TIMEOUT", "APPRISE_MISSING"]
 
 #: what a message is, as Apprise's notification types (a service may colour or prioritise by it)
 KINDS = ("info", "success", "warning", "failure")
@@ -234,15 +234,26 @@ def _why(failures: Sequence[Any]) -> str:
 _SERIOUS = ("WARNING", "ERROR", "CRITICAL")
 
 
+#: said once when URLs are configured and Apprise is not installed
+APPRISE_MISSING = ("notify= / KEEPALIVE_NOTIFY needs Apprise, which is not installed: pip install "
+                   "'keepalive-nb[notify]' (or apprise); no notification is sent")
+
+
 def notifier_from(urls: Union[str, Sequence[str], None] = None, **options: Any) -> Optional[Notifier]:
     """A :class:`Notifier` for ``urls`` (default: ``KEEPALIVE_NOTIFY``), or None when none is given
-    (``""`` or ``[]`` turn notifications off whatever the environment says). ``options`` go to
-    :class:`Notifier`."""
+    (``""`` or ``[]`` turn notifications off whatever the environment says) or Apprise is not
+    installed (said once). ``options`` go to :class:`Notifier`."""
     if urls is None:
         configured = settings.get("KEEPALIVE_NOTIFY")
         urls = getattr(configured, "text", configured)
     found = split_urls(urls)
-    return Notifier(found, **options) if found else None
+    if not found:
+        return None
+    try:
+        return Notifier(found, **options)
+    except ImportError:
+        report.warn(APPRISE_MISSING, key="notify-apprise")
+        return None
 
 
 _LIVE: "weakref.WeakSet[Notifier]" = weakref.WeakSet()

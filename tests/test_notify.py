@@ -312,3 +312,11 @@ def test_only_the_process_that_writes_checkpoints_notifies(monkeypatch):
         assert notifier.sent == told  # a rank that does not write says nothing; the control: rank 0 does
     monkeypatch.setattr(type(distributed.GROUP), "is_main", property(lambda self: False))
     assert notify_events(SimpleNamespace(config=SimpleNamespace(notify="json://127.0.0.1:9/x"))) is None
+
+
+def test_without_apprise_it_is_said_once_and_the_training_goes_on(tmp_path, monkeypatch, capfd):
+    monkeypatch.setitem(sys.modules, "apprise", None)  # `import apprise` raises ImportError
+    assert notify.notifier_from("json://127.0.0.1:9/x") is None
+    ckpt = _train(tmp_path / "run", 1, notify="json://127.0.0.1:9/y")
+    assert ckpt.finished and ckpt.core.notifications is None
+    assert capfd.readouterr().err.count("needs Apprise, which is not installed") == 1

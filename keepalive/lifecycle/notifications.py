@@ -73,7 +73,7 @@ def notify_events(ckpt: Any) -> Optional["Notifications"]:
 
 def shared_notifier(urls: Union[str, Sequence[str], None]) -> Optional["Notifier"]:
     """The process's notifier for ``urls`` (default ``KEEPALIVE_NOTIFY``), made on first use."""
-    from ..notify import split_urls
+    from ..notify import notifier_from, split_urls
 
     if urls is None:
         configured = settings.get("KEEPALIVE_NOTIFY")
@@ -83,19 +83,8 @@ def shared_notifier(urls: Union[str, Sequence[str], None]) -> Optional["Notifier
         return None
     with _SHARED_LOCK:
         if key not in _SHARED:
-            _SHARED[key] = _make_notifier(key)
+            _SHARED[key] = notifier_from(list(key))
         return _SHARED[key]
-
-
-def _make_notifier(urls: Tuple[str, ...]) -> Optional["Notifier"]:
-    try:
-        from ..notify import Notifier
-
-        return Notifier(list(urls))
-    except ImportError:
-        report.warn("notify= / KEEPALIVE_NOTIFY needs Apprise, which is not installed: "
-                    "pip install 'keepalive-nb[notify]' (or apprise); no notification is sent", key="notify-apprise")
-        return None
 
 
 def stall_limit(median_step: Optional[float], configured: Optional[float]) -> float:
