@@ -52,10 +52,11 @@ LAYERS: Dict[str, int] = {
     "savecosts": 3,  # the saves of a fixed every= that cost too much of the training, told once
     "runidentity": 3,  # which run an unnamed checkpointer writes (an Optuna trial's own); the first save's line
     "notify": 3,  # messages through Apprise URLs, sent in the background (the training's events, `keepalive run`)
-    "endrecord": 0,  # how a supervised process ended (refused or crashed), for `keepalive run`
-    "supervise": 4,  # `keepalive run -- CMD`: the command started again after a stop or a crash
     "kagglechain": 3,  # opt-in: the next version of a Kaggle notebook pushed at the session's deadline
     "resumefrom": 3,  # resume_from=: another run folder (Kaggle's input copy) read, never written
+    "endrecord": 0,  # how a supervised process ended (refused or crashed), for `keepalive run`
+    "supervise": 4,  # `keepalive run -- CMD`: the command started again after a stop or a crash
+    "runsummary": 3, "runchart": 3,  # a run across its sessions (keepalive report): the summary, the picture
     # 4 core
     "config": 4, "core": 4, "adapter": 4, "status": 4,
     "lifecycle": 4,  # the parts the core's Checkpointer is a facade over (boundaries, saves, pauses, ...)
