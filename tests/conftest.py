@@ -25,6 +25,10 @@ atexit.register(shutil.rmtree, _SCRATCH, True)
 # A test run on a cloud VM (a CI runner on GCE / AWS / Azure) never asks the real metadata service:
 # the tests that watch notices set KEEPALIVE_CLOUD and KEEPALIVE_METADATA_URL themselves.
 os.environ.setdefault("KEEPALIVE_CLOUD", "none")
+# A developer's own notification URLs and Kaggle chaining never act on the suite's trainings: the
+# tests that send or push set them themselves.
+for _name in ("KEEPALIVE_NOTIFY", "KEEPALIVE_KAGGLE_CHAIN"):
+    os.environ.pop(_name, None)
 
 # gcsfs reads these when it is imported / builds a filesystem: set them before any test imports it.
 _GCS_PORT = servers.free_port()
