@@ -2,9 +2,9 @@
 ``python -S forkclient.py script args...``: it asks the fork server named by ``FORKSERVER_SOCKET``
 (tests/forkserver.py, ``listen=True``) to run the script in a fork, with this process's arguments,
 environment, working folder and stdin / stdout / stderr; it forwards the signals it gets to the fork
-and exits as the fork did (the same code, or killed by the same signal). Without ``FORKSERVER_SOCKET``
-it becomes the interpreter running the script. Only the standard library, no site-packages (``-S``):
-it starts in a few milliseconds."""
+(its process group) and exits as the fork did (the same code, or killed by the same signal). Without
+``FORKSERVER_SOCKET`` it becomes the interpreter running the script. Only the standard library, no
+site-packages (``-S``): it starts in a few milliseconds."""
 import json
 import os
 import signal
@@ -29,10 +29,14 @@ def main() -> None:
     pid = int(answers.readline().split()[1])  # STARTED <pid>
 
     def forward(signum, _frame) -> None:
-        try:
-            os.kill(pid, signum)
-        except ProcessLookupError:
-            pass
+        # to the fork's process group (it leads one, as a rank started in a new session does), or to
+        # the fork alone before it made its group
+        for kill in (os.killpg, os.kill):
+            try:
+                kill(pid, signum)
+                return
+            except ProcessLookupError:
+                continue
 
     for signum in FORWARDED:
         signal.signal(signum, forward)

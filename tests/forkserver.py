@@ -92,16 +92,19 @@ class ForkServer:
     """One server process per test module; ``spawn`` is safe from several threads."""
 
     def __init__(self, modules: Sequence[str], env: Dict[str, str], setup: str = "", quick_exit: bool = False,
-                 listen: bool = False):
+                 listen: bool = False, child_setup: str = ""):
         """``setup``: Python code the server runs before it imports ``modules`` (what the children's
         scripts do first, e.g. define operator schemas). ``quick_exit``, ``listen``: see the module's
-        docstring."""
+        docstring. ``child_setup`` (with ``listen``): Python code each fork of a socket request runs
+        with its own environment, before the script (what a module imported in the server read from
+        the server's environment at its import, read again: a rank's number, for instance)."""
         self._dir = tempfile.mkdtemp(prefix="forkserver-")
         self._quick_exit = quick_exit
         self.socket_path: Optional[str] = None
         if listen:
             self.socket_path = os.path.join(self._dir, "socket")
-            env = dict(env, **{LISTEN_ENV: self.socket_path, QUICK_EXIT_ENV: "1" if quick_exit else ""})
+            env = dict(env, **{LISTEN_ENV: self.socket_path, QUICK_EXIT_ENV: "1" if quick_exit else "",
+                               CHILD_SETUP_ENV: child_setup})
         self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), setup, *modules], env=env,
                                      text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self._lock = threading.Lock()  # one request and its answer at a time
@@ -266,6 +269,7 @@ _SCRIPT_GLOBALS: List[Dict[str, object]] = []
 #: socket requests leave quickly
 LISTEN_ENV = "_FORKSERVER_LISTEN"
 QUICK_EXIT_ENV = "_FORKSERVER_QUICK_EXIT"
+CHILD_SETUP_ENV = "_FORKSERVER_CHILD_SETUP"
 
 
 def _run_child(request: Dict[str, object], fds: Sequence[int] = ()) -> None:
@@ -296,6 +300,7 @@ def _run_child(request: Dict[str, object], fds: Sequence[int] = ()) -> None:
     os.environ.clear()
     os.environ.update({str(k): str(v) for k, v in dict(request["env"]).items()})  # type: ignore[call-overload]
     os.chdir(str(request["cwd"]))
+    exec(str(request.get("child_setup") or ""), {})  # noqa: S102 - the test's own code
     argv = [str(a) for a in request["argv"]]  # type: ignore[attr-defined]
     sys.argv = argv
     sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
@@ -323,6 +328,16 @@ def _run_child(request: Dict[str, object], fds: Sequence[int] = ()) -> None:
     if quick:
         _leave_quickly(0)
     raise SystemExit(0)
+
+
+def _kill_group(pid: int, signum: int) -> None:
+    """Signal the process group that the fork ``pid`` leads (or the fork alone, before its setsid)."""
+    for kill in (os.killpg, os.kill):
+        try:
+            kill(pid, signum)
+            return
+        except ProcessLookupError:
+            continue
 
 
 def _leave_quickly(code: object) -> None:
@@ -398,9 +413,8 @@ def _serve(setup: str, modules: List[str]) -> None:
                     conn.sendall(f"EXIT {code}\n".encode())
                 conn.close()
         for pid, conn in list(clients.items()):
-            if conn in readable and not conn.recv(64):  # the client is gone (SIGKILLed): its fork too
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, 9)
+            if conn in readable and not conn.recv(64):  # the client is gone (SIGKILLed): its fork too,
+                _kill_group(pid, 9)  # with the processes it started (the fork leads its process group)
                 conn.close()
                 del clients[pid]
                 orphans.add(pid)
@@ -415,6 +429,7 @@ def _serve(setup: str, modules: List[str]) -> None:
             if len(fds) == 3 and data.endswith(b"\n"):
                 request = json.loads(data)
                 request["quick_exit"] = bool(os.environ.get(QUICK_EXIT_ENV))
+                request["child_setup"] = os.environ.get(CHILD_SETUP_ENV, "")
                 pid = fork(request, fds)
                 conn.sendall(f"STARTED {pid}\n".encode())
                 clients[pid] = conn

@@ -58,7 +58,7 @@ pl = pytest.importorskip("lightning.pytorch")
 from crashkit import assert_differs, assert_same  # noqa: E402
 from keepalive.callbacks import lightning as ka_lightning  # noqa: E402
 from keepalive.store import CheckpointStore  # noqa: E402
-from torchrunkit import TorchrunJob, alive, finish, killed  # noqa: E402
+from torchrunkit import CLIENT, TorchrunJob, alive, finish, forked_ranks, killed, rank_env  # noqa: E402
 
 SCRIPT = os.path.join(HERE, "scripts", "lightning_ddp.py")
 #: the children import lightning (torchvision: the shim) and the scripts' helpers
@@ -66,6 +66,23 @@ PYTHONPATH = os.pathsep.join([SHIMS, os.path.join(HERE, "scripts"), os.path.dirn
 KILL = "1:17:15"  # rank 1, before step 17 (epoch 1: steps 13-24), once the save of step 15 is committed
 RESUME_RE = re.compile(r"resuming run .*? step (\d+)")  # the first: the line also says how far the last session got
 TOTAL = 36  # 3 epochs of 12 steps
+
+
+#: what every rank imports first (forked from a server that has: tests/torchrunkit.py); Lightning reads
+#: a rank's number from the environment when imported, and sets one variable there: done again in the fork
+PRELOAD = ["torch", "torch.distributed", "lightning.pytorch", "lightning.pytorch.loggers", "torch.utils.data"]
+CHILD_SETUP = """
+import os
+from lightning.fabric.utilities.rank_zero import _get_rank, rank_zero_only
+rank_zero_only.rank = _get_rank() or 0
+os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+"""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ranks_forked():
+    with forked_ranks(PRELOAD, PYTHONPATH, CHILD_SETUP):
+        yield
 
 
 class Job(TorchrunJob):
@@ -221,7 +238,9 @@ class NotebookJob(Job):
     fit forks the two training processes."""
 
     def command(self, nproc: int, restarts: int) -> List[str]:
-        return ["env", f"PYTHONPATH={PYTHONPATH}", sys.executable, SCRIPT, self.run_dir, self.out_dir]
+        # the notebook's process forked too (its fit forks the two training processes from it)
+        return ["env", f"PYTHONPATH={PYTHONPATH}", *(f"{k}={v}" for k, v in rank_env().items()), sys.executable,
+                *(["-S", CLIENT] if rank_env() else []), SCRIPT, self.run_dir, self.out_dir]
 
 
 def notebook_job(tmp, name: str, env: Optional[Dict[str, str]] = None, run_dir: Optional[str] = None) -> Job:
