@@ -457,10 +457,14 @@ class CheckpointStore:
                                "Check that the path exists and is writable (on Colab: is Drive mounted?)"
                                ) from exc
         try:
+            previous = self.lease.read()
             self.lease.acquire(takeover=takeover)
         except OSError as exc:
             raise StorageError(exc.errno or errno.EIO, f"cannot write to {self.url}: {exc}") from exc
-        self.collect_garbage()
+        if not (previous and previous.get("owner") != self.lease.owner and self.lease.is_live(previous)):
+            # a live session taken over may still be writing its current folder: its leftovers are
+            # removed later, once its lease would have expired (keepalive.spool.torn)
+            self.collect_garbage()
 
     def close(self) -> None:
         self.lease.release()
