@@ -175,7 +175,8 @@ def test_a_committed_folder_is_never_removed_and_a_live_writers_folder_is_kept(t
     new = _store(run)
     folders = torn.TornFolders(new)
     folders.opening()
-    new.lease.acquire(takeover=True)  # a takeover of a live lease (open_for_writing would also clear)
+    new.open_for_writing(takeover=True)  # a takeover of a live lease: the open clears nothing
+    assert "ckpt-0000000003-0000aaaa" in os.listdir(run)
     _tear(new, "ckpt-0000000004-0000bbbb")
     folders.began("ckpt-0000000004-0000bbbb")
     assert folders.remove() == ["ckpt-0000000004-0000bbbb"]  # its own; the live writer's one stays
