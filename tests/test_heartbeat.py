@@ -21,7 +21,7 @@ import time
 import pytest
 
 from forkserver import ForkServer
-from keepalive import runlog
+from keepalive import cli, runlog
 from keepalive.store import CheckpointStore
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -85,7 +85,7 @@ def train(forks, tmp_path, url, options, pause):
 
 
 @pytest.mark.parametrize("kind", ["local", "gs"])
-def test_running_died_stopped_finished(kind, forks, tmp_path, request):
+def test_running_died_stopped_finished(kind, forks, tmp_path, request, capsys):
     if kind == "gs":
         server = request.getfixturevalue("gcs_server")
         url, options = server.url(f"hb-{os.getpid()}-{time.time_ns()}", "run"), server.storage_options
@@ -133,10 +133,10 @@ def test_running_died_stopped_finished(kind, forks, tmp_path, request):
     store = CheckpointStore(url, keep=None, storage_options=options)
     assert all(c.name.startswith("ckpt-") for c in store.list(include_uncommitted=True))
     if kind == "local":
-        listed = subprocess.run([sys.executable, "-m", "keepalive", "ls", url], capture_output=True, text=True,
-                                timeout=120, cwd=ROOT)
-        assert "sessions" not in listed.stdout.replace(f"run {url}:", "")
-        assert f"run {url}: FINISHED (step 30" in listed.stdout, listed.stdout
+        assert cli.main(["ls", url]) == 0
+        listed = capsys.readouterr().out
+        assert "sessions" not in listed.replace(f"run {url}:", "")
+        assert f"run {url}: FINISHED (step 30" in listed, listed
 
 
 # ------------------------------------------------------------------------------------ rules
