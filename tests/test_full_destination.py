@@ -254,3 +254,18 @@ def test_the_resume_line_says_where_the_checkpoint_came_from(tmp_path):
     info = CheckpointInfo("r", "ckpt-1", "x", "gs://b/runs/r/ckpt-1")
     assert read_from(info) == ", from the destination gs://b/runs/r"
     assert json.dumps(read_from(object())) == '""'
+
+
+def test_sync_stops_at_a_destination_that_failed_for_good(tmp_path, quick):
+    url = f"faulty://{tmp_path / 'dest' / 'run'}"
+    f = spool_mod.SpooledStore(_store(url), True, quiet=True)
+    f.open_for_writing()
+    faultyfs.write_control(str(quick), fail_until=4e9, errno="ENOSPC")
+    f.commit({"a.bin": b"1" * 1024}, step=1)
+    spool_mod.UPLOADERS.stop_all(timeout=10)  # what a crashed kernel leaves: the spool, nobody uploading
+    f.spool.close()
+    t0 = time.monotonic()
+    result = spool_mod.sync(url, timeout=60)
+    row = result["destinations"][0]
+    assert time.monotonic() - t0 < 10 and not result["ok"] and row["pending"] == 1, result
+    assert "No space left" in row["error"], row

@@ -3,7 +3,8 @@
 After a kernel crash the spooled checkpoints stay on the VM's disk with their ``SPOOL.json``; this
 uploads them with the same :class:`~keepalive.spool.uploader.Uploader` the training uses. When the
 training process is still alive it owns the spool (its lease is live) and uploads them itself: sync
-then only waits for it.
+then only waits for it. A destination that fails with an error no retry fixes (full, read-only,
+quota, permission) ends the sync at once, with that error, instead of retrying until the timeout.
 """
 from __future__ import annotations
 
@@ -75,7 +76,8 @@ def sync_spool(folder: str, record: Mapping[str, Any], *, timeout: Optional[floa
     up.start()
     try:
         up.open_destination()
-        up.wait_settled(timeout)
+        # a full, read-only or forbidden destination stays so: report it instead of waiting for ever
+        up.wait_settled(timeout, until_permanent=True)
     finally:
         up.stop(timeout=10.0)
         spool.close()
