@@ -9,7 +9,8 @@ allocated, the save asks this module what it may use:
 * the machine's available memory (``MemAvailable`` of ``/proc/meminfo``: free memory plus the page
   cache that can be dropped), and the container's limit where a cgroup sets one (v2
   ``memory.max`` - ``memory.current``, v1 ``memory.limit_in_bytes`` - ``memory.usage_in_bytes``,
-  each plus its reclaimable page cache, ``inactive_file``), whichever is smaller;
+  each plus its reclaimable page cache, ``inactive_file``; the process's own cgroup of
+  ``/proc/self/cgroup``, else the mount's root), whichever is smaller;
 * minus a margin (:func:`margin_for`: a tenth of the memory the process may use, at least
   :data:`MARGIN_MIN`), for what the training allocates next (a batch, an evaluation, the kernel);
 * unless ``memory_budget=`` (or ``KEEPALIVE_MEMORY_BUDGET``) says how much, which overrides it.
@@ -106,19 +107,38 @@ def _stat(path: str, key: str) -> int:
     return 0
 
 
-def _cgroup(root: str) -> Optional[Room]:
-    """The container's limit and what it leaves (v2, else v1), or None where no limit is set."""
-    limit = _number(os.path.join(root, "memory.max"))
-    if limit is not None:
-        used = _number(os.path.join(root, "memory.current")) or 0
-        cache = _stat(os.path.join(root, "memory.stat"), "inactive_file")
-        return Room(max(0, limit - used + cache), limit, f"the container's limit of {format_bytes(limit)} (cgroup v2)")
-    v1 = os.path.join(root, "memory")
-    limit = _number(os.path.join(v1, "memory.limit_in_bytes"))
-    if limit is not None:
-        used = _number(os.path.join(v1, "memory.usage_in_bytes")) or 0
-        cache = _stat(os.path.join(v1, "memory.stat"), "total_inactive_file")
-        return Room(max(0, limit - used + cache), limit, f"the container's limit of {format_bytes(limit)} (cgroup v1)")
+def _own_groups(proc: str) -> Dict[str, str]:
+    """This process's cgroup paths from ``/proc/self/cgroup``: ``""`` -> the v2 path, ``"memory"`` ->
+    the v1 memory controller's (a container sees ``/``; a systemd slice a deeper one)."""
+    groups: Dict[str, str] = {}
+    for line in (_read(os.path.join(proc, "self", "cgroup")) or "").splitlines():
+        parts = line.split(":", 2)
+        if len(parts) == 3:
+            for controller in parts[1].split(","):
+                groups.setdefault(controller, parts[2].strip())
+    return groups
+
+
+def _cgroup(root: str, proc: str) -> Optional[Room]:
+    """The container's limit and what it leaves (v2, else v1), or None where no limit is set: the
+    process's own cgroup's files, else those at the root of the mount."""
+    groups = _own_groups(proc)
+    for path in dict.fromkeys((groups.get("", "/"), "/")):
+        folder = os.path.join(root, path.lstrip("/"))
+        limit = _number(os.path.join(folder, "memory.max"))
+        if limit is not None:
+            used = _number(os.path.join(folder, "memory.current")) or 0
+            cache = _stat(os.path.join(folder, "memory.stat"), "inactive_file")
+            return Room(max(0, limit - used + cache), limit,
+                        f"the container's limit of {format_bytes(limit)} (cgroup v2)")
+    for path in dict.fromkeys((groups.get("memory", "/"), "/")):
+        folder = os.path.join(root, "memory", path.lstrip("/"))
+        limit = _number(os.path.join(folder, "memory.limit_in_bytes"))
+        if limit is not None:
+            used = _number(os.path.join(folder, "memory.usage_in_bytes")) or 0
+            cache = _stat(os.path.join(folder, "memory.stat"), "total_inactive_file")
+            return Room(max(0, limit - used + cache), limit,
+                        f"the container's limit of {format_bytes(limit)} (cgroup v1)")
     return None
 
 
@@ -128,7 +148,7 @@ def room(proc: str = "/proc", cgroup: str = "/sys/fs/cgroup") -> Room:
     info = _meminfo(proc)
     available, total = info.get("MemAvailable"), info.get("MemTotal")
     source = "the machine's available memory"
-    container = _cgroup(cgroup)
+    container = _cgroup(cgroup, proc)
     if container is not None and container.total is not None and container.available is not None:
         total = container.total if total is None else min(total, container.total)
         if available is None or container.available < available:

@@ -25,6 +25,7 @@ import torch
 from keepalive import memory
 from keepalive.memory import MARGIN_MIN, PIECE_MAX, PIECE_MIN, MemoryBudget, Room
 from keepalive.state import from_files
+from keepalive.status import format_status
 from keepalive.store import CheckpointStore
 from keepalive.writer import AsyncWriter
 from objectskit import forks_fixture
@@ -68,6 +69,11 @@ def test_budget_is_the_tighter_room_minus_a_margin(tmp_path, monkeypatch):
                                   "memory/memory.stat": "total_inactive_file 0\n"})
     room = memory.room(proc, v1)
     assert (room.available, room.total, room.for_copies) == (GIB // 2, 6 * GIB, 0) and "cgroup v1" in room.source
+    # the process's own cgroup (/proc/self/cgroup) when it is not the mount's root: a systemd slice
+    nested = _files(tmp_path / "nested", {"job.slice/memory.max": f"{2 * GIB}\n",
+                                          "job.slice/memory.current": f"{GIB}\n"})
+    own = _files(tmp_path / "proc2", {"meminfo": _meminfo(16, 10), "self/cgroup": "0::/job.slice\n"})
+    assert memory.room(own, nested).available == GIB and memory.room(proc, nested).available == 10 * GIB
     # a container limit looser than the machine's room changes nothing; no files: unknown, no limit
     loose = _files(tmp_path / "loose", {"memory.max": f"{64 * GIB}\n", "memory.current": "0\n"})
     assert memory.room(proc, loose).available == 10 * GIB
@@ -85,6 +91,7 @@ def test_budget_overrides_reuse_and_piece_size(monkeypatch):
     assert "minus a margin" in auto.source()
     monkeypatch.setenv("KEEPALIVE_MEMORY_BUDGET", "1GiB")
     assert auto.limit() == GIB and "KEEPALIVE_MEMORY_BUDGET" in auto.source()
+    assert "save mem  a state up to 1.00 GiB" in format_status({"largest_async_save_bytes": MemoryBudget().limit()})
     given = MemoryBudget("512MiB", room_fn=lambda: tight)  # the argument wins over the variable
     assert given.limit(held=GIB) == 512 << 20 and given.source() == "set by memory_budget="
     with pytest.raises(ValueError, match="memory_budget="):
