@@ -21,6 +21,7 @@ import threading
 from typing import Any, Dict, List, Optional
 
 from ._version import __version__
+from .errors import EXIT_STOPPED
 from .supervise import add_run
 
 #: seconds a remote store gets to answer its first request before the command gives up
@@ -383,8 +384,8 @@ def add_bench(sub) -> None:
                         description="Train workload NAME with checkpoints in DIR/RUN (default RUN: NAME, "
                                     "or NAME-synthetic-SIZE with --synthetic). Run the same command again "
                                     "after a crash, a disconnect or in a new session: it resumes from the "
-                                    "newest valid checkpoint. Exit 0 when the training completed, 3 when it "
-                                    "stopped to save before the session's time limit.")
+                                    "newest valid checkpoint. Exit 0 when the training completed, 143 when it "
+                                    "stopped to save before the session's time limit or a VM's reclaim.")
     q.add_argument("name", help="workload name (see `keepalive bench list`)")
     q.add_argument("--synthetic", action="store_true",
                    help="generated data of the same shapes and dtypes (no download)")
@@ -501,7 +502,7 @@ def cmd_bench_run(args) -> int:
                f"{s.get('samples_per_s')} samples/s"
                + (f", checkpoint overhead {pct:.2f} %" if pct is not None else "")
                + f"; results in {run_dir}/results.json and results.csv", quiet=args.quiet)
-    return 0 if doc.get("completed") else 3
+    return 0 if doc.get("completed") else EXIT_STOPPED  # (a stop itself exits 143 from the training)
 
 
 def cmd_bench_report(args) -> int:

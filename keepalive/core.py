@@ -146,6 +146,9 @@ class Checkpointer:
         #: which records them in ``metadata["settings"]``: a finished unnamed run that recorded others is
         #: another training (:mod:`keepalive.runidentity`); None from it: nothing to compare
         self.training_settings: Optional[Callable[[], Optional[Dict[str, Any]]]] = None
+        #: instead, for an adapter of several fits (Keras, fastai): what this fit sets otherwise than every
+        #: fit a finished run recorded (``runidentity.differs_from_every_fit``), in words
+        self.settings_differ: Optional[Callable[[Optional[Mapping[str, Any]]], List[str]]] = None
         #: objects whose state DCP saves in pieces, one per rank (set by the torch adapter before use)
         self.dcp_objects: Any = None
         #: the adapter's cheap summary of what it captures beside tensors, as a pair: (the objects'
@@ -419,8 +422,9 @@ class Checkpointer:
         self.between_steps.stop_guard()
 
     def close(self, *, raise_stop: bool = True) -> None:
-        """Finish the in-flight write and release the writer lease. In a notebook, after a stop before
-        the session's deadline, then raises :class:`~keepalive.errors.TrainingStopped` (once;
+        """Finish the in-flight write and release the writer lease. After a stop (the session's
+        deadline, a notice), then raises it (once): :class:`~keepalive.errors.TrainingStopped` in a
+        notebook, ``SystemExit(EXIT_STOPPED)`` in a script (:mod:`keepalive.lifecycle.stops`;
         ``raise_stop=False``: not, the training call being over: a handover, the interpreter's exit)."""
         if not raise_stop:
             self.stops.to_raise = None

@@ -43,7 +43,9 @@ from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from . import rendezvous as _rendezvous
+from . import report
 from .errors import KeepaliveError
+from .interrupts import noted_signal, raise_for, signal_name
 
 #: the key under which a distributed checkpoint keeps every rank's own part of the state
 RANKS_KEY = "ranks"
@@ -53,6 +55,10 @@ PER_RANK = ("rng", "data")
 #: rank(s) never came (a save called inside ``if rank == 0:``): longer than any honest skew between
 #: ranks at a save (they agreed on it one step before), far shorter than the group's timeout
 CHECK_IN_SECONDS = 60.0
+#: how long a rank waiting in that check-in goes on waiting after a SIGTERM / Ctrl-C was noted
+#: (:meth:`ProcessGroup.check_in`): the others of a live group are a few milliseconds away, a dead
+#: peer never comes
+SIGNAL_GRACE_SECONDS = 2.0
 #: the keys keepalive keeps in the process group's own store (per attempt: torch prefixes it)
 STORE_PREFIX = "keepalive/group"
 #: the kinds of boundary the ranks agree at (:meth:`ProcessGroup.agree`)
@@ -241,7 +247,8 @@ class ProcessGroup:
         ``if rank == 0:``): wait until every rank has reached it, through the group's store (no
         collective); raise :class:`DistributedMisuseError` naming the ranks that did not, as soon as
         one of them ended (its process exited) or after ``timeout`` (:data:`CHECK_IN_SECONDS`)
-        seconds, instead of a gloo "Connection closed by peer" or a silent hang."""
+        seconds, instead of a gloo "Connection closed by peer" or a silent hang. A SIGTERM or Ctrl-C
+        noted while it waits ends the wait soon after (:meth:`_stop_waiting`)."""
         store = self._store()
         if store is None:
             return  # no store to meet in (a group torch made without one): the collective as before
@@ -252,7 +259,9 @@ class ProcessGroup:
         seconds = CHECK_IN_SECONDS if timeout is None else timeout
         limit = time.monotonic() + seconds
         pause = 0.001
+        signalled: List[float] = []
         while arrived < self.world_size:
+            self._stop_waiting(what, key, store, signalled)
             ended = int(store.add(f"{STORE_PREFIX}/ended", 0))
             if ended or time.monotonic() > limit:
                 missing = [r for r in range(self.world_size) if not store.check([f"{key}/{r}"])]
@@ -266,6 +275,26 @@ class ProcessGroup:
             time.sleep(pause)
             pause = min(pause * 2, 0.05)
             arrived = int(store.add(key, 0))
+
+    def _stop_waiting(self, what: str, key: str, store: Any, since: List[float]) -> None:
+        """A signal noted while this rank waits for the others at ``what``: after
+        :data:`SIGNAL_GRACE_SECONDS` more (the others of a live group come within milliseconds: they
+        agreed on this save one step before), acted on without the save. A killed peer leaves no note
+        that it ended, and torchrun's agent SIGTERMs the survivors and SIGKILLs them 30 s later: the
+        wait must not hold the restart up. ``since``: when the signal was first seen here."""
+        signum = noted_signal()
+        if signum is None:
+            return
+        if not since:
+            since.append(time.monotonic())
+        if time.monotonic() - since[0] < SIGNAL_GRACE_SECONDS:
+            return
+        missing = [r for r in range(self.world_size) if not store.check([f"{key}/{r}"])]
+        if not missing:  # every rank came meanwhile: the save goes on, the signal acts after it
+            return
+        report.warn(f"rank {self.rank}: {signal_name(signum)} while waiting at {what} for {_ranks(missing)}: "
+                    "stopping without a new checkpoint; a restart continues from the last one")
+        raise_for(signum)
 
     def _store(self) -> Any:
         """The store the default process group was made with (torch keeps one per restart attempt);

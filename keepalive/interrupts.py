@@ -19,19 +19,36 @@ import collections
 import os
 import signal
 import threading
+import weakref
 from typing import Any, Callable, Deque, Dict, Optional
 
 from . import report
 from .boundary import signal_name
+from .errors import EXIT_STOPPED
 
-__all__ = ["DeferredSignals", "raise_for", "signal_name"]
+__all__ = ["DeferredSignals", "noted_signal", "raise_for", "signal_name"]
+
+#: the handlers installed now (one per training loop running in this process)
+_INSTALLED: "weakref.WeakSet[DeferredSignals]" = weakref.WeakSet()
 
 
 def raise_for(signum: int) -> None:
-    """Act on a signal as Python would have: ``KeyboardInterrupt`` for SIGINT, else exit."""
+    """Act on a signal as Python would have: ``KeyboardInterrupt`` for SIGINT, else exit with
+    :data:`~keepalive.errors.EXIT_STOPPED` (128 + SIGTERM: "stopped, run me again to continue")."""
     if signum == signal.SIGINT:
         raise KeyboardInterrupt
-    raise SystemExit(128 + signum)
+    raise SystemExit(EXIT_STOPPED if signum == signal.SIGTERM else 128 + signum)
+
+
+def noted_signal() -> Optional[int]:
+    """A signal some installed :class:`DeferredSignals` noted and no boundary took yet (None: none).
+    A wait that cannot end by itself while a peer is gone (the check-in of a save under a process
+    group) asks this, so that torchrun's SIGTERM to the survivors of a failed rank ends it now."""
+    for deferred in list(_INSTALLED):
+        signum = deferred.peek()
+        if signum is not None:
+            return signum
+    return None
 
 
 class DeferredSignals:
@@ -64,8 +81,10 @@ class DeferredSignals:
                 self._old[sig] = signal.signal(sig, self._on_signal)
             except (ValueError, OSError):  # pragma: no cover - not allowed here
                 pass
+        _INSTALLED.add(self)
 
     def uninstall(self) -> None:
+        _INSTALLED.discard(self)
         for sig, handler in self._old.items():
             try:
                 signal.signal(sig, handler)

@@ -135,8 +135,9 @@ def stopped(root: Path, stop_at: int, **kw: Any) -> Any:
 
     cb = DriveCheckpoint(root / "run", every=100, quiet=True, remaining_fn=stop_after(stop_at),
                          deadline_margin="5s")
-    train(root / "a", cb, **kw)
-    assert cb.stopped
+    with pytest.raises(SystemExit) as stop:  # a script's stop exits 143 (EXIT_STOPPED) after its save
+        train(root / "a", cb, **kw)
+    assert stop.value.code == 143 and cb.stopped
     return cb
 
 

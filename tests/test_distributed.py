@@ -196,11 +196,12 @@ def test_notebook_launch_start_processes_resumes_when_the_cell_runs_again(tmp_pa
 def test_deadline_on_one_rank_saves_once_and_stops_every_rank(tmp_path):
     job = Job(tmp_path, "deadline", env={"DDP_DEADLINE": "1:20", "DDP_EVERY": "100"})
     try:
-        assert job.wait() == 0, job.text()  # a clean stop, not a failure
+        assert job.wait() != 0, job.text()  # stopped, not finished: the ranks exit 143 (EXIT_STOPPED)
     finally:
         job.stop()
     text = job.text()
-    assert "DONE rank 0 step 20" in text and "DONE rank 1 step 20" in text, text
+    assert "STOPPED rank 0 step 20 exit 143" in text and "STOPPED rank 1 step 20 exit 143" in text, text
+    assert "exitcode  : 143" in text and "DONE" not in text, text
     assert "stopping before the session ends: saved in epoch 1 after 8 batches, step 20" in text, text
     infos = CheckpointStore(job.run_dir).list()
     assert [i.step for i in infos] == [20], [i.name for i in infos]

@@ -70,8 +70,9 @@ def _quiet(learn, progress=False):
 
 
 def session(path, mode="one_cycle", *, crash=None, every="epoch", epochs=3, learner=None,
-            extra=(), lkw=None, ckw=None, progress=False):
-    """One 'session': build the learner, train with DriveCheckpoint; (learn, ckpt) or (None, ckpt)."""
+            extra=(), lkw=None, ckw=None, progress=False, stops=False):
+    """One 'session': build the learner, train with DriveCheckpoint; (learn, ckpt) or (None, ckpt).
+    ``stops``: stopped before its end, which exits a script with 143 (EXIT_STOPPED): (None, ckpt)."""
     learn = learner or _quiet(make_learner(**(lkw or {})), progress)
     ckpt = DriveCheckpoint(str(path), every=every, **(ckw or {}))
     cbs = [ckpt, *extra] + ([CrashAt(crash)] if crash else [])
@@ -86,6 +87,11 @@ def session(path, mode="one_cycle", *, crash=None, every="epoch", epochs=3, lear
             learn.fine_tune(epochs, 5e-3, freeze_epochs=1, cbs=cbs)
     except Crash:
         return None, ckpt
+    except SystemExit as stop:
+        if not stops or stop.code != 143:
+            raise
+        return None, ckpt
+    assert not stops, "the training was to stop (SystemExit 143)"
     return learn, ckpt
 
 
@@ -293,7 +299,7 @@ def test_deadline_saves_and_stops_then_resumes(tmp_path, monkeypatch, capsys):
                 budget["left"] = 5.0  # the session is about to end
 
     monkeypatch.setattr(ks, "remaining_seconds", lambda: budget["left"])
-    learn, ckpt = session(tmp_path / "run", "fine_tune", epochs=2, extra=[Clock()])
+    learn, ckpt = session(tmp_path / "run", "fine_tune", epochs=2, extra=[Clock()], stops=True)
     out = capsys.readouterr().out
     assert ckpt.stopped and "stopping before the session ends" in out
     assert "fit skipped: training stopped before the session's end" not in out  # stopped in fit 2
@@ -307,10 +313,11 @@ def test_deadline_in_first_fit_skips_the_second(tmp_path, monkeypatch, capsys):
     import keepalive.session as ks
 
     monkeypatch.setattr(ks, "remaining_seconds", lambda: 1.0)
-    learn, ckpt = session(tmp_path / "run", "fine_tune", epochs=2)
+    learn, ckpt = session(tmp_path / "run", "fine_tune", epochs=2, stops=True)
     out = capsys.readouterr().out
     assert ckpt.stopped
-    assert "fit skipped: training stopped before the session's end" in out
+    # the stop's exit ends fine_tune in its first fit: the second is not even called
+    assert "fit skipped: training stopped before the session's end" not in out
     assert steps_saved(tmp_path / "run") == [1]
 
 

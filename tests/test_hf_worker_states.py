@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import shutil
 
+import pytest
+
 import hfkit
 from crashkit import assert_differs, assert_same
 from hfkit import stop_after, train, trainer_state
@@ -97,7 +99,9 @@ def test_persistent_workers_resumed_at_an_epochs_end_go_on_as_the_uninterrupted_
     plain = trainer_state(train(tmp_path / "plain", **kw))
     cb = DriveCheckpoint(tmp_path / "run", every="epoch", quiet=True, remaining_fn=stop_after(7),
                          deadline_margin="5s")
-    train(tmp_path / "a", cb, **kw)
+    with pytest.raises(SystemExit) as stop:  # a script's stop exits 143 (EXIT_STOPPED) after its save
+        train(tmp_path / "a", cb, **kw)
+    assert stop.value.code == 143
     assert cb.stopped and dict(cb.core.counters, samples=0) == {"epoch": 1, "step": 6, "batch": 0, "samples": 0}
     shutil.copytree(tmp_path / "run", tmp_path / "control" / "run")
     assert_same(plain, _resume(tmp_path, **kw))

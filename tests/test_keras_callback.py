@@ -141,9 +141,10 @@ def test_deadline_stops_mid_epoch_saves_and_the_rerun_is_exact(tmp_path, capsys,
     model = _model()
     ckpt = holder["ckpt"] = DriveCheckpoint(tmp_path / "run", remaining_fn=remaining,
                                             deadline_margin=1)
-    model.fit(_resumable(form, x, y), epochs=3, verbose=0, callbacks=[ckpt])
+    with pytest.raises(SystemExit) as stop:  # a script's stop exits 143 (EXIT_STOPPED) after its save
+        model.fit(_resumable(form, x, y), epochs=3, verbose=0, callbacks=[ckpt])
     out = capsys.readouterr().out
-    assert ckpt.stopped and not ckpt.finished and model.stop_training
+    assert stop.value.code == 143 and ckpt.stopped and not ckpt.finished and model.stop_training
     assert "stopping before the session ends" in out and "saved in epoch 1 after 2 batches, step 8" in out
     (info,) = [i for i in CheckpointStore(str(tmp_path / "run")).list() if i.step == 8]
     assert info.epoch == 1

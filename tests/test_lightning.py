@@ -8,6 +8,7 @@ against Lightning's own ``ModelCheckpoint(save_last=True, every_n_train_steps=..
 ``fit(ckpt_path="last")`` are measured side by side (work redone per kill, exactness). In-process
 tests cover the deadline stop, a finished run, ``keepalive ls`` / ``verify``, a loader that cannot be
 positioned, a checkpoint that does not fit, and the ``pytorch_lightning`` namespace."""
+import contextlib
 import importlib.util
 import json
 import os
@@ -274,13 +275,15 @@ class Net(pl.LightningModule):
                                                    "interval": "step"}}
 
 
-def fit(path, epochs=3, hidden=16, iterable=False, **options):
+def fit(path, epochs=3, hidden=16, iterable=False, stops=False, **options):
+    """``stops``: the fit is stopped before its end, which exits a script with 143 (EXIT_STOPPED)."""
     pl.seed_everything(3, verbose=False)
     model, cb = Net(hidden), DriveCheckpoint(str(path), quiet=True, **options)
     trainer = pl.Trainer(max_epochs=epochs, callbacks=[cb], logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
                          num_sanity_val_steps=0)
-    trainer.fit(model, datamodule=Data(iterable=iterable))
+    with pytest.raises(SystemExit, match="^143$") if stops else contextlib.nullcontext():
+        trainer.fit(model, datamodule=Data(iterable=iterable))
     return model, cb, trainer
 
 
@@ -290,7 +293,7 @@ def _weights(model):
 
 def test_deadline_stop_then_resume_in_process(tmp_path):
     ref, _, ref_trainer = fit(tmp_path / "ref")
-    _, cb, trainer = fit(tmp_path / "run", every=4, remaining_fn=deadline_after(14))
+    _, cb, trainer = fit(tmp_path / "run", every=4, remaining_fn=deadline_after(14), stops=True)
     assert cb.stopped and 12 < trainer.global_step < 18
     assert trainer.limit_val_batches == 1.0 and trainer.fit_loop.min_epochs == 0  # settings put back
     model, cb2, trainer2 = fit(tmp_path / "run", every=4)

@@ -13,6 +13,7 @@ replaying their own randomness (``keepalive.callbacks._lightning_data``):
 * a sampler whose order does not replay stays at epoch ends, said once.
 
 In-process (no subprocess import cost); the SIGKILL crash tests are in test_lightning.py."""
+import contextlib
 import importlib.util
 import os
 import random
@@ -173,15 +174,18 @@ class Net(pl.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
-def fit(path=None, shape="shuffle", workers=0, epochs=3, extra_draw=False, persistent=False, **options):
-    """One fit (a keepalive run at ``path``, or without keepalive); its final weights and the trainer."""
+def fit(path=None, shape="shuffle", workers=0, epochs=3, extra_draw=False, persistent=False, stops=False,
+        **options):
+    """One fit (a keepalive run at ``path``, or without keepalive); its final weights and the trainer.
+    ``stops``: stopped before its end, which exits a script with 143 (EXIT_STOPPED)."""
     pl.seed_everything(3, verbose=False)
     model = Net(extra_draw)
     callbacks = [DriveCheckpoint(str(path), quiet=True, **options)] if path is not None else []
     trainer = pl.Trainer(max_epochs=epochs, callbacks=callbacks, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
                          num_sanity_val_steps=1, val_check_interval=0.5)
-    trainer.fit(model, datamodule=Data(shape, workers, persistent))
+    with pytest.raises(SystemExit, match="^143$") if stops else contextlib.nullcontext():
+        trainer.fit(model, datamodule=Data(shape, workers, persistent))
     weights = {k: v.clone() for k, v in model.state_dict().items()}
     return weights, trainer, (callbacks[0] if callbacks else None)
 
@@ -202,7 +206,7 @@ def _stop_then_resume(tmp_path, shape, workers=0, stop_after=8, extra_draw=False
     """Stopped by the deadline after ``stop_after`` steps (8: inside epoch 1 of 6-batch epochs), then
     the same fit again in this process: it resumes from the mid-epoch checkpoint."""
     _, t1, cb1 = fit(tmp_path / "run", shape, workers, extra_draw=extra_draw, every=2,
-                     remaining_fn=deadline_after(stop_after))
+                     remaining_fn=deadline_after(stop_after), stops=True)
     assert cb1.stopped and t1.global_step % 6, t1.global_step  # inside an epoch
     resumed, t2, cb2 = fit(tmp_path / "run", shape, workers, extra_draw=extra_draw, every=2)
     assert cb2.core.resumed_from is not None and cb2.finished
@@ -233,7 +237,8 @@ def test_persistent_workers_resume_exactly_or_are_told(tmp_path, capsys, every):
     nothing; when they do (augmentation), the checkpoint carries their seed and states, and nothing is
     said (the SIGKILL tests of that case: test_lightning_persistent.py)."""
     ref, _, _ = fit(None, "plain", 2, persistent=True)
-    _, t1, cb1 = fit(tmp_path / "run", "plain", 2, persistent=True, every=every, remaining_fn=deadline_after(8))
+    _, t1, cb1 = fit(tmp_path / "run", "plain", 2, persistent=True, every=every, remaining_fn=deadline_after(8),
+                     stops=True)
     if every == "epoch":  # resume from the end of epoch 0 (the deadline's mid-epoch checkpoint dropped)
         for info in cb1.core.store.list():
             if info.step % 6:

@@ -194,7 +194,7 @@ def test_sigterm_during_validation_saved_at_once_and_resumed_exactly(scenarios):
 def test_deadline_during_validation_saved_then_and_stopped(scenarios):
     stopped, resumed, out = scenarios["deadline"]
     _, ref_out = scenarios["reference"]
-    assert stopped.rc == 0 and "STOPPED" in stopped.text, stopped.text[-3000:]
+    assert stopped.rc == 143 and "STOPPED" in stopped.text, stopped.text[-3000:]  # EXIT_STOPPED
     val_start, val_end = stopped.at("VAL_START"), stopped.at("VAL_END")
     assert val_start is not None and val_end is not None, stopped.text[-3000:]
     during = [c for c in stopped.commits_after(val_start) if c[0] < val_end]

@@ -324,14 +324,14 @@ def sigterm_with_gradients_pending_waits_for_the_step(tmp_path, reference) -> No
 def deadline_inside_evaluation_saves_during_it_and_stops(tmp_path, reference, eval_kind: str) -> None:
     """The session's deadline falls 4 s into the 8 s evaluation: saved during it (within 5 s of the
     moment the deadline was within a save and the margin), the training stops at its next boundary
-    (the epoch's end) with a clean exit, and the resume is bit-identical."""
+    (the epoch's end) and the script exits 143 (EXIT_STOPPED), and the resume is bit-identical."""
     run, out = str(tmp_path / "run"), str(tmp_path / "out.pt")
     env = {"PT_EVAL": eval_kind}
     first = Child(run, out, dict(env, PT_EVAL_SECONDS="8", PT_DEADLINE="4.5"))
     started, _ = first.wait_line(r"^EVAL START 1$")
     assert latency(first, started, 20) < BOUND, first.text
     end, _ = first.wait_line(r"^EVAL END 1$")
-    assert first.finish() == 0, first.text
+    assert first.finish() == 143, first.text
     assert f"saved in epoch 1 after 10 batches, step 20 to {run} {PAUSED}; the training stops" in first.text
     assert "STOPPED 20" in first.text, first.text
     second = resume(run, out, env)
@@ -348,7 +348,7 @@ def a_scheduler_stepped_before_the_evaluation_is_saved_during_it(tmp_path, refer
     env = {"PT_EVAL": "ka", "PT_SCHED_BEFORE_EVAL": "1"}
     first = Child(run, out, dict(env, PT_EVAL_SECONDS="4", PT_DEADLINE="3"))
     first.wait_line(r"^EVAL END 1$")
-    assert first.finish() == 0, first.text
+    assert first.finish() == 143, first.text
     assert "paused between steps" not in first.text, first.text
     assert f"saved in epoch 1 after 10 batches, step 20 to {run} {PAUSED}; the training stops" in first.text
     second = resume(run, out, env)
@@ -371,8 +371,8 @@ def inside(step: int) -> str:
 
 
 def stopped_by_notice(child: Child, run: str) -> int:
-    """The step the notice's save and stop left the run at, after a clean exit."""
-    assert child.finish() == 0, child.text
+    """The step the notice's save and stop left the run at, after the stop's exit (143, EXIT_STOPPED)."""
+    assert child.finish() == 143, child.text
     m = re.search(r"^STOPPED (\d+)$", child.text, re.M)
     assert m and "DONE" not in child.text, child.text
     return int(m.group(1))
@@ -482,7 +482,7 @@ def finished(job: DDPJob) -> int:
 @scenario
 def notice_under_two_rank_ddp_is_agreed_saved_once_and_both_stop(tmp_path, reference) -> None:
     """GCE, torchrun with 2 ranks (gloo): the notice is agreed at the next step boundary by both ranks,
-    saved once, both ranks stop with exit 0; the resume is bit-identical to the run without keepalive."""
+    saved once, both ranks stop with exit 143; the resume is bit-identical to the run without keepalive."""
     plain = DDPJob(tmp_path, "plain", env={"DDP_PLAIN": "1", **NOT_A_CLOUD})  # runs beside the notice's job
     try:
         with MetadataServer(cloud="gce") as srv:
@@ -493,13 +493,14 @@ def notice_under_two_rank_ddp_is_agreed_saved_once_and_both_stop(tmp_path, refer
             srv.preempt()
             job.wait_output("COMMITTED")
             took = time.monotonic() - sent
-            assert finished(job) == 0, job.text()
+            assert finished(job) != 0, job.text()  # stopped, not finished: the ranks exit 143 (EXIT_STOPPED)
     finally:
         plain_code = finished(plain)
     assert plain_code == 0, plain.text()
     text = job.text()
-    steps = {int(s) for s in re.findall(r"DONE rank \d step (\d+)", text)}
-    assert len(steps) == 1 and len(re.findall(r"DONE rank", text)) == 2, text
+    steps = {int(s) for s in re.findall(r"STOPPED rank \d step (\d+) exit 143", text)}
+    assert len(steps) == 1 and len(re.findall(r"STOPPED rank", text)) == 2, text
+    assert "exitcode  : 143" in text and "DONE" not in text, text
     step = steps.pop()
     assert took < BOUND and 10 <= step < 36, text
     assert "stopping before the VM is reclaimed: saved in epoch " in text and "Why: GCE: instance/preempted is TRUE" \

@@ -253,7 +253,7 @@ def test_control_c_without_the_step_gate_the_guard_does_not_save(runs):
 
 
 def test_deadline_during_evaluation_is_saved_then_stops_and_resumes_exactly(runs):
-    s = _interrupted(runs, "deadline", code=3)
+    s = _interrupted(runs, "deadline", code=143)  # stopped, not finished (EXIT_STOPPED)
     assert s.text.splitlines()[-1] == "STOPPED"
     (start,), (end,) = s.times("EVAL START"), s.times("EVAL END")
     committed = s.times("COMMITTED 4 ")

@@ -228,8 +228,9 @@ def test_deadline_stops_cleanly_and_resumes_exactly(tmp_path, evaluate):
 
     cb = DriveCheckpoint(tmp_path / "run", every=100, quiet=True, remaining_fn=remaining, deadline_margin="5s")
     t1 = _trainer(tmp_path / "b", cb, evaluate=evaluate)
-    t1.train()
-    assert cb.stopped and not cb.finished
+    with pytest.raises(SystemExit) as stop:  # a script's stop exits 143 (EXIT_STOPPED) after its save
+        t1.train()
+    assert stop.value.code == 143 and cb.stopped and not cb.finished
     stopped_at = cb.step
     assert 0 < stopped_at < ref.state.global_step
     cb2 = DriveCheckpoint(tmp_path / "run", every=100, quiet=True)

@@ -130,6 +130,7 @@ class Passes:
                     data.samples_out += p.position  # its samples so far were training data
                 if p.trains:
                     if self._boundary(p, stepped, ends_epoch).stop:
+                        self._stopped_outside_epochs()
                         return
                 else:  # not a boundary (an evaluation): what cannot wait is saved here when the state is
                     # still the last step's (keepalive.pauses), the data where that step left it (the
@@ -140,6 +141,13 @@ class Passes:
             data.pass_left(p, completed)
         if completed:
             self._completed(p, promote)
+
+    def _stopped_outside_epochs(self) -> None:
+        """A stop (the deadline, a notice) in ``ckpt.batches()`` without ``ckpt.epochs()``: no epoch loop
+        of keepalive's ends the training call, so the pass does (raising the stop, its save durable)."""
+        if not self.data.in_epochs:
+            self.core.uninstall_signal_handlers()
+            self.core.flush()
 
     def _completed(self, p: Pass, promote: bool) -> None:
         """``p`` ran out of batches."""

@@ -235,13 +235,16 @@ class DriveCheckpoint(RunViews, Callback):  # RunViews: no epoch / step (a callb
             self._fit = None
             if st.positioned:
                 data.uninstall(st.dl)
-            if self._core is not None:
-                self._core.close()  # waits for the write in flight, releases the writer lease
-            if not st.completed:
-                # Interrupted (Ctrl-C, an error): running the cell again starts over from its first
-                # fit, and resumes from the newest checkpoint as a new session would.
-                self._runfits.interrupted()
-                here.live = None
+            try:
+                if self._core is not None:
+                    # waits for the write in flight, releases the writer lease; after a stop, raises it
+                    self._core.close()
+            finally:
+                if not st.completed:
+                    # Interrupted (Ctrl-C, an error, a stop): running the cell again starts over from
+                    # its first fit, and resumes from the newest checkpoint as a new session would.
+                    self._runfits.interrupted()
+                    here.live = None
 
     def _begin(self, learn: Learner, st: FitState, resume: Optional[StateTree]) -> None:
         """Start of a counted fit, after every callback's before_fit: position data, restore state."""

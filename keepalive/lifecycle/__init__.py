@@ -15,7 +15,8 @@ that answer lives here:
 * :mod:`~keepalive.lifecycle.resuming` -- resume: the newest valid checkpoint loaded, the counters
   positioned;
 * :mod:`~keepalive.lifecycle.stops` -- the end of a training before a deadline or a VM's reclaim: the
-  notice's uploads, the words, the :class:`~keepalive.errors.TrainingStopped` a notebook cell ends with;
+  notice's uploads, the words, the :class:`~keepalive.errors.TrainingStopped` a notebook cell ends with
+  (a script's ``SystemExit(EXIT_STOPPED)``);
 * :mod:`~keepalive.lifecycle.messages` -- the one-line messages users see, and their words.
 
 Each part holds the checkpointer it serves and uses its public attributes only: the adapters set

@@ -3,18 +3,20 @@
 News (:meth:`Messages.say`) is silenced by ``quiet=True`` and said by the process that writes only;
 a problem (:meth:`Messages.warn`) is always said, once per key and run, by rank 0 under a process
 group (every rank finds the same problems) unless it is one rank's own. The words of a stop before the
-session's deadline (its arithmetic, or the session's budget and the clock it counts from) and of an
-exit after a SIGTERM are made here too, so that every message that names them says the same.
+session's deadline (its arithmetic, or the session's budget and the clock it counts from) and of the
+exit of a stopped script (:data:`~keepalive.errors.EXIT_STOPPED`, whatever stopped it) are made here
+too, so that every message that names them says the same.
 """
 from __future__ import annotations
 
 import logging
 import signal
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Union
 
 from .. import distributed as _distributed
 from .. import report
 from .. import session as _session
+from ..errors import EXIT_STOPPED
 from ..interrupts import signal_name
 from ..units import format_duration
 
@@ -86,11 +88,14 @@ class Messages:
                 "its first chance")
 
 
-def exit_words(signum: int) -> str:
-    """Why the process ends with a failure code after a save on SIGTERM (torchrun reports it): the
-    program did not run to its end, and a failure is what makes a supervisor start it again."""
-    if signum == signal.SIGINT:
+def exit_words(cause: Union[int, str]) -> str:
+    """Why the process ends with a failure code after the save of a stop (torchrun reports it): the
+    program did not run to its end, and a failure is what makes a supervisor start it again. The
+    same words for every cause (``cause``: a signal's number, or what stopped it: "a preemption
+    notice"); none for Ctrl-C (a ``KeyboardInterrupt``, as Python has it)."""
+    if cause == signal.SIGINT:
         return ""
-    return (f"; exiting with code {128 + signum} (stopped by {signal_name(signum)}), not 0: the program did "
+    by = signal_name(cause) if isinstance(cause, int) else cause
+    return (f"; exiting with code {EXIT_STOPPED} (stopped by {by}), not 0: the program did "
             "not run to its end, and only a failed exit makes torchrun --max-restarts or a job scheduler start "
             "it again, which resumes from this checkpoint")

@@ -148,9 +148,7 @@ def run_keras(spec: Any, run_dir: str, *, epochs: Optional[int] = None, syntheti
     model.compile(**spec.compile_args())
     x, y = data["x_train"], data["y_train"]
     train = ResumableData(x, y, batch_size=batch_size, shuffle=True)
-    val = None
-    if data.get("x_test") is not None:
-        val = (data["x_test"], data["y_test"])
+    val = (data["x_test"], data["y_test"]) if data.get("x_test") is not None else None
 
     dev = device_facts()
     meta = _meta(spec, data, model, train, synthetic=synthetic, size=size, epochs=epochs, batch_size=batch_size,
@@ -168,8 +166,9 @@ def run_keras(spec: Any, run_dir: str, *, epochs: Optional[int] = None, syntheti
         callbacks.append(ckpt)
     callbacks.append(make_timer(recorder, train, on_step, ckpt))
     callbacks += list(spec.extra_callbacks(data)) if hasattr(spec, "extra_callbacks") else []
-    model.fit(train, epochs=epochs, validation_data=val, validation_batch_size=batch_size,
-              callbacks=callbacks, verbose=verbose)
+    with recorder.training():
+        model.fit(train, epochs=epochs, validation_data=val, validation_batch_size=batch_size,
+                  callbacks=callbacks, verbose=verbose)
     completed = ckpt.finished if ckpt is not None else True
     final: Dict[str, Any] = {}
     if completed and hasattr(spec, "after_training"):

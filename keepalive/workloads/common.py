@@ -16,6 +16,7 @@ Importing this module imports no framework.
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
@@ -24,11 +25,12 @@ import platform as _platform
 import statistics
 import threading
 import time
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence
 
 from .. import report, settings
 from .. import session as _session
 from .._version import __version__
+from ..errors import EXIT_STOPPED
 from . import StepHook
 
 SIZES = ("tiny", "small", "full")
@@ -396,6 +398,18 @@ class RunRecorder:
         if self.printer is not None:
             self.printer(format_epoch(rec, self.doc.get("epochs")))
         return rec
+
+    @contextlib.contextmanager
+    def training(self) -> Iterator[None]:
+        """Around the training call: a stop before its end (keepalive's ``SystemExit(EXIT_STOPPED)``
+        after its save: the session's deadline, a notice) still records this session, not completed,
+        before the exit goes on."""
+        try:
+            yield
+        except SystemExit as stop:
+            if stop.code == EXIT_STOPPED:
+                self.finish(completed=False)
+            raise
 
     def finish(self, final: Optional[Mapping[str, Any]] = None,
                completed: Optional[bool] = None) -> Dict[str, Any]:

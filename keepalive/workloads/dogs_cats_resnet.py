@@ -233,7 +233,6 @@ def run(dir: str, epochs: Optional[int] = None, synthetic: bool = False, size: O
         _silence(learn)
     if fp16:
         learn.to_fp16()
-
     meta = _meta(dls, learn, cfg, synthetic=synthetic, size=size, epochs=epochs, freeze_epochs=freeze_epochs,
                  arch=arch, pretrained=pretrained, seed=seed, every=every)
     facts = common.facts("fastai", dev["device"], precision, dev["versions"])
@@ -248,7 +247,8 @@ def run(dir: str, epochs: Optional[int] = None, synthetic: bool = False, size: O
         common.commit_hook(ckpt.core, on_commit)
         cbs.append(ckpt)
     cbs.append(_timer(recorder, on_step, ckpt))
-    learn.fine_tune(epochs, freeze_epochs=freeze_epochs, cbs=cbs)
+    with recorder.training():
+        learn.fine_tune(epochs, freeze_epochs=freeze_epochs, cbs=cbs)
     recorder.finish_epoch()  # the last epoch ends after the end-of-fit checkpoint
     completed = True if ckpt is None else (ckpt.finished and not ckpt.stopped)
     final = _tta_metrics(learn, recorder) if completed and tta else {}

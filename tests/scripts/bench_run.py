@@ -6,7 +6,7 @@ Trains like ``keepalive bench run NAME --synthetic --size tiny`` (same defaults)
 ``keepalive.workloads.run``, and prints what ``tests/crashkit.py`` reads to kill it at a chosen step:
 ``STEP n`` after each optimizer step (the ``on_step`` hook), ``COMMITTED n`` after each checkpoint
 commit (``on_commit``, from the writer thread), and ``DONE`` when the training completed. Exit 0
-when completed, 3 when it stopped before the end (as ``keepalive bench run``).
+when completed, 143 when it stopped before the end (as ``keepalive bench run``).
 """
 import argparse
 import sys
@@ -40,4 +40,4 @@ doc = workloads.run(args.name, args.run_dir, epochs=args.epochs, synthetic=True,
                     on_commit=lambda step: line(f"COMMITTED {step}"))
 if doc.get("completed"):
     line("DONE")
-sys.exit(0 if doc.get("completed") else 3)
+sys.exit(0 if doc.get("completed") else 143)

@@ -4,7 +4,8 @@ process). Used by tests/test_distributed.py.
 
 Each rank writes ``OUT_DIR/pid.<restart>.<rank>`` at start (the test kills ranks by these PIDs) and,
 at the end, ``OUT_DIR/final.<rank>.pt`` (its model's weights). Rank 0 prints ``STEP n attempt a`` after each
-step and ``COMMITTED n`` after each checkpoint commit.
+step and ``COMMITTED n`` after each checkpoint commit; each rank ``STOPPED rank r step n exit c`` when
+keepalive stops its training before the end (the script's code after it does not run).
 
 Environment (test knobs): DDP_EPOCHS (3), DDP_EVERY (3 steps), DDP_STEP_SLEEP (seconds per step),
 DDP_SLOW_WRITE (seconds each checkpoint file write takes: kills land inside saves),
@@ -99,7 +100,11 @@ def main(run_dir: str, out_dir: str) -> None:
                            keep=knob("DDP_KEEP", 3) or None, **options)
     if rank == 0:
         ckpt.core.on_commit.append(lambda r: emit(f"COMMITTED {r.info.step}"))
-    train(ckpt, model, opt, sampler, loader, prefix="DDP", rank=rank, restart=restart)
+    try:
+        train(ckpt, model, opt, sampler, loader, prefix="DDP", rank=rank, restart=restart)
+    except SystemExit as stop:  # a stop before the end (the deadline, a notice): every rank exits 143
+        emit(f"STOPPED rank {rank} step {ckpt.step} exit {stop.code}")
+        raise
     torch.save({k: v.detach().clone() for k, v in net.state_dict().items()},
                os.path.join(out_dir, f"final.{rank}.pt"))
     emit(f"DONE rank {rank} step {ckpt.step}")

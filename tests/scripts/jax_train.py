@@ -15,12 +15,13 @@
 EPOCH:BATCH`` waits, at the start of that batch's body, until the newest save is committed, then
 SIGKILLs the process. ``--control X`` switches a piece of keepalive off (a negative control).
 ``--trace`` (the notice test, ``nnx`` shape): prints ``STEP n`` in each batch's body, then sleeps
-``--step-sleep`` seconds, ``COMMITTED n`` per committed checkpoint, and ``STOPPED n`` (exit 0, no
-``--out``) when keepalive stopped the training (a preemption notice), ``DONE`` at the end.
+``--step-sleep`` seconds, ``COMMITTED n`` per committed checkpoint, and ``STOPPED n`` (at the exit 143
+of a stop, no ``--out``) when keepalive stopped the training (a preemption notice), ``DONE`` at the end.
 ``--out`` gets an ``.npz`` of the final state (every leaf by path, keys as key data), the history and the
 step count.
 """
 import argparse
+import atexit
 import os
 import signal
 import sys
@@ -97,6 +98,7 @@ def checkpoint(**objects):
     ckpt = DriveCheckpoint(args.run, every=every, track_globals=args.control != "no-loop-vars", **objects)
     if args.trace:
         ckpt.core.on_commit.append(lambda r: print(f"COMMITTED {r.info.step}", flush=True))
+        atexit.register(stopped_at_exit, ckpt)
     return ckpt
 
 
@@ -108,12 +110,10 @@ def traced_step(ckpt):
         time.sleep(args.step_sleep)
 
 
-def stop_if_stopped(ckpt):
-    """--trace: a training keepalive stopped (a notice) ends here with exit 0, as a VM's would."""
-    if args.trace and ckpt.core.stopped:
+def stopped_at_exit(ckpt):
+    """--trace: a training keepalive stopped (a notice) exits 143 from inside its loop: said at exit."""
+    if ckpt.core.stopped:
         print(f"STOPPED {ckpt.step}", flush=True)
-        ckpt.close()
-        sys.exit(0)
 
 
 def maybe_kill(ckpt, epoch, batch):
@@ -198,7 +198,6 @@ if args.shape in ("nnx", "mesh"):
         for metric, value in metrics.compute().items():
             metrics_history[f"train_{metric}"].append(value)
         metrics.reset()
-    stop_if_stopped(ckpt)
     history = np.array([[float(v) for v in vs] for vs in metrics_history.values()])
     if mesh is not None:  # still laid out as the code built it
         assert model.linear1.kernel[...].sharding.is_equivalent_to(replicated, 2)

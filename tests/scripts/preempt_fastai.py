@@ -13,7 +13,6 @@ import json
 import math
 import os
 import random
-import sys
 import time
 
 import numpy as np
@@ -102,12 +101,11 @@ if hasattr(learn, "progress"):
     learn.remove_cb(learn.progress)
 try:
     learn.fit_one_cycle(args.epochs, 3e-3, cbs=cbs)
-except SystemExit as exc:  # keepalive's exit after a SIGTERM: when the training call ended
+except SystemExit as exc:  # keepalive's exit after a SIGTERM or a stop before the end: when the call ended
     emit(f"EXIT {exc.code} {time.time():.3f}")
+    if ckpt is not None and ckpt.stopped:
+        emit("STOPPED")
     raise
-if ckpt is not None and ckpt.stopped:
-    emit("STOPPED")
-    sys.exit(3)
 tensors = weights(learn)
 for i, s in enumerate(learn.opt.state_dict()["state"]):
     for k, v in s.items():

@@ -147,11 +147,13 @@ def main(run_dir: str, out_file: str) -> None:
         bind = keras.callbacks.LambdaCallback(on_epoch_begin=lambda epoch, logs: setattr(data, "epoch", epoch))
         callbacks.insert(0, bind)
     # shuffle=False: ResumableData shuffles per epoch itself (Keras' batch shuffle would reorder the plain run's)
-    model.fit(data, validation_data=(xv, yv), validation_batch_size=4, epochs=EPOCHS, callbacks=callbacks,
-              verbose=0, shuffle=False)
-    if ckpt is not None and ckpt.stopped:
-        emit(f"STOPPED {ckpt.core.counters['step']}")
-        return
+    try:
+        model.fit(data, validation_data=(xv, yv), validation_batch_size=4, epochs=EPOCHS, callbacks=callbacks,
+                  verbose=0, shuffle=False)
+    except SystemExit:  # keepalive's exit (143) after a SIGTERM or a stop before the end
+        if ckpt is not None and ckpt.stopped:
+            emit(f"STOPPED {ckpt.core.counters['step']}")
+        raise
     arrays = {f"model.{i}": np.asarray(v.numpy()) for i, v in enumerate(model.variables)}
     arrays.update({f"optimizer.{i}": np.asarray(v.numpy()) for i, v in enumerate(model.optimizer.variables)})
     arrays["draw.numpy"] = np.random.rand(4)

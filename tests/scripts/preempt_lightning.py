@@ -141,10 +141,12 @@ callbacks.append(SlowValidation())
 trainer = pl.Trainer(max_epochs=args.epochs, callbacks=callbacks, val_check_interval=args.val_check,
                      num_sanity_val_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                      enable_model_summary=False, deterministic=True, accelerator="cpu")
-trainer.fit(model, train_dataloaders=train, val_dataloaders=val)
-if args.keepalive and ckpt.stopped:
-    emit("STOPPED")
-    raise SystemExit(0)
+try:
+    trainer.fit(model, train_dataloaders=train, val_dataloaders=val)
+except SystemExit:  # keepalive's exit (143) after a SIGTERM or a stop before the end
+    if args.keepalive and ckpt.stopped:
+        emit("STOPPED")
+    raise
 
 os.makedirs(args.out, exist_ok=True)
 tensors = {f"model.{k}": v.contiguous() for k, v in model.state_dict().items()}

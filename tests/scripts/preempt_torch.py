@@ -6,7 +6,9 @@ between steps and of the clouds' preemption notices (tests/test_preempt_torch.py
 batches of a validation set, a random draw per batch) and a StepLR step. Prints ``STEP n`` after each
 optimizer step, ``LOSS e b <hex>`` per training batch, ``EVAL e <hex>`` per evaluation, ``EVAL START e``
 / ``EVAL END e`` around the slow one, ``COMMITTED n`` per checkpoint commit; at the end it saves the
-weights, the optimizer's state, the EMA and a last random draw to OUT_FILE and prints ``DONE``.
+weights, the optimizer's state, the EMA and a last random draw to OUT_FILE and prints ``DONE``. A
+training keepalive stopped (the deadline, a notice) exits 143 from inside the loop, ``STOPPED n`` said
+at exit.
 
 Environment (test knobs):
 PT_PLAIN=1: the same training without keepalive (the reference).
@@ -24,6 +26,7 @@ PT_SCHED_BEFORE_EVAL=1: the scheduler steps before the evaluation (not after it)
 PT_NO_PAUSE_SAVE=1: negative control: saves between steps switched off.
 PT_BROKEN_RNG=1: negative control: a save between steps keeps the random state of its moment.
 """
+import atexit
 import os
 import sys
 import time
@@ -149,6 +152,8 @@ def main(run_dir: str, out_file: str) -> None:
         emit(f"EVAL {epoch} {float(total).hex()}")
         model.train()
 
+    if ckpt is not None:  # a stop before the end exits (143) from inside the loop: said at exit
+        atexit.register(lambda: ckpt.core.stopped and emit(f"STOPPED {ckpt.step}"))
     steps = 0
     for epoch in epochs:
         for i, (x, y) in enumerate_(loader):
@@ -171,10 +176,6 @@ def main(run_dir: str, out_file: str) -> None:
         evaluate(epoch)
         if not sched_before_eval:
             sched.step()
-    if ckpt is not None and ckpt.core.stopped:
-        emit(f"STOPPED {ckpt.step}")
-        ckpt.close()
-        return
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "ema": ema.state_dict(),
                 "lr": sched.get_last_lr(), "draw": torch.rand(4)}, out_file)
     emit("DONE")

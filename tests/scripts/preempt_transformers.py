@@ -18,7 +18,6 @@ gated (the control: the core's guard thread may not save for the loop).
 import argparse
 import json
 import random
-import sys
 import time
 
 import numpy as np
@@ -145,10 +144,12 @@ def announced_evaluate(*a, **kw):
 
 
 trainer.evaluate = announced_evaluate  # the Trainer's epoch-end evaluation calls self.evaluate
-trainer.train()
-if ckpt is not None and ckpt.stopped:
-    print("STOPPED", flush=True)
-    sys.exit(3)
+try:
+    trainer.train()
+except SystemExit:  # keepalive's exit (143) after a SIGTERM or a stop before the end
+    if ckpt is not None and ckpt.stopped:
+        print("STOPPED", flush=True)
+    raise
 
 from safetensors.torch import save_file  # noqa: E402
 

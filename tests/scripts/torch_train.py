@@ -6,6 +6,7 @@ after each checkpoint commit, and writes the final weights with safetensors.
 at the epoch's last one; `STEP n` is then printed after every batch (n: optimizer steps so far), so
 kills land between two steps too."""
 import argparse
+import atexit
 import sys
 import time
 
@@ -95,6 +96,17 @@ if args.hold_lazy_copy or args.skip_lazy_copy:
             self._safe.set()
 
         PendingCopy._copy_pieces = skipped_pieces
+
+
+def said_at_exit() -> None:
+    """A stop before the session's end exits (143) from inside the loop: the time left said then."""
+    if ckpt.stopped:
+        from keepalive import session
+
+        print(f"STOPPED remaining {session.remaining_seconds():.3f}", flush=True)
+
+
+atexit.register(said_at_exit)
 for epoch in ckpt.epochs(args.epochs):
     model.train()
     if args.accum > 1:
@@ -121,7 +133,4 @@ if ckpt.finished:
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, args.out)
     print("DONE", flush=True)
 else:
-    from keepalive import session
-
-    print(f"STOPPED remaining {session.remaining_seconds():.3f}", flush=True)
     sys.exit(3)
