@@ -220,7 +220,8 @@ def test_keras_epoch_logs_and_last_metrics_in_the_record(tmp_path, monkeypatch):
 def test_a_checkpointer_closed_between_two_fits_ends_finished(tmp_path, monkeypatch):
     """fastai's fine_tune closes the checkpointer after its first fit and trains on with it: the record
     goes back to running, and the second fit's final save makes it finished (no end is told after
-    it). Control: after the first fit alone the record says closed (STOPPED)."""
+    it). Control: a checkpointer closed after its first fit with nothing following says closed (STOPPED)
+    once the process exits."""
     import numpy as np
 
     from keepalive.core import Checkpointer
@@ -234,7 +235,8 @@ def test_a_checkpointer_closed_between_two_fits_ends_finished(tmp_path, monkeypa
         core.advance(capture)
     core.end_stage(capture, reason="end of fit 0", finished=False)
     core.close()
-    assert [r.state for r in runlog.read_sessions(str(tmp_path / "run"))] == ["closed"]  # the control
+    # not an end yet: a next fit may follow (a close nothing followed is told at the process' exit)
+    assert [r.state for r in runlog.read_sessions(str(tmp_path / "run"))] == ["running"]
     for _ in range(3):
         core.advance(capture)
     core.heartbeat.log({"loss": np.float32(0.5), "name": "not a number"})
@@ -243,3 +245,12 @@ def test_a_checkpointer_closed_between_two_fits_ends_finished(tmp_path, monkeypa
     (rec,) = runlog.read_sessions(str(tmp_path / "run"))
     assert (rec.state, rec.step, rec.last_saved_step, rec.saves) == ("finished", 6, 6, 2)
     assert [(p["step"], p["loss"]) for p in rec.metrics] == [(6, 0.5)] and core.last_metrics == {"loss": 0.5}
+
+    left = Checkpointer(str(tmp_path / "left"), quiet=True, every="epoch")  # the control: nothing follows
+    left.load()
+    left.start_epoch()
+    left.advance(capture)
+    left.end_stage(capture, reason="end of fit 0", finished=False)
+    left.close()
+    left.events.tell_close()  # what the process' exit does
+    assert [r.state for r in runlog.read_sessions(str(tmp_path / "left"))] == ["closed"]

@@ -91,3 +91,39 @@ def test_a_script_that_raises_tells_crashed_once(tmp_path):
     assert out.stdout.count("ENDED") == 1, out.stdout
     assert "ENDED crashed ValueError: loss is nan" in out.stdout
     assert "Traceback" in out.stderr  # Python's own report still comes
+
+
+def test_a_close_is_taken_back_by_a_next_fit_and_told_only_when_nothing_follows():
+    from keepalive.lifecycle.events import RunEvents, tell_crash
+
+    class Ends(RunListener):
+        def __init__(self):
+            self.ends = []
+
+        def ended(self, ckpt, outcome, reason):
+            self.ends.append(outcome)
+
+    between_fits = RunEvents(ckpt=None)  # fastai's fine_tune: closed after its frozen fit, then trains on
+    between_fits.subscribe(listener := Ends())
+    between_fits.started(None)
+    between_fits.ended("closed")
+    assert listener.ends == []
+    between_fits.stepped()
+    between_fits.ended("finished", "end of training")
+    between_fits.tell_close()
+    assert listener.ends == ["finished"]
+
+    left = RunEvents(ckpt=None)  # closed, nothing follows: told at exit (control)
+    left.subscribe(listener := Ends())
+    left.started(None)
+    left.ended("closed")
+    left.tell_close()
+    assert listener.ends == ["closed"]
+
+    raised = RunEvents(ckpt=None)  # an adapter closes before a notebook cell's error is seen
+    raised.subscribe(listener := Ends())
+    raised.started(None)
+    raised.ended("closed")
+    tell_crash(ValueError("boom"))
+    raised.tell_close()
+    assert listener.ends == ["crashed"]

@@ -13,8 +13,11 @@ stopped deadline: 5 min left
 
 An end is one of :data:`OUTCOMES`: ``finished`` (the training ran to its end), ``stopped`` (a deadline,
 a cloud's notice, a signal: resumable), ``crashed`` (an exception ended the script: its one line),
-``closed`` (the checkpointer was closed without either, e.g. a loop left by ``break``). It is told
-once per training; :meth:`RunEvents.started` begins the next one (Keras' second ``fit``).
+``closed`` (the checkpointer was closed without either). It is told once per training;
+:meth:`RunEvents.started` begins the next one (Keras' second ``fit``). A close is told only when
+nothing follows it: adapters close their checkpointer between two fits of one training (fastai's
+``fine_tune``), and the next fit's first step takes the close back; a crash told later replaces it;
+otherwise it is told when the process exits.
 
 A listener must be cheap (``stepped`` runs after every batch: throttle there) and must not raise: a
 listener that raises is logged and never called again, so that no listener slows or breaks a
@@ -23,6 +26,7 @@ notebook's cell errors are told by the IPython extension, which sees them).
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import sys
 import threading
@@ -69,6 +73,9 @@ class RunEvents:
         self.running = False
         #: how the last training ended (one of OUTCOMES), None before its end
         self.outcome: Optional[str] = None
+        #: the checkpointer was closed with the training not at its end: why, told at exit unless a
+        #: step (the next fit) or another end comes first
+        self.closing: Optional[str] = None
         _ALL.add(self)
 
     def subscribe(self, listener: RunListener) -> None:
@@ -95,10 +102,12 @@ class RunEvents:
                 self.unsubscribe(listener)
 
     def started(self, resumed_from: "Optional[CheckpointInfo]") -> None:
-        self.running, self.outcome = True, None
+        self.running, self.outcome, self.closing = True, None, None
         self._tell("started", resumed_from)
 
     def stepped(self) -> None:
+        if self.closing is not None:  # the next fit of the same training: the close was no end
+            self.closing, self.running = None, True
         if self._listeners:  # the common case, no listener: one attribute read per batch
             self._tell("stepped")
 
@@ -112,8 +121,16 @@ class RunEvents:
         with self._lock:
             if self.outcome is not None:
                 return
-            self.outcome, self.running = outcome, False
+            if outcome == "closed" and self.closing is None:
+                self.closing = reason  # told at exit, unless a next fit or another end comes first
+                return
+            self.outcome, self.running, self.closing = outcome, False, None
         self._tell("ended", outcome, reason)
+
+    def tell_close(self) -> None:
+        """At the process' exit: a close nothing followed is the training's end."""
+        if self.closing is not None and self.outcome is None:
+            self.ended("closed", self.closing)
 
 
 _ALL: "weakref.WeakSet[RunEvents]" = weakref.WeakSet()
@@ -129,8 +146,16 @@ def exception_line(exc: BaseException) -> str:
 def _tell_crash(exc: BaseException) -> None:
     outcome = "stopped" if isinstance(exc, KeyboardInterrupt) else "crashed"
     for events in list(_ALL):
-        if events.running:
+        if events.running or events.closing is not None:  # an adapter may close before the error is seen
             events.ended(outcome, exception_line(exc))
+
+
+@atexit.register
+def _tell_closes_at_exit() -> None:
+    # registered before the core's own exit handler (this module is imported first), so it runs after
+    # it: the checkpointers are closed by then
+    for events in list(_ALL):
+        events.tell_close()
 
 
 def install_crash_hook() -> None:
