@@ -48,8 +48,10 @@ pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 accelerate_data = pytest.importorskip("accelerate.data_loader")
 
+from hfkit import TORCHVISION_OPS  # noqa: E402
 from keepalive.callbacks import _hf_data  # noqa: E402
 from servers import free_port  # noqa: E402  (tests/servers.py)
+from torchrunkit import forked_ranks, rank_entry, rank_env  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -57,6 +59,19 @@ SCRIPT = os.path.join(HERE, "scripts", "hf_ddp.py")
 STEPS_PER_EPOCH, TOTAL, EVERY = 6, 18, 2  # EVERY: the script's default save interval
 RESUME_RE = re.compile(r"resuming run .*? step (\d+)")  # the first: the line also says how far the last session got
 TIMEOUT = 240.0
+#: the ranks' environment and what they import first: they fork from a server that has (tests/torchrunkit.py)
+PYTHONPATH = os.pathsep.join([os.path.join(HERE, "scripts"), ROOT, os.path.join(HERE, "shims"),
+                              os.environ.get("PYTHONPATH", "")])
+RANK_ENV = {"KEEPALIVE_PROGRESS": "0", "TOKENIZERS_PARALLELISM": "false"}
+PRELOAD = ["torch", "torch.distributed", "numpy", "transformers", "transformers.trainer", "transformers.training_args",
+           "transformers.trainer_callback", "transformers.data.data_collator", "transformers.models.bert.modeling_bert",
+           "tokenizers", "accelerate", "accelerate.data_loader"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ranks_forked():
+    with forked_ranks(PRELOAD, PYTHONPATH, setup=TORCHVISION_OPS, env=RANK_ENV):
+        yield
 
 
 # ------------------------------------------------------------------------------------- in-process part
@@ -100,13 +115,11 @@ class Job:
                  **env: str):
         self.run_dir, self.out_dir = run_dir or str(tmp / f"{name}-run"), str(tmp / f"{name}-out")
         self.attempt = attempt
-        full_env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", KEEPALIVE_PROGRESS="0",
-                        TOKENIZERS_PARALLELISM="false", HFDDP_ATTEMPT=str(attempt),
-                        PYTHONPATH=os.pathsep.join([os.path.join(HERE, "scripts"), ROOT, os.path.join(HERE, "shims"),
-                                                    os.environ.get("PYTHONPATH", "")]), **env)
+        full_env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **RANK_ENV, HFDDP_ATTEMPT=str(attempt),
+                        PYTHONPATH=PYTHONPATH, **rank_env(), **env)
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--max-restarts=0",
                "--monitor-interval=0.2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-               SCRIPT, self.run_dir, self.out_dir]
+               *rank_entry(SCRIPT), self.run_dir, self.out_dir]
         self.proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, start_new_session=True)
         self.lines: List[str] = []

@@ -28,15 +28,17 @@ _RANK_SERVER: List[ForkServer] = []  # the one of forked_ranks(), while it is op
 
 
 @contextlib.contextmanager
-def forked_ranks(modules: List[str], pythonpath: str = "", child_setup: str = ""):
+def forked_ranks(modules: List[str], pythonpath: str = "", child_setup: str = "", setup: str = "",
+                 env: Optional[Dict[str, str]] = None):
     """The ranks of the jobs started inside are forks of one server that has imported ``modules``
     with ``pythonpath`` (a fork's ``sys.path`` is the server's, its first entry the script's folder):
     the PYTHONPATH the jobs' ranks get. Imports that read the environment read the server's (this
-    process's, with ``OMP_NUM_THREADS=1`` as the jobs have it); ``child_setup`` (Python code) runs in
-    each fork with the rank's environment, before the script: to read it again where that matters."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=pythonpath or os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p))
-    server = ForkServer(modules, env, quick_exit=True, listen=True, child_setup=child_setup)
+    process's, with ``OMP_NUM_THREADS=1`` as the jobs have it, and ``env``); ``child_setup`` (Python code)
+    runs in each fork with the rank's environment, before the script: to read it again where that
+    matters. ``setup``: code the server runs before its imports (forkserver.ForkServer's)."""
+    pythonpath = pythonpath or os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
+    server_env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(env or {}), PYTHONPATH=pythonpath)
+    server = ForkServer(modules, server_env, setup=setup, quick_exit=True, listen=True, child_setup=child_setup)
     _RANK_SERVER.append(server)
     try:
         yield server
