@@ -101,14 +101,19 @@ class FlushWait:
 
     @staticmethod
     def _newest(up: Uploader) -> Optional[str]:
-        pending = up.pending()
-        return pending[-1].name if pending else None
+        """The newest checkpoint in the spool, uploaded or not (one uploaded just now, while the flush
+        looked, is still the checkpoint this round of flushes is about)."""
+        try:
+            spooled = up.spool.list()
+        except OSError:
+            return None
+        return spooled[-1].name if spooled else None
 
     @staticmethod
     def _works_again(up: Uploader, limit: float) -> bool:
         """Whether the destination that failed for good took the next attempt (waited for at most
         ``limit`` seconds, the uploader's backoff cut short)."""
-        up.wait_attempt(up.attempts, limit)
+        up.wait_attempt(up.begun, limit)  # a pass begun now: one that began before may predate the fix
         return up.settled() or not up.permanent
 
     def _stopped(self, up: Uploader, timeout: Optional[float]) -> bool:

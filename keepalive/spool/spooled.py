@@ -321,7 +321,7 @@ class SpooledStore:
         def commit() -> WriteResult:
             result = self.dest.commit(files, **kwargs)
             if clean:
-                self.torn.remove()
+                self.torn.remove(committed=[result.info.name])
             return result
 
         return commit() if up is None else up.exclusive(commit)

@@ -24,9 +24,9 @@ The rules, once:
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Optional, Set
+from typing import Any, Dict, Iterable, List, Optional, Set
 
-from ..store import CheckpointStore
+from ..store import CKPT_PREFIX, CheckpointStore
 
 log = logging.getLogger("keepalive.spool")
 
@@ -67,20 +67,26 @@ class TornFolders:
         self.taken_from = None  # its heartbeat is older than the ttl, or its process ended
         return False
 
-    def remove(self) -> List[str]:
+    def remove(self, committed: Iterable[str] = ()) -> List[str]:
         """Remove the torn folders no other live writer may be writing (never a committed one);
-        the names removed. Never raises: what cannot be removed now is tried after the next write."""
+        the names removed. ``committed``: folders known to hold a manifest (a listing just taken),
+        whose manifests are not read again. Never raises: what cannot be removed now is tried after
+        the next write."""
         if not self.store.lease.held:
             return []
         guarded = self.others_may_write()
+        known = set(committed)
         removed: List[str] = []
         try:
-            listed = self.store.list(include_uncommitted=True)
+            names = [e.name for e in self.store.backend.listdir(self.store.path)
+                     if e.is_dir and e.name.startswith(CKPT_PREFIX) and e.name not in known]
+            listed = [self.store.load_info(name) for name in names
+                      if not guarded or name in self.ours]
         except Exception as exc:  # noqa: BLE001 - the next write tries again
             log.info("could not list %s for torn folders: %s", self.store.url, exc)
             return removed
         for info in listed:
-            if info.manifest is not None or (guarded and info.name not in self.ours):
+            if info.manifest is not None:
                 continue
             try:
                 self.store.backend.remove_tree(info.path)

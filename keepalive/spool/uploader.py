@@ -110,8 +110,10 @@ class Uploader:
         self.uploaded = 0
         self.bytes_uploaded = 0
         self.last_ok: Optional[float] = None
-        #: passes over the spool that ended (uploaded, failed or found nothing to do): a flush waits for
-        #: the next one to learn whether a destination that failed for good works again
+        #: passes over the spool begun, and ended (uploaded, failed or found nothing to do): a flush
+        #: waits for one begun after it asked, to learn whether a destination that failed for good
+        #: works again (one that began before may have failed just before the space was freed)
+        self.begun = 0
         self.attempts = 0
 
     @property
@@ -250,7 +252,7 @@ class Uploader:
 
     def wait_attempt(self, after: int, timeout: float) -> bool:
         """Wait until a pass after the ``after``-th has ended (True), at most ``timeout`` seconds, the
-        current backoff cut short."""
+        current backoff cut short. ``after=begun``: a pass that begins after this call."""
         self.notify()
         deadline = time.monotonic() + timeout
         with self._state:
@@ -267,6 +269,8 @@ class Uploader:
         try:
             while not self._stop and self.fatal is None:
                 self._wake.clear()
+                with self._state:
+                    self.begun += 1
                 try:
                     with self._dest_lock:
                         touched, worked = self._pass()
@@ -274,6 +278,7 @@ class Uploader:
                     self._set_fatal(exc)
                     break
                 except SourceGone:
+                    self._attempted()
                     continue
                 except Exception as exc:  # noqa: BLE001 - every storage fault is retried
                     self._fault(exc)
@@ -387,7 +392,8 @@ class Uploader:
             self.dest.lease.renew()
         except OSError as exc:  # the checkpoint is there; old ones go at the next upload
             log.info("retention at %s failed: %s", self.dest.url, exc)
-        self.torn.remove()  # earlier attempts cut short (a full destination: one per checkpoint tried)
+        # earlier attempts cut short (a full destination: one per checkpoint tried)
+        self.torn.remove(committed=[c.name, *(k.name for k in self.backlog.dest_known)])
         log.info("uploaded %s (%s) to %s in %.1f s", c.name, format_bytes(c.size_bytes), self.dest.url,
                  seconds)
         for listener in list(self._listeners):
