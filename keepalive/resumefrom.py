@@ -77,6 +77,12 @@ def newest_elsewhere(url: str, resume_from: Any, storage_options: Optional[dict]
 
 
 def told(line: str, name: str, where: str, url: str) -> str:
-    """The resume line of a run resumed from elsewhere: the checkpoint named with its folder, and where
-    the run saves from now on."""
+    """The resume line of a run resumed from elsewhere: the checkpoint named with its folder (which is
+    not the run's destination: that part of the line goes), and where the run saves from now on.
+
+    >>> told("resuming run 'r' from ckpt-08: step 8, saved 5 s ago, from the destination /mnt/r", "ckpt-08",
+    ...      "/mnt/r", "/data/r")
+    "resuming run 'r' from /mnt/r/ckpt-08: step 8, saved 5 s ago; saving to /data/r"
+    """
+    line = line.replace(f", from the destination {where}", "", 1)
     return f"{line.replace(f' from {name}', f' from {where}/{name}', 1)}; saving to {url}"
