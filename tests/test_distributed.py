@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import random
 import re
-import sys
 from typing import Dict, List
 
 import pytest
@@ -28,7 +27,7 @@ from keepalive import distributed as kd  # noqa: E402
 from keepalive.resume import read_state  # noqa: E402
 from keepalive.store import CheckpointStore  # noqa: E402
 from servers import free_port  # noqa: E402  (tests/servers.py)
-from torchrunkit import TorchrunJob, kill_ranks_at_random  # noqa: E402
+from torchrunkit import TorchrunJob, forked_ranks, kill_ranks_at_random, python_command  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "scripts", "ddp_train.py")
@@ -57,6 +56,13 @@ def test_no_process_group_is_a_group_of_one():
 
 
 # ----------------------------------------------------------------------------------- torchrun jobs
+@pytest.fixture(scope="module", autouse=True)
+def ranks_forked():
+    """The ranks (and the notebook launch's process) fork from a server that has imported torch."""
+    with forked_ranks(["torch", "torch.distributed", "torch.utils.data", "torch.multiprocessing"]):
+        yield
+
+
 class Job(TorchrunJob):
     """One ``torchrun --nproc_per_node=2`` job of the DDP script (or the notebook-style launch, or
     one plain process)."""
@@ -66,9 +72,9 @@ class Job(TorchrunJob):
 
     def command(self, nproc: int, restarts: int) -> List[str]:
         if nproc == -2:  # the notebook launch: torch.multiprocessing.start_processes, 2 processes
-            return [sys.executable, SCRIPT, "--spawn", str(free_port()), self.run_dir, self.out_dir]
+            return [*python_command(SCRIPT), "--spawn", str(free_port()), self.run_dir, self.out_dir]
         if not nproc:  # one plain process, no process group
-            return [sys.executable, SCRIPT, self.run_dir, self.out_dir]
+            return [*python_command(SCRIPT), self.run_dir, self.out_dir]
         return super().command(nproc, restarts)
 
     def finals(self) -> List[Dict[str, "torch.Tensor"]]:

@@ -55,6 +55,12 @@ def rank_entry(script: str) -> List[str]:
     return ["--no-python", sys.executable, "-S", CLIENT, script]
 
 
+def python_command(script: str) -> List[str]:
+    """``python script`` for a job that is one process (its environment with :func:`rank_env`): through
+    the fork client inside :func:`forked_ranks`."""
+    return [sys.executable, *(["-S", CLIENT] if _RANK_SERVER else []), script]
+
+
 def rank_env() -> Dict[str, str]:
     """The environment a job adds for :func:`rank_entry`'s command."""
     return {SOCKET_ENV: str(_RANK_SERVER[-1].socket_path)} if _RANK_SERVER else {}
