@@ -1,6 +1,7 @@
 """The stand-in for a fresh interpreter that another program starts (torchrun's ranks), run as
-``python -S forkclient.py script args...``: it asks the fork server named by ``FORKSERVER_SOCKET``
-(tests/forkserver.py, ``listen=True``) to run the script in a fork, with this process's arguments,
+``python -S forkclient.py script args...`` (or ``... forkclient.py -m module args...``): it asks the fork
+server named by ``FORKSERVER_SOCKET`` (tests/forkserver.py, ``listen=True``) to run the script in a
+fork, with this process's arguments,
 environment, working folder and stdin / stdout / stderr; it forwards the signals it gets to the fork
 (its process group) and exits as the fork did (the same code, or killed by the same signal). Without
 ``FORKSERVER_SOCKET`` it becomes the interpreter running the script. Only the standard library, no
@@ -17,8 +18,8 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signa
 
 def main() -> None:
     argv = sys.argv[1:]
-    env = dict(os.environ)
-    path = env.pop(SOCKET_ENV, "")
+    env = dict(os.environ)  # with the socket's name: a fork may start clients too (torchrun's agent)
+    path = env.get(SOCKET_ENV, "")
     if not path:
         os.execve(sys.executable, [sys.executable, *argv], env)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

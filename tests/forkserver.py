@@ -26,7 +26,9 @@ arguments, environment, working folder and stdin / stdout / stderr (passed over 
 session of its own, as a fresh interpreter started in the client's place would; the client forwards
 the signals it gets to the fork and exits as the fork did (the same code, or killed by the same
 signal), and a client gone before its fork (SIGKILLed) takes the fork with it. For children that
-another program starts (torchrun's ranks: ``torchrunkit.RankForks``).
+another program starts (torchrun's ranks) or that must be a process of its own (torchrun's agent:
+``torchrunkit.forked_ranks``). A request's ``argv`` may be ``["-m", module, args...]``, run as
+``python -m`` runs it.
 
 ``quick_exit=True`` (``ForkServer``, ``ServerPool``; off by default): a fork's exit stops after the
 interpreter's own first steps (non-daemon threads joined, ``atexit`` run, stdout and stderr flushed)
@@ -302,8 +304,9 @@ def _run_child(request: Dict[str, object], fds: Sequence[int] = ()) -> None:
     os.chdir(str(request["cwd"]))
     exec(str(request.get("child_setup") or ""), {})  # noqa: S102 - the test's own code
     argv = [str(a) for a in request["argv"]]  # type: ignore[attr-defined]
-    sys.argv = argv
-    sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+    module = argv[1] if argv[0] == "-m" else None  # ["-m", module, args...]: as ``python -m`` runs it
+    sys.argv = argv[1:] if module else argv  # (run_module puts the module's file first, as -m does)
+    sys.path[0] = os.getcwd() if module else os.path.dirname(os.path.abspath(argv[0]))
     # a fresh interpreter's global generators are seeded from the OS: not shared with a sibling fork
     random.seed()
     if "numpy" in sys.modules:
@@ -313,7 +316,10 @@ def _run_child(request: Dict[str, object], fds: Sequence[int] = ()) -> None:
     quick = bool(request.get("quick_exit"))
     try:
         # its globals kept to the interpreter's exit, as a script's are (finalizers run at the same moment)
-        _SCRIPT_GLOBALS.append(runpy.run_path(argv[0], run_name="__main__"))
+        if module:
+            _SCRIPT_GLOBALS.append(runpy.run_module(module, run_name="__main__", alter_sys=True))
+        else:
+            _SCRIPT_GLOBALS.append(runpy.run_path(argv[0], run_name="__main__"))
     except SystemExit as exc:
         if quick:
             _leave_quickly(exc.code)

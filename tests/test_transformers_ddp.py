@@ -28,7 +28,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 from typing import Dict, List, Optional, Tuple
@@ -51,7 +50,7 @@ accelerate_data = pytest.importorskip("accelerate.data_loader")
 from hfkit import TORCHVISION_OPS  # noqa: E402
 from keepalive.callbacks import _hf_data  # noqa: E402
 from servers import free_port  # noqa: E402  (tests/servers.py)
-from torchrunkit import forked_ranks, rank_entry, rank_env  # noqa: E402
+from torchrunkit import forked_ranks, python_command, rank_entry, rank_env  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -117,7 +116,7 @@ class Job:
         self.attempt = attempt
         full_env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **RANK_ENV, HFDDP_ATTEMPT=str(attempt),
                         PYTHONPATH=PYTHONPATH, **rank_env(), **env)
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--max-restarts=0",
+        cmd = [*python_command("-m"), "torch.distributed.run", f"--nproc_per_node={nproc}", "--max-restarts=0",
                "--monitor-interval=0.2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
                *rank_entry(SCRIPT), self.run_dir, self.out_dir]
         self.proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

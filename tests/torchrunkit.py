@@ -5,8 +5,9 @@ writes (``pid.<attempt>.<rank>``), and the whole job stopped by its process grou
 ``with forked_ranks(modules):`` (a test module's fixture): the jobs started inside it run each rank as a
 fork of a server that has imported ``modules`` (tests/forkserver.py, ``listen=True``): torchrun starts
 tests/forkclient.py in the rank's place (``--no-python``), which has the server fork the script with the
-rank's arguments, environment and streams. Importing torch and its distributed modules, then tearing
-them down at exit, is most of a small rank's CPU time, paid for every rank of every attempt."""
+rank's arguments, environment and streams; torchrun itself (the agent) forks from it too. Importing torch
+and its distributed modules, then tearing them down at exit, is most of a small rank's CPU time, paid
+for every rank of every attempt."""
 from __future__ import annotations
 
 import contextlib
@@ -38,7 +39,8 @@ def forked_ranks(modules: List[str], pythonpath: str = "", child_setup: str = ""
     matters. ``setup``: code the server runs before its imports (forkserver.ForkServer's)."""
     pythonpath = pythonpath or os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
     server_env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(env or {}), PYTHONPATH=pythonpath)
-    server = ForkServer(modules, server_env, setup=setup, quick_exit=True, listen=True, child_setup=child_setup)
+    server = ForkServer([*modules, "torch.distributed.run"], server_env, setup=setup, quick_exit=True, listen=True,
+                        child_setup=child_setup)
     _RANK_SERVER.append(server)
     try:
         yield server
@@ -56,8 +58,8 @@ def rank_entry(script: str) -> List[str]:
 
 
 def python_command(script: str) -> List[str]:
-    """``python script`` for a job that is one process (its environment with :func:`rank_env`): through
-    the fork client inside :func:`forked_ranks`."""
+    """``python script`` (or ``python -m``) for a job's process (its environment with :func:`rank_env`):
+    through the fork client inside :func:`forked_ranks` (torchrun's agent, a one-process job)."""
     return [sys.executable, *(["-S", CLIENT] if _RANK_SERVER else []), script]
 
 
@@ -86,7 +88,7 @@ class TorchrunJob:
         threading.Thread(target=self._read, daemon=True).start()
 
     def command(self, nproc: int, restarts: int) -> List[str]:
-        return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+        return [*python_command("-m"), "torch.distributed.run", f"--nproc_per_node={nproc}",
                 f"--max-restarts={restarts}", "--monitor-interval=0.2",
                 "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
                 *rank_entry(self.script), self.run_dir, self.out_dir]
