@@ -33,7 +33,8 @@ taken only where the training loader can be positioned (fastai's ``DataLoader`` 
 tabular and text defaults ``TabWeightedDL`` and ``SortedDL``; another order method: epoch ends only, with
 a warning) and no ``GradientAccumulation`` is pending; ``train_metrics``
 accumulators are not restored mid-epoch; tracker files live under ``learn.path`` (keep it on Drive).
-Near the session's time limit the fit is saved and cancelled (``cb.stopped``; later fits of the cell are
+Near the session's time limit the fit is saved and cancelled (``cb.stopped``), and ends with the stop (a
+script's ``SystemExit(143)``, a notebook's ``TrainingStopped``; a later fit of a caller that caught it is
 skipped). A checkpoint that does not fit the learner raises :class:`~keepalive.errors.StateMismatchError`
 before anything changes. How: while attached, a wrapper stands in front of ``Learner._with_events`` on
 that learner, so skipped fits and epochs reach no callback and saves run after every other callback.

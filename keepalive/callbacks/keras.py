@@ -51,7 +51,8 @@ said once with how to get the checkpoint's instead.
 
 Put it anywhere in ``callbacks=[...]`` (it saves after all other callbacks' epoch ends). Options:
 :class:`keepalive.config.CheckpointConfig`. Before the session's time limit it saves and sets
-``model.stop_training`` (check ``ckpt.stopped``). Not restorable: ``keepalive.callbacks._keras_state``.
+``model.stop_training``; ``fit`` then ends with the stop (a script's ``SystemExit(143)``, a notebook's
+``TrainingStopped``: :mod:`keepalive.lifecycle.stops`). Not restorable: ``keepalive.callbacks._keras_state``.
 The Keras internals this relies on are listed in ``keepalive.callbacks._compat_keras`` and checked when
 the callback is created: a Keras version without one is refused then, in one line.
 

@@ -35,7 +35,8 @@ and states). ``reload_dataloaders_every_n_epochs=1`` (a new loader each epoch, w
 ``iter()`` on twice): exact; every N > 1 epochs is said once (a resume shifts Lightning's reload epochs).
 
 When: ``every=`` (epochs, optimizer steps = ``trainer.global_step``, a duration), before the session's
-deadline (then ``trainer.should_stop`` ends the fit cleanly: ``cb.stopped``), at the end of training, on
+deadline (then ``trainer.should_stop`` ends the fit, which raises the stop: ``cb.stopped``, a script's
+``SystemExit(143)``), at the end of training, on
 Ctrl-C / SIGTERM (at the end of the running batch). Saves inside an epoch land between two batches,
 after that batch's logging, never while gradients are accumulated (``accumulate_grad_
 batches``; with manual optimization a batch without an optimizer step counts as accumulating). A batch

@@ -18,8 +18,9 @@ counters (TRL's ``SFTTrainer``: ``_metrics``, ``num_tokens``; :mod:`keepalive.ca
 RNG, and the data position: the epoch and the batch within it.
 
 When: ``every=`` counts optimizer steps (with gradient accumulation a save never lands between two
-micro-batches), or ``"epoch"`` / a duration; the session's deadline saves and stops the training cleanly
-(``control.should_training_stop``). A due save is written after the Trainer's own logging, evaluation
+micro-batches), or ``"epoch"`` / a duration; the session's deadline saves and stops the training
+(``control.should_training_stop``; ``train()`` then raises the stop: a script's ``SystemExit(143)``).
+A due save is written after the Trainer's own logging, evaluation
 and checkpointing of that step and before the next step's micro-batches are fetched (the Trainer fetches
 them before ``on_step_begin``), so the checkpoint holds their results and no random draw of the next step.
 
