@@ -6,10 +6,10 @@ the time the notice leaves, then the notice is acknowledged (Azure lets the VM g
 said in one line with its reason and what to run next. The training call then does not return as if
 the training had finished (once, after the save is durable): in a notebook it ends with
 :class:`~keepalive.errors.TrainingStopped`, so that "Run all" does not go on into cells that use the
-model as if it were trained; in a script with ``SystemExit(``:data:`~keepalive.errors.EXIT_STOPPED```)``,
-as a SIGTERM does (:func:`keepalive.interrupts.raise_for`), so that the code after the loop does not
-run and a supervisor, a job scheduler or torchrun sees "stopped, run me again to continue" (its
-``finally`` blocks and ``atexit`` functions still run).
+model as if it were trained; in a script with ``SystemExit(EXIT_STOPPED)`` (143:
+:data:`keepalive.errors.EXIT_STOPPED`), as a SIGTERM does (:func:`keepalive.interrupts.raise_for`), so
+that the code after the loop does not run and a supervisor, a job scheduler or torchrun sees "stopped,
+run me again to continue" (its ``finally`` blocks and ``atexit`` functions still run).
 """
 from __future__ import annotations
 
