@@ -19,6 +19,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from typing import Dict, List
 
 import numpy as np
@@ -31,10 +32,21 @@ TWICE = ("import runpy, sys\n"
          "    sys.argv = argv\n"
          "    runpy.run_path(argv[0], run_name='__main__')\n")
 EIGHT = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+#: the children compile the same train steps again and again (each shape's, every run): XLA's persistent
+#: compilation cache, shared by this module's children, compiles each once. The cached executable is the
+#: one a compile makes (its results bit-identical), so every comparison stands.
+JAX_CACHE = tempfile.mkdtemp(prefix="keepalive-tests-jax-cache-")
+CACHE_ENV = {"JAX_COMPILATION_CACHE_DIR": JAX_CACHE, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _compilation_cache():
+    yield
+    shutil.rmtree(JAX_CACHE, ignore_errors=True)
 
 
 def _env(extra: Dict[str, str]) -> Dict[str, str]:
-    return dict(os.environ, PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu", **extra)
+    return dict(os.environ, PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu", **CACHE_ENV, **extra)
 
 
 def _run(args: List[str], *, killed: bool = False, env: Dict[str, str] = {}) -> str:  # noqa: B006 - read only
