@@ -32,7 +32,7 @@ dist = pytest.importorskip("torch.distributed")
 if not dist.is_available() or not dist.is_gloo_available():  # pragma: no cover
     pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
 
-from torchrunkit import MultiNodeJob, TorchrunJob  # noqa: E402
+from torchrunkit import MultiNodeJob, TorchrunJob, forked_ranks  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "scripts", "multinode_train.py")
@@ -41,6 +41,14 @@ KILL = "1:8:6"  # rank 1 dies before step 8, once step 6's checkpoint is committ
 RESUME_RE = re.compile(r"resuming run .*? step (\d+)")
 #: a job that hangs is stopped after this (a restart costs a few seconds; a hang costs them all)
 JOB_TIMEOUT = 240.0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def agents_forked():
+    """torchrun's agents fork from a server that has imported torch; the ranks stay fresh interpreters
+    (what their imports do, keepalive's before torch's, is this file's subject)."""
+    with forked_ranks(["torch"], ranks=False):
+        yield
 
 
 def finals(out_dir: str) -> List[Dict[str, "torch.Tensor"]]:

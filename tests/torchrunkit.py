@@ -26,33 +26,37 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLIENT = os.path.join(ROOT, "tests", "forkclient.py")
 SOCKET_ENV = "FORKSERVER_SOCKET"  # forkclient.py's
 _RANK_SERVER: List[ForkServer] = []  # the one of forked_ranks(), while it is open
+_FORKED_RANKS: List[bool] = []  # whether its ranks fork (or only the agents)
 
 
 @contextlib.contextmanager
 def forked_ranks(modules: List[str], pythonpath: str = "", child_setup: str = "", setup: str = "",
-                 env: Optional[Dict[str, str]] = None):
+                 env: Optional[Dict[str, str]] = None, ranks: bool = True):
     """The ranks of the jobs started inside are forks of one server that has imported ``modules``
     with ``pythonpath`` (a fork's ``sys.path`` is the server's, its first entry the script's folder):
     the PYTHONPATH the jobs' ranks get. Imports that read the environment read the server's (this
     process's, with ``OMP_NUM_THREADS=1`` as the jobs have it, and ``env``); ``child_setup`` (Python code)
     runs in each fork with the rank's environment, before the script: to read it again where that
-    matters. ``setup``: code the server runs before its imports (forkserver.ForkServer's)."""
+    matters. ``setup``: code the server runs before its imports (forkserver.ForkServer's). ``ranks=False``:
+    only the agents fork, the ranks are fresh interpreters (a test of what happens at their imports)."""
     pythonpath = pythonpath or os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
     server_env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(env or {}), PYTHONPATH=pythonpath)
     server = ForkServer([*modules, "torch.distributed.run"], server_env, setup=setup, quick_exit=True, listen=True,
                         child_setup=child_setup)
     _RANK_SERVER.append(server)
+    _FORKED_RANKS.append(ranks)
     try:
         yield server
     finally:
         _RANK_SERVER.remove(server)
+        _FORKED_RANKS.pop()
         server.close()
 
 
 def rank_entry(script: str) -> List[str]:
     """What follows torchrun's options in place of the script: the fork client's command inside
     :func:`forked_ranks`, else the script."""
-    if not _RANK_SERVER:
+    if not _RANK_SERVER or not _FORKED_RANKS[-1]:
         return [script]
     return ["--no-python", sys.executable, "-S", CLIENT, script]
 
@@ -193,15 +197,16 @@ class MultiNodeJob:
                         PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests", "scripts"),
                                                     os.environ.get("PYTHONPATH", "")]))
         full_env.update(env or {})  # a PYTHONPATH of the caller's replaces ours
+        full_env.update(rank_env())
         endpoint = f"127.0.0.1:{free_port()}"
         self.output: List[str] = []
         self._lock = threading.Lock()
         self.agents: List[subprocess.Popen] = []
         for node in range(nodes):
-            command = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}",
+            command = [*python_command("-m"), "torch.distributed.run", f"--nnodes={nodes}",
                        f"--nproc-per-node={nproc}", f"--max-restarts={restarts}", "--monitor-interval=0.2",
                        "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={name}",
-                       "--local-addr=127.0.0.1", script, self.run_dir, self.out_dir]
+                       "--local-addr=127.0.0.1", *rank_entry(script), self.run_dir, self.out_dir]
             agent = subprocess.Popen(command, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, start_new_session=True)
             self.agents.append(agent)
