@@ -62,7 +62,7 @@ def forked_children_fixture(preload: Sequence[str], only: Optional[str] = None) 
     @pytest.fixture(scope="module", autouse=True)
     def forked_children():
         pool = ServerPool(lambda argv, env: ("hf", list(preload), TORCHVISION_OPS)
-                          if only is None or argv[0] == only else None)
+                          if only is None or argv[0] == only else None, quick_exit=True)
         try:
             with ForkingSubprocess(pool).installed_in(crashkit):
                 yield pool

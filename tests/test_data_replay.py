@@ -31,7 +31,7 @@ PRELOAD = ["numpy", "torch", "torch._dynamo", "torch.nn.functional", "torch.util
 
 @pytest.fixture(scope="module", autouse=True)
 def forked_children():
-    pool = ServerPool(lambda argv, env: ("torch", PRELOAD, "") if argv[0] == SCRIPT else None)
+    pool = ServerPool(lambda argv, env: ("torch", PRELOAD, "") if argv[0] == SCRIPT else None, quick_exit=True)
     try:
         with ForkingSubprocess(pool).installed_in(sys.modules[__name__]):
             yield pool

@@ -29,7 +29,7 @@ PRELOAD = ["numpy", "torch", "torch._dynamo", "safetensors.torch", "fastai.callb
 
 @pytest.fixture(scope="module", autouse=True)
 def forked_children():
-    pool = ServerPool(lambda argv, env: ("fastai", PRELOAD, "") if argv[0] == SCRIPT else None)
+    pool = ServerPool(lambda argv, env: ("fastai", PRELOAD, "") if argv[0] == SCRIPT else None, quick_exit=True)
     try:
         with ForkingSubprocess(pool).installed_in(crashkit):
             yield pool

@@ -41,7 +41,7 @@ def _preload(argv, env):
 
 @pytest.fixture(scope="module", autouse=True)
 def forked_children():
-    pool = ServerPool(_preload)
+    pool = ServerPool(_preload, quick_exit=True)
     try:
         with ForkingSubprocess(pool).installed_in(crashkit):
             yield pool

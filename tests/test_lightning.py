@@ -54,7 +54,7 @@ PRELOAD = ["torch", "torch._dynamo", "safetensors.torch", "lightning.pytorch"]
 
 @pytest.fixture(scope="module", autouse=True)
 def forked_children():
-    pool = ServerPool(lambda argv, env: ("lightning", PRELOAD, "") if argv[0] == SCRIPT else None)
+    pool = ServerPool(lambda argv, env: ("lightning", PRELOAD, "") if argv[0] == SCRIPT else None, quick_exit=True)
     try:
         with ForkingSubprocess(pool).installed_in(crashkit):  # not the pytorch_lightning child: fresh
             yield pool

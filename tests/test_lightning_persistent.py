@@ -45,7 +45,7 @@ PRELOAD = ["torch", "torch._dynamo", "lightning.pytorch"]
 
 @pytest.fixture(scope="module")
 def forks():
-    server = ForkServer(PRELOAD, ENV)
+    server = ForkServer(PRELOAD, ENV, quick_exit=True)
     try:
         yield server
     finally:

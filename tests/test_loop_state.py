@@ -238,7 +238,7 @@ FORKS: List[ForkServer] = []
 
 @pytest.fixture(scope="module")
 def server():
-    FORKS.append(ForkServer(["torch", "torch.utils.data"], dict(os.environ, PYTHONUNBUFFERED="1")))
+    FORKS.append(ForkServer(["torch", "torch.utils.data"], dict(os.environ, PYTHONUNBUFFERED="1"), quick_exit=True))
     try:
         yield FORKS[0]
     finally:

@@ -142,7 +142,7 @@ def scenario(fn: Scenario) -> Scenario:
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory) -> Dict[str, "concurrent.futures.Future[None]"]:
     """Every child scenario run side by side; a test calls ``.result()`` of its own (its assertion error)."""
-    FORKS.append(ForkServer(PRELOAD, ENV))
+    FORKS.append(ForkServer(PRELOAD, ENV, quick_exit=True))
     try:
         with concurrent.futures.ThreadPoolExecutor(max_workers=1) as ref_pool, \
                 concurrent.futures.ThreadPoolExecutor(max_workers=len(SCENARIOS)) as pool:

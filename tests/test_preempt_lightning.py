@@ -148,7 +148,7 @@ def _deadline(tmp):
 @pytest.fixture(scope="module")
 def scenarios(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("preempt_lightning")
-    FORKS.append(ForkServer(PRELOAD, ENV))
+    FORKS.append(ForkServer(PRELOAD, ENV, quick_exit=True))
     try:
         found = _all_scenarios(tmp)
     finally:

@@ -180,7 +180,7 @@ def scenario_per_eval_kind(fn: Scenario) -> Scenario:
 def outcomes(tmp_path_factory) -> Dict[str, "concurrent.futures.Future[None]"]:
     """Every scenario run side by side (all at once: forked children that mostly sleep); a test calls
     ``.result()`` of its own (its assertion error, if any)."""
-    FORKS.append(ForkServer(PRELOAD, BASE_ENV))
+    FORKS.append(ForkServer(PRELOAD, BASE_ENV, quick_exit=True))
     try:
         with concurrent.futures.ThreadPoolExecutor(max_workers=len(References.VARIANTS)) as refs_pool, \
                 concurrent.futures.ThreadPoolExecutor(max_workers=len(SCENARIOS)) as pool:

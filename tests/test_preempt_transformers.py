@@ -193,7 +193,7 @@ def runs(tmp_path_factory) -> Dict[str, Scenario]:
     }
     threads = [threading.Thread(target=s.interrupt) for s in scenarios.values()]
     ref_dir = folder("reference")
-    FORKS.append(ForkServer(PRELOAD, ENV, setup=SETUP))
+    FORKS.append(ForkServer(PRELOAD, ENV, setup=SETUP, quick_exit=True))
     try:
         reference = Child(os.path.join(ref_dir, "run"), os.path.join(ref_dir, "w.st"), "--mode", "plain")
         for t in threads:

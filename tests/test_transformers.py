@@ -60,7 +60,7 @@ for name in ("torchvision::nms", "torchvision::qnms"):
 
 @pytest.fixture(scope="module", autouse=True)
 def forked_children():
-    pool = ServerPool(lambda argv, env: ("hf", PRELOAD, SETUP) if argv[0] == SCRIPT else None)
+    pool = ServerPool(lambda argv, env: ("hf", PRELOAD, SETUP) if argv[0] == SCRIPT else None, quick_exit=True)
     forking = ForkingSubprocess(pool)
     try:
         with forking.installed_in(crashkit), forking.installed_in(sys.modules[__name__]):
