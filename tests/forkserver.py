@@ -317,6 +317,8 @@ def _run_child(request: Dict[str, object], fds: Sequence[int] = ()) -> None:
     try:
         # its globals kept to the interpreter's exit, as a script's are (finalizers run at the same moment)
         if module:
+            # imported by the server (its code preloaded), run afresh as __main__, as by python -m
+            sys.modules.pop(module, None)
             _SCRIPT_GLOBALS.append(runpy.run_module(module, run_name="__main__", alter_sys=True))
         else:
             _SCRIPT_GLOBALS.append(runpy.run_path(argv[0], run_name="__main__"))
@@ -325,9 +327,15 @@ def _run_child(request: Dict[str, object], fds: Sequence[int] = ()) -> None:
             _leave_quickly(exc.code)
         raise
     except BaseException:  # noqa: BLE001 - printed as an uncaught exception would be, exit code 1
-        import traceback
-
-        traceback.print_exc()
+        # through sys.excepthook, as the interpreter prints it (torch.distributed's prefixes each line
+        # with the rank), from the script's frame on (not this function's and runpy's)
+        kind, value, tb = sys.exc_info()
+        while tb is not None and tb.tb_frame.f_code.co_filename in (_run_child.__code__.co_filename,
+                                                                    runpy.__file__, "<frozen runpy>"):
+            tb = tb.tb_next
+        if value is not None:
+            value.__traceback__ = tb  # what the interpreter's hook prints
+        sys.excepthook(kind, value, tb)  # type: ignore[arg-type]
         if quick:
             _leave_quickly(1)
         raise SystemExit(1) from None

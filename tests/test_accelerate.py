@@ -39,13 +39,20 @@ if not dist.is_available() or not dist.is_gloo_available():  # pragma: no cover
 
 from crashkit import assert_differs, assert_same  # noqa: E402
 from servers import free_port  # noqa: E402
-from torchrunkit import ROOT, TorchrunJob, kill_ranks_at_random  # noqa: E402
+from torchrunkit import ROOT, TorchrunJob, forked_ranks, kill_ranks_at_random  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "scripts", "accel_prepared.py")
 RESUME_RE = re.compile(r"resuming run .*? step (\d+)")  # the first: the line also says how far the last session got
 #: what must never be said of these runs: they resume exactly
 INEXACT = ("epoch ends only", "not bit-exact", "not bit-identical", "another random state", "differ")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ranks_forked():
+    """torchrun's agent and ranks fork from a server that has imported what the ranks import first."""
+    with forked_ranks(["torch", "torch.distributed", "torch.utils.data", "accelerate", "accelerate.utils"]):
+        yield
 
 
 def finals(out_dir: str) -> List[Dict[str, "torch.Tensor"]]:

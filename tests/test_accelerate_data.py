@@ -32,12 +32,19 @@ if not dist.is_available() or not dist.is_gloo_available():  # pragma: no cover
     pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
 
 from crashkit import assert_differs, assert_same  # noqa: E402
-from torchrunkit import TorchrunJob, finish, killed  # noqa: E402
+from torchrunkit import TorchrunJob, finish, forked_ranks, killed  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "scripts", "accel_train.py")
 KILL = "1:17:15"  # rank 1, before step 17 (epoch 1: steps 13-24), once the save of step 15 is committed
 RESUME_RE = re.compile(r"resuming run .*? step (\d+)")  # the first: the line also says how far the last session got
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ranks_forked():
+    """torchrun's agent and ranks fork from a server that has imported what the ranks import first."""
+    with forked_ranks(["torch", "torch.distributed", "torch.utils.data", "accelerate", "accelerate.utils"]):
+        yield
 
 
 def finals(job: TorchrunJob) -> List[Dict[str, "torch.Tensor"]]:

@@ -26,11 +26,18 @@ if not dist.is_available() or not dist.is_gloo_available():  # pragma: no cover
     pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
 
 from keepalive.store import CheckpointStore  # noqa: E402
-from torchrunkit import TorchrunJob  # noqa: E402
+from torchrunkit import TorchrunJob, forked_ranks  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "scripts", "misuse_train.py")
 TIMEOUT = 240.0  # seconds: a hang fails the test; every job here ends in far less
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ranks_forked():
+    """torchrun's agent and ranks fork from a server that has imported what the ranks import first."""
+    with forked_ranks(["torch", "torch.distributed", "torch.utils.data"]):
+        yield
 
 SAVE_HOW_TO = ("Call it on every rank, not inside `if rank == 0:`: keepalive gathers every rank's part of the "
                "state (its random state, its data position) and rank 0 alone writes the checkpoint")

@@ -25,7 +25,7 @@ if importlib.util.find_spec("lightning") is None:  # pragma: no cover - imported
     pytest.skip("lightning is not installed", allow_module_level=True)
 
 from crashkit import assert_differs, assert_same  # noqa: E402
-from torchrunkit import TorchrunJob, finish, killed  # noqa: E402
+from torchrunkit import LIGHTNING_CHILD_SETUP, ROOT, TorchrunJob, finish, forked_ranks, killed  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "scripts", "fabric_train.py")
@@ -33,6 +33,16 @@ KILL = "1:17:15"
 RESUME_RE = re.compile(r"resuming run .*? step (\d+)")
 #: lightning imports torchvision: the test machine's shim (tests/shims)
 ENV = {"PYTHONPATH": os.path.join(HERE, "shims")}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ranks_forked():
+    """torchrun's agent and ranks fork from a server that has imported torch and Fabric, with the ranks'
+    PYTHONPATH (TorchrunJob's: this checkout, then ENV's)."""
+    pythonpath = os.pathsep.join(p for p in (ROOT, ENV["PYTHONPATH"], os.environ.get("PYTHONPATH", "")) if p)
+    with forked_ranks(["torch", "torch.distributed", "torch.utils.data", "lightning.fabric"], pythonpath,
+                      LIGHTNING_CHILD_SETUP):
+        yield
 
 
 def finals(job: TorchrunJob) -> List[Dict[str, "torch.Tensor"]]:

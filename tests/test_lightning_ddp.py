@@ -58,7 +58,7 @@ pl = pytest.importorskip("lightning.pytorch")
 from crashkit import assert_differs, assert_same  # noqa: E402
 from keepalive.callbacks import lightning as ka_lightning  # noqa: E402
 from keepalive.store import CheckpointStore  # noqa: E402
-from torchrunkit import CLIENT, TorchrunJob, alive, finish, forked_ranks, killed, rank_env  # noqa: E402
+from torchrunkit import CLIENT, LIGHTNING_CHILD_SETUP, TorchrunJob, alive, finish, forked_ranks, killed, rank_env  # noqa: E402
 
 SCRIPT = os.path.join(HERE, "scripts", "lightning_ddp.py")
 #: the children import lightning (torchvision: the shim) and the scripts' helpers
@@ -68,20 +68,13 @@ RESUME_RE = re.compile(r"resuming run .*? step (\d+)")  # the first: the line al
 TOTAL = 36  # 3 epochs of 12 steps
 
 
-#: what every rank imports first (forked from a server that has: tests/torchrunkit.py); Lightning reads
-#: a rank's number from the environment when imported, and sets one variable there: done again in the fork
+#: what every rank imports first (forked from a server that has: tests/torchrunkit.py)
 PRELOAD = ["torch", "torch.distributed", "lightning.pytorch", "lightning.pytorch.loggers", "torch.utils.data"]
-CHILD_SETUP = """
-import os
-from lightning.fabric.utilities.rank_zero import _get_rank, rank_zero_only
-rank_zero_only.rank = _get_rank() or 0
-os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
-"""
 
 
 @pytest.fixture(scope="module", autouse=True)
 def ranks_forked():
-    with forked_ranks(PRELOAD, PYTHONPATH, CHILD_SETUP):
+    with forked_ranks(PRELOAD, PYTHONPATH, LIGHTNING_CHILD_SETUP):
         yield
 
 

@@ -29,6 +29,16 @@ _RANK_SERVER: List[ForkServer] = []  # the one of forked_ranks(), while it is op
 _FORKED_RANKS: List[bool] = []  # whether its ranks fork (or only the agents)
 
 
+#: ``child_setup`` for ranks that import Lightning (forked_ranks): it reads a rank's number from the
+#: environment when imported, and sets one variable there
+LIGHTNING_CHILD_SETUP = """
+import os
+from lightning.fabric.utilities.rank_zero import _get_rank, rank_zero_only
+rank_zero_only.rank = _get_rank() or 0
+os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+"""
+
+
 @contextlib.contextmanager
 def forked_ranks(modules: List[str], pythonpath: str = "", child_setup: str = "", setup: str = "",
                  env: Optional[Dict[str, str]] = None, ranks: bool = True):
