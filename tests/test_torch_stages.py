@@ -23,11 +23,24 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from crashkit import assert_differs, assert_same
+from forkserver import ForkingSubprocess, ServerPool
 from keepalive import StateMismatchError
 from keepalive.callbacks import _torch_objects as ka_torch_objects
 from keepalive.callbacks.torch import DriveCheckpoint
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "torch_stages.py")
+#: the children fork from a server that has imported torch (tests/forkserver.py): most of a child's CPU
+PRELOAD = ["numpy", "torch", "torch._dynamo", "torch.nn.functional", "torch.utils.data"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def forked_children():
+    pool = ServerPool(lambda argv, env: ("torch", PRELOAD, "") if argv[0] == SCRIPT else None, quick_exit=True)
+    try:
+        with ForkingSubprocess(pool).installed_in(sys.modules[__name__]):
+            yield pool
+    finally:
+        pool.close()
 N, BATCH = 40, 8
 PER_EPOCH = N // BATCH
 
