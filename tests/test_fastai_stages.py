@@ -23,7 +23,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import crashkit
 from crashkit import COMMITTED_RE, STEP_RE, run_to_completion
+from forkserver import ForkingSubprocess, ServerPool
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "scripts"))
 
@@ -32,6 +34,22 @@ N_ITER = 6                   # 96 samples, batches of 16
 TOTAL = 4 * N_ITER           # 2 epochs per stage
 STAGE_2_AT = 2 * N_ITER + 4  # saves every 4 steps: batch 4 of stage 2's first epoch
 STAGE_1_AT = 8               # batch 2 of stage 1's second epoch
+#: the children fork from a server that has imported torch and fastai (tests/forkserver.py): most of a
+#: child's CPU time
+PRELOAD = ["numpy", "torch", "torch._dynamo", "safetensors.torch", "fastai.callback.core", "fastai.callback.progress",
+           "fastai.callback.tracker", "fastai.data.core", "fastai.learner", "fastai.losses", "fastai.metrics",
+           "fastai.torch_core"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def forked_children():
+    pool = ServerPool(lambda argv, env: ("fastai", PRELOAD, "") if argv[0] == SCRIPT else None, quick_exit=True)
+    forking = ForkingSubprocess(pool)
+    try:
+        with forking.installed_in(crashkit), forking.installed_in(sys.modules[__name__]):
+            yield pool
+    finally:
+        pool.close()
 
 
 def _cmd(d, *extra):
