@@ -13,13 +13,14 @@ from forkserver import ForkServer
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "objects_train.py")
 
 
-def forks_fixture() -> Any:
+def forks_fixture(quick_exit: bool = False) -> Any:
     """A module fixture (assign it to ``forks``): a fork server that has imported torch, closed at the
-    module's end (also tests/test_persistent_workers.py's)."""
+    module's end (also tests/test_persistent_workers.py's). ``quick_exit``: tests/forkserver.py's."""
 
     @pytest.fixture(scope="module")
     def forks():
-        server = ForkServer(["torch", "torch.utils.data"], dict(os.environ, PYTHONUNBUFFERED="1"))
+        server = ForkServer(["torch", "torch.utils.data"], dict(os.environ, PYTHONUNBUFFERED="1"),
+                            quick_exit=quick_exit)
         try:
             yield server
         finally:

@@ -29,7 +29,7 @@ from objectskit import forks_fixture
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "persistent_train.py")
 
 
-forks = forks_fixture()  # a fork server that has imported torch, for the module
+forks = forks_fixture(quick_exit=True)  # a fork server that has imported torch, for the module
 
 
 def _run(forks, root, name, *args, killed=False):

@@ -128,7 +128,7 @@ def test_a_checkpoint_of_a_plain_object_is_not_loaded_into_one_with_its_own_stat
 
 
 # ---------------------------------------------------------------------------------- SIGKILL
-forks = forks_fixture()
+forks = forks_fixture(quick_exit=True)
 
 
 def test_build_nanogpt_dataloaderlite_registered_resumes_exact_after_sigkill(tmp_path, forks):

@@ -222,7 +222,7 @@ def test_a_plain_object_of_the_loops_code_that_moves_is_named_with_its_attribute
 
 
 # ---------------------------------------------------------------------------------- SIGKILL
-forks = forks_fixture()
+forks = forks_fixture(quick_exit=True)
 
 
 def test_a_registered_ema_resumes_exact_after_sigkill_and_an_unregistered_one_does_not(tmp_path, forks):
