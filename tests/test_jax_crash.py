@@ -14,6 +14,7 @@ data-parallel mesh.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import signal
@@ -35,23 +36,20 @@ EIGHT = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
 #: the children compile the same train steps again and again (each shape's, every run): XLA's persistent
 #: compilation cache, shared by this module's children, compiles each once. The cached executable is the
 #: one a compile makes (its results bit-identical), so every comparison stands.
+#: Removed when the test process ends. (Not for tests/test_jax_notice.py's children, which take _env:
+#: they compile little that another child compiled, and filling the cache cost them more CPU than it saved.)
 JAX_CACHE = tempfile.mkdtemp(prefix="keepalive-tests-jax-cache-")
+atexit.register(shutil.rmtree, JAX_CACHE, True)
 CACHE_ENV = {"JAX_COMPILATION_CACHE_DIR": JAX_CACHE, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _compilation_cache():
-    yield
-    shutil.rmtree(JAX_CACHE, ignore_errors=True)
-
-
 def _env(extra: Dict[str, str]) -> Dict[str, str]:
-    return dict(os.environ, PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu", **CACHE_ENV, **extra)
+    return dict(os.environ, PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu", **extra)
 
 
 def _run(args: List[str], *, killed: bool = False, env: Dict[str, str] = {}) -> str:  # noqa: B006 - read only
-    proc = subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, env=_env(env),
-                          timeout=300)
+    proc = subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True,
+                          env=_env({**CACHE_ENV, **env}), timeout=300)
     output = proc.stdout + proc.stderr
     expected = -signal.SIGKILL if killed else 0
     assert proc.returncode == expected, f"ended {proc.returncode}, not {expected}:\n{output[-3000:]}"
@@ -63,7 +61,7 @@ def _plain_and_with(tmp_path, shape: str, env: Dict[str, str] = {}) -> None:  # 
     argvs = [[SCRIPT, "--shape", shape, "--out", str(tmp_path / "plain.npz"), "--plain"],
              [SCRIPT, "--shape", shape, "--out", str(tmp_path / "with.npz"), "--run", str(tmp_path / "transparent")]]
     proc = subprocess.run([sys.executable, "-c", TWICE.format(argvs=argvs)], capture_output=True, text=True,
-                          env=_env(env), timeout=300)
+                          env=_env({**CACHE_ENV, **env}), timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
 
 
