@@ -29,6 +29,7 @@ from .errors import (
     RunLockedError,
     StateMismatchError,
     UnsupportedStateError,
+    first_line,
 )
 
 __all__ = ["ENV", "REFUSALS", "outcome_of", "read", "record_at_exit"]
@@ -46,11 +47,6 @@ def outcome_of(exc: BaseException) -> str:
     return "refused" if isinstance(exc, REFUSALS) else "crashed"
 
 
-def _line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
-
-
 def _write_at_exit() -> None:
     path = os.environ.get(ENV)
     exc = getattr(sys, "last_value", None)
@@ -58,7 +54,7 @@ def _write_at_exit() -> None:
         return
     try:
         with open(path, "w", encoding="utf-8") as f:
-            json.dump({"outcome": outcome_of(exc), "error": _line(exc), "type": type(exc).__name__}, f)
+            json.dump({"outcome": outcome_of(exc), "error": first_line(exc), "type": type(exc).__name__}, f)
     except OSError:  # the supervisor then judges by the exit status alone
         pass
 

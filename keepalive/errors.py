@@ -101,6 +101,17 @@ def one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}"
 
 
+def first_line(exc: BaseException) -> str:
+    """``ValueError: loss is nan``: the class and the first line of the message (the class alone
+    without one), what a notification or a supervisor's record says of an error that ended a run.
+
+    >>> first_line(ValueError("loss is nan\\nat step 3")), first_line(KeyboardInterrupt())
+    ('ValueError: loss is nan', 'KeyboardInterrupt')
+    """
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
 def _debug() -> bool:
     from . import settings  # the same layer; read when an error is shown, not at import
 

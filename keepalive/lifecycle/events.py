@@ -35,13 +35,14 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, List, Optional, Type
 
 from ..endrecord import record_at_exit
+from ..errors import first_line
 
 if TYPE_CHECKING:
     from ..store import CheckpointInfo, WriteResult
 
 log = logging.getLogger("keepalive")
 
-__all__ = ["RunListener", "RunEvents", "OUTCOMES", "install_crash_hook", "tell_crash", "exception_line"]
+__all__ = ["RunListener", "RunEvents", "OUTCOMES", "install_crash_hook", "tell_crash"]
 
 OUTCOMES = ("finished", "stopped", "crashed", "closed")
 
@@ -137,17 +138,11 @@ _ALL: "weakref.WeakSet[RunEvents]" = weakref.WeakSet()
 _HOOK_INSTALLED = False
 
 
-def exception_line(exc: BaseException) -> str:
-    """An exception in one line: its type and the first line of its message."""
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
-
-
 def _tell_crash(exc: BaseException) -> None:
     outcome = "stopped" if isinstance(exc, KeyboardInterrupt) else "crashed"
     for events in list(_ALL):
         if events.running or events.closing is not None:  # an adapter may close before the error is seen
-            events.ended(outcome, exception_line(exc))
+            events.ended(outcome, first_line(exc))
 
 
 @atexit.register
