@@ -265,6 +265,30 @@ class ForkingSubprocess:
             module.subprocess = was
 
 
+def script_children_fixture(script: str, kind: str, preload: Sequence[str], *modules: object,
+                             setup: str = "") -> object:
+    """A module fixture (autouse; assign it to ``forked_children``): the children a test file starts
+    with ``subprocess`` to run ``script`` fork from a server (``kind``) that has imported ``preload``
+    (and run ``setup``), with ``quick_exit``; ``modules`` (crashkit, the test module) use it for their
+    ``subprocess`` inside the file's tests. Other commands run as they would."""
+    import pytest
+
+    @pytest.fixture(scope="module", autouse=True)
+    def forked_children():
+        pool = ServerPool(lambda argv, env: (kind, list(preload), setup) if argv[0] == script else None,
+                          quick_exit=True)
+        forking = ForkingSubprocess(pool)
+        try:
+            with contextlib.ExitStack() as stack:
+                for module in modules:
+                    stack.enter_context(forking.installed_in(module))
+                yield pool
+        finally:
+            pool.close()
+
+    return forked_children
+
+
 # ------------------------------------------------------------------------------------ the server
 _SCRIPT_GLOBALS: List[Dict[str, object]] = []
 #: the server's environment: the socket it listens on (``listen=True``), and whether the forks of

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from crashkit import assert_differs, assert_same
-from forkserver import ForkingSubprocess, ServerPool
+from forkserver import script_children_fixture
 
 HERE = os.path.dirname(__file__)
 SCRIPT = os.path.join(HERE, "scripts", "replay_shapes.py")
@@ -29,14 +29,7 @@ KILL_AFTER = 13  # epoch 1 (10 batches an epoch), its 4th step; every=3: the sav
 PRELOAD = ["numpy", "torch", "torch._dynamo", "torch.nn.functional", "torch.utils.data"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def forked_children():
-    pool = ServerPool(lambda argv, env: ("torch", PRELOAD, "") if argv[0] == SCRIPT else None, quick_exit=True)
-    try:
-        with ForkingSubprocess(pool).installed_in(sys.modules[__name__]):
-            yield pool
-    finally:
-        pool.close()
+forked_children = script_children_fixture(SCRIPT, "torch", PRELOAD, sys.modules[__name__])
 
 
 def child(shape: str, out, *options: str, killed: bool = False) -> str:

@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 
 import crashkit
 from crashkit import COMMITTED_RE, STEP_RE, run_to_completion
-from forkserver import ForkingSubprocess, ServerPool
+from forkserver import script_children_fixture
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "scripts"))
 
@@ -41,15 +41,7 @@ PRELOAD = ["numpy", "torch", "torch._dynamo", "safetensors.torch", "fastai.callb
            "fastai.torch_core"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def forked_children():
-    pool = ServerPool(lambda argv, env: ("fastai", PRELOAD, "") if argv[0] == SCRIPT else None, quick_exit=True)
-    forking = ForkingSubprocess(pool)
-    try:
-        with forking.installed_in(crashkit), forking.installed_in(sys.modules[__name__]):
-            yield pool
-    finally:
-        pool.close()
+forked_children = script_children_fixture(SCRIPT, "fastai", PRELOAD, crashkit, sys.modules[__name__])
 
 
 def _cmd(d, *extra):

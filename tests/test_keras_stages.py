@@ -30,7 +30,7 @@ tf.config.experimental.enable_op_determinism()
 
 import crashkit  # noqa: E402
 from crashkit import run_to_completion  # noqa: E402
-from forkserver import ForkingSubprocess, ServerPool  # noqa: E402
+from forkserver import script_children_fixture  # noqa: E402
 from keepalive.callbacks.keras import DriveCheckpoint  # noqa: E402
 
 N, BATCH = 60, 10
@@ -295,15 +295,7 @@ CHILD_SPE = 12  # the script: 120 samples, batches of 10
 PRELOAD = ["numpy", "tensorflow", "keras"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def forked_children():
-    pool = ServerPool(lambda argv, env: ("tensorflow", PRELOAD, "") if argv[0] == SCRIPT else None, quick_exit=True)
-    forking = ForkingSubprocess(pool)
-    try:
-        with forking.installed_in(crashkit), forking.installed_in(sys.modules[__name__]):
-            yield pool
-    finally:
-        pool.close()
+forked_children = script_children_fixture(SCRIPT, "tensorflow", PRELOAD, crashkit, sys.modules[__name__])
 
 
 def _cmd(run, out, *extra):

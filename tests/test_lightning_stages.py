@@ -23,22 +23,14 @@ TOTAL = 36  # 96 samples / batch 8 = 12 steps per epoch, 3 epochs
 torch = pytest.importorskip("torch")
 import crashkit  # noqa: E402
 from crashkit import run_to_completion  # noqa: E402
-from forkserver import ForkingSubprocess, ServerPool  # noqa: E402
+from forkserver import script_children_fixture  # noqa: E402
 
 #: the children fork from a server that has imported torch and Lightning (tests/forkserver.py), started
 #: with their environment (the shims on its path): most of a child's CPU time
 PRELOAD = ["torch", "lightning.pytorch", "lightning.pytorch.loggers", "safetensors.torch"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def forked_children():
-    pool = ServerPool(lambda argv, env: ("lightning", PRELOAD, "") if argv[0] == SCRIPT else None, quick_exit=True)
-    forking = ForkingSubprocess(pool)
-    try:
-        with forking.installed_in(crashkit), forking.installed_in(sys.modules[__name__]):
-            yield pool
-    finally:
-        pool.close()
+forked_children = script_children_fixture(SCRIPT, "lightning", PRELOAD, crashkit, sys.modules[__name__])
 
 
 def _cmd(root, *extra):

@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 import crashkit
 import faultyfs
 from crashkit import COMMITTED_RE, run_to_completion
-from forkserver import ForkingSubprocess, ServerPool
+from forkserver import script_children_fixture
 from keepalive import cli, runs
 from keepalive.store import MANIFEST, CheckpointStore
 
@@ -42,15 +42,7 @@ FAR = 4e9
 PRELOAD = ["numpy", "torch", "torch._dynamo", "torch.nn.functional", "torch.utils.data", "safetensors.torch"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def forked_children():
-    pool = ServerPool(lambda argv, env: ("torch", PRELOAD, "") if argv[0] == SCRIPT else None, quick_exit=True)
-    forking = ForkingSubprocess(pool)
-    try:
-        with forking.installed_in(crashkit), forking.installed_in(sys.modules[__name__]):
-            yield pool
-    finally:
-        pool.close()
+forked_children = script_children_fixture(SCRIPT, "torch", PRELOAD, crashkit, sys.modules[__name__])
 
 
 def cmd(run, out, *extra):

@@ -35,7 +35,7 @@ import pytest
 import torch
 
 from crashkit import assert_differs, assert_same
-from forkserver import ForkingSubprocess, ServerPool
+from forkserver import script_children_fixture
 from keepalive import CheckpointStore
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "step_loops.py")
@@ -52,14 +52,7 @@ pytestmark = pytest.mark.slow  # ~17 short training processes
 
 
 # ------------------------------------------------------------------------------------- helpers
-@pytest.fixture(scope="module", autouse=True)
-def forked_children():
-    pool = ServerPool(lambda argv, env: ("torch", PRELOAD, "") if argv[0] == SCRIPT else None, quick_exit=True)
-    try:
-        with ForkingSubprocess(pool).installed_in(sys.modules[__name__]):
-            yield pool
-    finally:
-        pool.close()
+forked_children = script_children_fixture(SCRIPT, "torch", PRELOAD, sys.modules[__name__])
 
 
 @dataclass

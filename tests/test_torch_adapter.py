@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
-from forkserver import ForkingSubprocess, ServerPool
+from forkserver import script_children_fixture
 from keepalive import CheckpointStore, StateMismatchError
 from keepalive.callbacks.torch import DriveCheckpoint
 
@@ -22,14 +22,7 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "torch_train.py")
 PRELOAD = ["numpy", "torch", "torch._dynamo", "torch.nn.functional", "torch.utils.data", "safetensors.torch"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def forked_children():
-    pool = ServerPool(lambda argv, env: ("torch", PRELOAD, "") if argv[0] == SCRIPT else None, quick_exit=True)
-    try:
-        with ForkingSubprocess(pool).installed_in(sys.modules[__name__]):
-            yield pool
-    finally:
-        pool.close()
+forked_children = script_children_fixture(SCRIPT, "torch", PRELOAD, sys.modules[__name__])
 
 
 def make(seed=0, hidden=16, out=3):

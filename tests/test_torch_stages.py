@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from crashkit import assert_differs, assert_same
-from forkserver import ForkingSubprocess, ServerPool
+from forkserver import script_children_fixture
 from keepalive import StateMismatchError
 from keepalive.callbacks import _torch_objects as ka_torch_objects
 from keepalive.callbacks.torch import DriveCheckpoint
@@ -33,14 +33,7 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "torch_stages.py")
 PRELOAD = ["numpy", "torch", "torch._dynamo", "torch.nn.functional", "torch.utils.data"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def forked_children():
-    pool = ServerPool(lambda argv, env: ("torch", PRELOAD, "") if argv[0] == SCRIPT else None, quick_exit=True)
-    try:
-        with ForkingSubprocess(pool).installed_in(sys.modules[__name__]):
-            yield pool
-    finally:
-        pool.close()
+forked_children = script_children_fixture(SCRIPT, "torch", PRELOAD, sys.modules[__name__])
 N, BATCH = 40, 8
 PER_EPOCH = N // BATCH
 

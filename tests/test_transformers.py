@@ -30,7 +30,7 @@ from safetensors.torch import load_file  # noqa: E402
 
 import crashkit  # noqa: E402
 from crashkit import run_to_completion  # noqa: E402
-from forkserver import ForkingSubprocess, ServerPool  # noqa: E402
+from forkserver import script_children_fixture  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "scripts", "hf_train.py")
@@ -58,15 +58,7 @@ for name in ("torchvision::nms", "torchvision::qnms"):
 """
 
 
-@pytest.fixture(scope="module", autouse=True)
-def forked_children():
-    pool = ServerPool(lambda argv, env: ("hf", PRELOAD, SETUP) if argv[0] == SCRIPT else None, quick_exit=True)
-    forking = ForkingSubprocess(pool)
-    try:
-        with forking.installed_in(crashkit), forking.installed_in(sys.modules[__name__]):
-            yield pool
-    finally:
-        pool.close()
+forked_children = script_children_fixture(SCRIPT, "hf", PRELOAD, crashkit, sys.modules[__name__], setup=SETUP)
 
 
 def _cmd(run, out, *extra):
