@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, set_seed
-from childio import emit, slow_writes, wait_committed
+from childio import emit, exit_after_group, slow_writes, wait_committed
 from torch.utils.data import DataLoader
 from toydata import NoisyIndexed
 
@@ -146,3 +146,4 @@ if __name__ == "__main__":
         notebook(sys.argv[2], sys.argv[3], int(os.environ.get("ACCEL_RESTARTS", "0")))
     else:
         main(sys.argv[1], sys.argv[2])
+        exit_after_group()

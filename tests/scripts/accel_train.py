@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import set_seed
-from childio import emit, wait_committed
+from childio import emit, exit_after_group, wait_committed
 from torch.utils.data import DataLoader
 from toydata import NoisyIndexed
 
@@ -101,3 +101,4 @@ def main(run_dir: str, out_dir: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    exit_after_group()

@@ -21,7 +21,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-from childio import emit, slow_writes
+from childio import emit, exit_after_group, slow_writes
 from rank_train import knob, pair, train
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
@@ -86,11 +86,7 @@ def main(run_dir: str, out_dir: str) -> None:
             # while its peer's last all-reduce is still in flight can abort the peer at exit (SIGABRT)
             dist.barrier()
             dist.destroy_process_group()
-            # The weights are on disk and DONE is said. torch's gloo teardown at the interpreter's exit
-            # still aborts a rank now and then ("terminate called without an active exception",
-            # SIGABRT), with no keepalive code running: not what the transparency test checks.
-            sys.stdout.flush()
-            os._exit(0)
+            exit_after_group()
         return
     deadline_rank, deadline_step = pair("DDP_DEADLINE")
     options = {}
@@ -111,6 +107,7 @@ def main(run_dir: str, out_dir: str) -> None:
     ckpt.close()
     if distributed:
         dist.destroy_process_group()
+        exit_after_group()
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from childio import emit
+from childio import emit, exit_after_group
 from rank_train import knob, pair, train
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
@@ -118,6 +118,7 @@ def main(run_dir: str, out_dir: str) -> None:
     emit(f"THREADS rank {rank} {threads} -> {len(os.listdir('/proc/self/task'))}")
     dist.barrier()
     dist.destroy_process_group()
+    exit_after_group()
 
 
 if __name__ == "__main__":

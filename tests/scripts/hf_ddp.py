@@ -32,7 +32,7 @@ for _name in ("torchvision::nms", "torchvision::qnms"):
     except Exception:  # noqa: BLE001 - already defined
         pass
 import hf_setup  # noqa: E402
-from childio import emit  # noqa: E402
+from childio import emit, exit_after_group  # noqa: E402
 from transformers import DataCollatorForLanguageModeling, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 from transformers import logging as hf_logging  # noqa: E402
 
@@ -126,6 +126,7 @@ def main(run_dir: str, out_dir: str) -> None:
     if torch.distributed.is_initialized():
         torch.distributed.barrier()  # both ranks are done with gloo before either tears it down
         torch.distributed.destroy_process_group()
+        exit_after_group()
 
 
 if __name__ == "__main__":

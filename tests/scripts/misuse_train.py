@@ -25,7 +25,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from childio import emit
+from childio import emit, exit_after_group
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
@@ -82,3 +82,4 @@ def main(run_dir: str, out_dir: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    exit_after_group()

@@ -31,7 +31,7 @@ if os.environ.get("MN_GUARD", "1") == "1" and not os.environ.get("MN_PLAIN"):
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from childio import emit, wait_committed  # noqa: E402
+from childio import emit, exit_after_group, wait_committed  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 from torch.utils.data.distributed import DistributedSampler  # noqa: E402
 
@@ -137,6 +137,7 @@ def main(run_dir: str, out_dir: str) -> None:
     emit(f"DONE rank {rank} step {step}")
     dist.barrier()  # both ranks done with gloo before either tears it down
     dist.destroy_process_group()
+    exit_after_group()
 
 
 if __name__ == "__main__":
