@@ -18,7 +18,7 @@ import logging
 import os
 import sys
 import threading
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 from ._version import __version__
 from .errors import EXIT_STOPPED
@@ -157,32 +157,36 @@ def add_ls(sub) -> None:
 
 
 def cmd_ls(args) -> int:
-    from .runs import checkpoints_at
+    from .runs import checkpoints_of, locate
 
     options = storage_options(args)
+    run_urls: List[str] = []
     if args.path is None:
         rows, where = _known_checkpoints(args, options), "the default checkpoint dir or its index of runs"
     else:
         check_reachable(args.path, options, getattr(args, "connect_timeout", CONNECT_TIMEOUT))
-        rows, where = checkpoints_at(args.path, verify=args.verify, storage_options=options), args.path
+        location = locate(args.path, options)
+        rows, where = checkpoints_of(location, verify=args.verify), args.path
+        run_urls = [run.url for run in location.runs]
     if args.json:
         for c in rows:
             print(json.dumps(c.to_json()))
         return 0
-    if not rows:
+    if rows:
+        print_checkpoint_table(rows)
+    else:
         print(f"no checkpoints under {where}")
-        return 0
-    print_checkpoint_table(rows)
-    print_run_states(rows, options)
+    print_run_states(rows, options, run_urls)
     return 0
 
 
-def print_run_states(rows: list, options: Optional[dict]) -> None:
+def print_run_states(rows: list, options: Optional[dict], run_urls: Sequence[str] = ()) -> None:
     """Below ``keepalive ls``'s table: each listed run's state from its session records (RUNNING /
-    STOPPED / DIED / FINISHED, step, heartbeat age); nothing for a run without records."""
+    STOPPED / DIED / FINISHED, step, heartbeat age); nothing for a run without records. ``run_urls``:
+    runs found besides the rows' (one that died before its first checkpoint reached the destination)."""
     from .runlog import run_summary
 
-    folders = list(dict.fromkeys(c.url.rsplit("/", 1)[0] for c in rows))
+    folders = list(dict.fromkeys([*(c.url.rsplit("/", 1)[0] for c in rows), *run_urls]))
     for folder in folders:
         try:
             summary = run_summary(folder, options)

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 from .backends import LocalBackend, maps_safely
-from .store import CheckpointStore
+from .store import SESSIONS, CheckpointStore
 from .units import format_duration
 
 log = logging.getLogger("keepalive")
@@ -44,8 +44,6 @@ log = logging.getLogger("keepalive")
 __all__ = ["SESSIONS", "FORMAT", "STATES", "SessionRecord", "new_session_id", "read_sessions", "run_state",
            "run_summary", "RecordWriter", "process_identity", "MAX_METRICS"]
 
-#: the folder of the session records, inside the run folder
-SESSIONS = "sessions"
 FORMAT = 1
 #: what a record's ``state`` may say
 STATES = ("running", "stopped", "finished", "crashed", "closed")

@@ -446,7 +446,11 @@ def checkpoints_at(url: Union[str, "os.PathLike[str]"], verify: bool = False,
     """Every checkpoint ``url`` names, as ``keepalive ls`` / ``verify`` show them: one checkpoint; or
     each run's checkpoints oldest first, folders of unfinished writes included. ``verify``: re-read
     every committed one to fill in ``valid``."""
-    where = locate(url, storage_options)
+    return checkpoints_of(locate(url, storage_options), verify)
+
+
+def checkpoints_of(where: Location, verify: bool = False) -> List[CheckpointInfo]:
+    """:func:`checkpoints_at` of what :func:`locate` found."""
     if where.checkpoint is not None:
         info = where.checkpoint
         return [where.runs[0].store_of(info).verify(info) if verify else info]

@@ -39,7 +39,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optio
 
 from . import report
 from ._version import __version__
-from .backends import backend_for, read_chunks
+from .backends import Backend, Entry, backend_for, read_chunks
 from .errors import (
     CheckpointCorruptError,
     LeaseLostError,
@@ -52,6 +52,8 @@ log = logging.getLogger("keepalive.store")
 MANIFEST = "MANIFEST.json"
 LEASE = "LEASE.json"
 CKPT_PREFIX = "ckpt-"
+#: the folder of the run's session records, inside the run folder (written by keepalive.runlog)
+SESSIONS = "sessions"
 FORMAT = "keepalive-checkpoint"
 FORMAT_VERSION = 1
 WRITE_CHUNK = 64 << 20
@@ -890,10 +892,23 @@ def is_at_or_below(url: str, root: Union[str, os.PathLike], storage_options: Opt
     return url == base or url.startswith(base + "/")
 
 
+def _holds_session_records(backend: Backend, path: str, entries: List[Entry]) -> bool:
+    """Whether ``path``'s ``sessions`` folder holds a session record (a ``.json`` file): a folder of
+    that name alone may be anything."""
+    if not any(e.is_dir and e.name == SESSIONS for e in entries):
+        return False
+    try:
+        return any(e.name.endswith(".json") for e in backend.listdir(backend.join(path, SESSIONS)))
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+
+
 def run_folders_below(url: Union[str, os.PathLike], max_depth: int = 3,
                       storage_options: Optional[dict] = None) -> List[str]:
-    """URLs of the run folders at or below ``url``: folders that hold ``ckpt-*`` folders or a lease
-    (what a run looks like on storage). :func:`keepalive.runs.find_runs` builds the runs on it."""
+    """URLs of the run folders at or below ``url``: folders that hold ``ckpt-*`` folders, a lease, or
+    session records (what a run looks like on storage; the records alone: a run that died or still
+    runs before its first checkpoint reached the destination). :func:`keepalive.runs.find_runs`
+    builds the runs on it."""
     backend, root = backend_for(os.fspath(url), storage_options)
     found: List[str] = []
 
@@ -903,7 +918,8 @@ def run_folders_below(url: Union[str, os.PathLike], max_depth: int = 3,
         except (FileNotFoundError, NotADirectoryError):
             return
         names = {e.name for e in entries}
-        if any(e.is_dir and e.name.startswith(CKPT_PREFIX) for e in entries) or LEASE in names:
+        if (any(e.is_dir and e.name.startswith(CKPT_PREFIX) for e in entries) or LEASE in names
+                or _holds_session_records(backend, path, entries)):
             found.append(backend.url(path))
             return
         if depth < max_depth:

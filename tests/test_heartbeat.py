@@ -254,3 +254,21 @@ def test_a_checkpointer_closed_between_two_fits_ends_finished(tmp_path, monkeypa
     left.close()
     left.events.tell_close()  # what the process' exit does
     assert [r.state for r in runlog.read_sessions(str(tmp_path / "left"))] == ["closed"]
+
+
+def test_a_run_with_session_records_only_is_listed(tmp_path, capsys):
+    # a run that died (or still runs) before its first checkpoint reached the destination: a spooled
+    # run's kernel killed before its first upload leaves its session records there, nothing else
+    run = tmp_path / "runs" / "early"
+    store = CheckpointStore(str(run), keep=None)
+    body = record(session="20261129T003000Z-22222222", updated=time.time() - 3600).to_json()
+    writer = runlog.RecordWriter(store, body["session"], lambda: body, interval=60, min_gap=0.01)
+    writer.start()
+    assert writer.close(timeout=5)
+    assert sorted(os.listdir(run)) == [runlog.SESSIONS]
+    # control: a folder that merely has a "sessions" folder (no record in it) is no run
+    (tmp_path / "runs" / "notes" / "sessions").mkdir(parents=True)
+    (tmp_path / "runs" / "notes" / "sessions" / "readme.txt").write_text("not a record")
+    assert cli.main(["ls", str(tmp_path / "runs")]) == 0
+    listed = capsys.readouterr().out
+    assert f"run {run}: DIED" in listed and "notes" not in listed, listed
