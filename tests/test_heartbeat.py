@@ -20,9 +20,9 @@ import time
 
 import pytest
 
-from forkserver import ForkServer
 from keepalive import cli, runlog
 from keepalive.store import CheckpointStore
+from objectskit import forks_fixture
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -49,13 +49,7 @@ print("DONE", flush=True)
 '''
 
 
-@pytest.fixture(scope="module")
-def forks():
-    server = ForkServer(["torch", "torch.utils.data"], dict(os.environ, PYTHONUNBUFFERED="1"), quick_exit=True)
-    try:
-        yield server
-    finally:
-        server.close()
+forks = forks_fixture(quick_exit=True)  # a server that has imported torch
 
 
 def status_of(url: str) -> dict:

@@ -11,6 +11,7 @@ import pytest
 from keepalive import cli
 from keepalive.runchart import draw, metric_name
 from keepalive.runsummary import estimate_eta, summarize
+from objectskit import forks_fixture
 
 
 def record(session, first, step, state, started, updated, **more):
@@ -105,15 +106,7 @@ print("DONE", time.time(), flush=True)
 '''
 
 
-@pytest.fixture(scope="module")
-def forks():
-    from forkserver import ForkServer
-
-    server = ForkServer(["torch", "torch.utils.data"], dict(os.environ, PYTHONUNBUFFERED="1"), quick_exit=True)
-    try:
-        yield server
-    finally:
-        server.close()
+forks = forks_fixture(quick_exit=True)  # a server that has imported torch
 
 
 def _newest_record(url):
