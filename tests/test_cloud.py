@@ -335,10 +335,10 @@ def test_a_slow_endpoint_is_cut_at_the_request_timeout():
             wait_until(lambda: watcher.status()["errors"] >= 1, timeout=60, what="the first timeout")
             assert time.monotonic() - started < 2.9  # cut before the server's 3 s answer
             assert "timed out" in watcher.status()["last_answer"]
-            t = time.perf_counter()
+            t = time.thread_time()  # this thread's CPU time: what a request here would cost, load or not
             for _ in range(1000):
                 watcher.notice()
-            assert time.perf_counter() - t < 0.05  # an attribute read, not a request
+            assert time.thread_time() - t < 0.05  # an attribute read, not a request
         finally:
             watcher.stop()
 

@@ -208,10 +208,10 @@ def test_configure_and_module_remaining(fresh):
 
 def test_remaining_seconds_is_cheap(fresh):
     session.configure(budget="1h")
-    t = time.perf_counter()
+    t = time.thread_time()  # this thread's CPU time: a loaded machine's waits are not the call's cost
     for _ in range(10000):
         session.remaining_seconds()
-    assert (time.perf_counter() - t) / 10000 < 20e-6
+    assert (time.thread_time() - t) / 10000 < 20e-6
 
 
 # -------------------------------------------------------------------------------- human output
@@ -360,8 +360,9 @@ def test_idle_tracker_with_real_ipython(fresh, shell):
     assert not tracker.busy
     time.sleep(0.25)
     assert tracker.idle_seconds() >= 0.25
+    before_cell = time.monotonic()
     shell.run_cell("x = 1")
-    assert tracker.idle_seconds() < 0.2
+    assert tracker.idle_seconds() <= time.monotonic() - before_cell  # counted from that cell's end
     tracker.unregister(shell)
     assert not tracker.registered
     time.sleep(0.05)
@@ -376,10 +377,12 @@ def test_idle_outside_ipython_and_note_activity(fresh):
     tracker.note_activity()
     time.sleep(0.05)
     assert tracker.idle_seconds() >= 0.05
+    before = time.monotonic()
     tracker.note_activity()
-    assert tracker.idle_seconds() < 0.05
+    assert tracker.idle_seconds() <= time.monotonic() - before  # counted from the activity, not before
+    before = time.monotonic()
     session.note_activity()
-    assert session.idle_seconds() < 0.05
+    assert session.idle_seconds() <= time.monotonic() - before
 
 
 class FakeClock:
