@@ -348,7 +348,7 @@ def _run_child(request: Dict[str, object], fds: Sequence[int] = ()) -> None:
             _SCRIPT_GLOBALS.append(runpy.run_path(argv[0], run_name="__main__"))
     except SystemExit as exc:
         if quick:
-            _leave_quickly(exc.code)
+            leave_quickly(exc.code)
         raise
     except BaseException:  # noqa: BLE001 - printed as an uncaught exception would be, exit code 1
         # through sys.excepthook, as the interpreter prints it (torch.distributed's prefixes each line
@@ -361,10 +361,10 @@ def _run_child(request: Dict[str, object], fds: Sequence[int] = ()) -> None:
             value.__traceback__ = tb  # what the interpreter's hook prints
         sys.excepthook(kind, value, tb)  # type: ignore[arg-type]
         if quick:
-            _leave_quickly(1)
+            leave_quickly(1)
         raise SystemExit(1) from None
     if quick:
-        _leave_quickly(0)
+        leave_quickly(0)
     raise SystemExit(0)
 
 
@@ -378,7 +378,7 @@ def _kill_group(pid: int, signum: int) -> None:
             continue
 
 
-def _leave_quickly(code: object) -> None:
+def leave_quickly(code: object) -> None:
     """The interpreter's exit as far as a program sees it (non-daemon threads joined, ``atexit``
     handlers run, stdout and stderr flushed), then ``os._exit`` with the status that exit would have,
     without the teardown of every imported module."""

@@ -7,7 +7,6 @@ into ``52STEP``. One ``write`` of the whole line cannot be split that way.
 Also what the distributed children share: waiting for a commit before a planned kill, and slowed
 checkpoint writes (so random kills land inside saves).
 """
-import atexit
 import os
 import sys
 import time
@@ -63,11 +62,13 @@ def slow_writes(seconds: float) -> None:
 
 
 def exit_after_group() -> None:
-    """End a distributed rank whose group is destroyed and whose results are on disk and said: the
-    ``atexit`` handlers run (keepalive's among them), the interpreter's teardown does not. torch's gloo
-    teardown at interpreter exit aborts a rank now and then ("terminate called without an active
-    exception", SIGABRT), also in the runs without keepalive: torch's race, not what these tests check."""
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    """End a distributed rank whose group is destroyed and whose results are on disk and said, as a
+    fork server's child leaves (tests/forkserver.py's ``leave_quickly``): what a program sees of the
+    interpreter's exit (``atexit`` handlers, keepalive's among them, run; streams flushed), without its
+    teardown. torch's gloo teardown at interpreter exit aborts a rank now and then ("terminate called
+    without an active exception", SIGABRT), also in the runs without keepalive: torch's race, not what
+    these tests check."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
+    from forkserver import leave_quickly
+
+    leave_quickly(0)
